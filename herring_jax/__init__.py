@@ -1,0 +1,22 @@
+"""herring_jax: Herring's sharded parameter-server gradient reduction for JAX.
+
+A process-local all-reduce that runs as an XLA FFI custom call over libfabric:
+every process hosts a server shard, each buffer is cut into equal parts (one
+per server), servers sum their part in rank order and send it back.
+
+Examples:
+  >>> import jax.numpy as jnp, herring_jax
+  >>> herring_jax.initialize()                     # doctest: +SKIP
+  >>> herring_jax.allreduce(jnp.ones(4), op="mean")  # doctest: +SKIP
+"""
+
+from herring_jax._src.errors import HerringError as HerringError
+from herring_jax._src.runtime import initialize as initialize
+from herring_jax._src.runtime import shutdown as shutdown
+from herring_jax._src.runtime import describe as describe
+from herring_jax._src.runtime import stats as stats
+from herring_jax._src.runtime import process_count as process_count
+from herring_jax._src.runtime import process_index as process_index
+from herring_jax._src.allreduce import allreduce as allreduce
+
+__version__ = "0.1.0"

@@ -1,0 +1,39 @@
+"""The one place herring_jax touches jax internals (jax._src and friends).
+
+Checked against jax 0.10; if a newer jax moves these, only this file changes.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jax._src import distributed as _distributed
+from jax._src import sharding_impls as _sharding_impls
+
+_MIN_JAX = (0, 10)
+if tuple(int(p) for p in jax.__version__.split(".")[:2]) < _MIN_JAX:
+    raise ImportError(f"herring_jax needs jax >= 0.10, found {jax.__version__}")
+
+
+def distributed_client():
+    """The jax.distributed client (key-value store), or None before initialize."""
+    return _distributed.global_state.client
+
+
+def computation_devices(ctx) -> list | None:
+    """The devices of the computation being lowered, in mesh/assignment order.
+
+    A single-device computation whose device is chosen at run time gives
+    [None]. Returns None when jax lowers several devices without a concrete
+    assignment.
+    """
+    axis_ctx = ctx.module_context.axis_context
+    if isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
+        return list(axis_ctx.mesh.devices.flat)
+    if isinstance(axis_ctx, _sharding_impls.ShardingContext):
+        if axis_ctx.device_assignment is None:
+            # jax leaves single-device computations unassigned until run.
+            return [None] if axis_ctx.num_devices == 1 else None
+        return list(axis_ctx.device_assignment)
+    devices = getattr(axis_ctx, "devices", None)
+    return list(devices) if devices is not None else None

@@ -1,0 +1,93 @@
+"""Every HERRING_* environment variable, declared once with its default.
+
+The README's table of knobs is this table. Values are read when used, so a
+test or launcher may set them in the environment before ``initialize()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Knob:
+    name: str
+    default: Any
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0 or 1, got {text!r}")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(f"expected a positive number, got {text!r}")
+    return value
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in [
+        Knob("HERRING_FI_PROVIDER", "", str,
+             "libfabric provider: efa, tcp;ofi_rxm, shm, udp;ofi_rxd, net, ... "
+             "Empty: efa where present, else tcp;ofi_rxm."),
+        Knob("HERRING_FI_IFACE", "", str,
+             "Interface name or local IP address IP providers bind to. Empty: the "
+             "address this host uses to reach the coordinator."),
+        Knob("HERRING_FI_FORCE_MR", False, _bool,
+             "1: register every buffer with fi_mr_reg and pass descriptors even "
+             "if the provider does not ask for it (the path EFA takes)."),
+        Knob("HERRING_CHUNK_BYTES", 1 << 20, _positive_int,
+             "Pipelining unit: each server part is sent in messages of this size."),
+        Knob("HERRING_SERVER_THREADS", 1, _positive_int,
+             "Threads per process that sum the parts this process serves."),
+        Knob("HERRING_TIMEOUT_S", 300.0, _positive_float,
+             "No reduction waits longer; then every surviving rank raises HerringError."),
+        Knob("HERRING_INIT_TIMEOUT_S", 300.0, _positive_float,
+             "How long initialize() waits for every process to publish its address."),
+        Knob("HERRING_COORDINATOR_ADDRESS", None, str,
+             "host:port of the jax.distributed coordinator (set by herring-jax launch)."),
+        Knob("HERRING_NUM_PROCESSES", None, _positive_int,
+             "Number of processes (set by herring-jax launch)."),
+        Knob("HERRING_PROCESS_ID", None, int,
+             "This process's rank (set by herring-jax launch)."),
+    ]
+}
+
+
+def get(name: str) -> Any:
+    """Returns the knob's value from the environment, or its default."""
+    knob = KNOBS[name]
+    text = os.environ.get(name)
+    if text is None or (text == "" and knob.default is None):
+        return knob.default
+    try:
+        return knob.parse(text)
+    except ValueError as e:
+        raise ValueError(f"{name}={text!r} is invalid: {e}. {knob.doc}") from None
+
+
+def markdown_table() -> str:
+    """The knob table as Markdown, for the README."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for k in KNOBS.values():
+        default = "unset" if k.default is None else repr(k.default)
+        rows.append(f"| `{k.name}` | {default} | {k.doc} |")
+    return "\n".join(rows)

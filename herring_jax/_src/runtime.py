@@ -1,0 +1,191 @@
+"""Process set-up: initialize() and shutdown().
+
+initialize() joins (or starts) jax.distributed, opens this process's
+libfabric endpoint, exchanges endpoint addresses and the job token through the
+jax.distributed key-value store, and starts the server threads. There is no
+second rendezvous service.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import socket
+import threading
+
+import jax
+
+from herring_jax._src import jax_compat
+from herring_jax._src import knobs
+from herring_jax._src.errors import HerringError
+
+try:
+    from herring_jax import _herring_ffi as _ext
+except ImportError as e:  # pragma: no cover - only without a build
+    raise ImportError(
+        "herring_jax's compiled extension is missing; install the package with "
+        "`pip install .` (it needs libfabric-dev and pkg-config)") from e
+
+_IP_PROVIDERS = ("tcp", "udp", "sockets", "net")
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+    handle: int
+    rank: int
+    size: int
+    provider: str
+    generation: int
+    args: tuple
+
+
+_lock = threading.Lock()
+_state: _State | None = None
+_generation = 0
+_targets_registered = False
+
+
+def _register_targets() -> None:
+    global _targets_registered
+    if _targets_registered:
+        return
+    for name, capsule in _ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    _targets_registered = True
+
+
+def _local_address_towards(coordinator: str | None) -> str:
+    """The local IP this host uses to reach the coordinator (no packet is sent)."""
+    if not coordinator:
+        return "127.0.0.1"
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, int(port or 1)))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """Starts herring_jax in this process. Idempotent.
+
+    Calls ``jax.distributed.initialize`` unless it already ran (arguments left
+    as None come from HERRING_COORDINATOR_ADDRESS / HERRING_NUM_PROCESSES /
+    HERRING_PROCESS_ID, set by ``herring-jax launch``, or from jax's own
+    cluster detection), then connects every process's server shard.
+
+    Args:
+      coordinator_address: ``host:port`` of the jax.distributed coordinator.
+      num_processes: number of processes in the job.
+      process_id: this process's rank.
+
+    Raises:
+      ValueError: a second call with different arguments.
+      HerringError: the transport could not be opened or a peer did not
+        publish its address within HERRING_INIT_TIMEOUT_S.
+
+    Examples:
+      >>> import herring_jax
+      >>> herring_jax.initialize()  # doctest: +SKIP
+    """
+    global _state, _generation
+    args = (coordinator_address, num_processes, process_id)
+    with _lock:
+        if _state is not None:
+            if any(a is not None for a in args) and args != _state.args:
+                raise ValueError(
+                    f"herring_jax is already initialized with {_state.args}; a second "
+                    f"initialize() with different arguments {args} is not allowed. "
+                    "Call herring_jax.shutdown() first.")
+            return
+        coordinator_address = coordinator_address or knobs.get("HERRING_COORDINATOR_ADDRESS")
+        if num_processes is None:
+            num_processes = knobs.get("HERRING_NUM_PROCESSES")
+        if process_id is None:
+            process_id = knobs.get("HERRING_PROCESS_ID")
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize(coordinator_address=coordinator_address,
+                                       num_processes=num_processes, process_id=process_id)
+        client = jax_compat.distributed_client()
+        rank, size = jax.process_index(), jax.process_count()
+        if client is None:
+            raise HerringError("jax.distributed has no client; cannot exchange addresses")
+
+        _generation += 1
+        prefix = f"herring_jax/{_generation}"
+        timeout_ms = int(knobs.get("HERRING_INIT_TIMEOUT_S") * 1000)
+        try:
+            if rank == 0:
+                client.key_value_set(f"{prefix}/token", str(secrets.randbits(63) | 1))
+            token = int(client.blocking_key_value_get(f"{prefix}/token", timeout_ms))
+
+            provider = knobs.get("HERRING_FI_PROVIDER")
+            interface = knobs.get("HERRING_FI_IFACE")
+            if not interface and (provider == "" or provider.split(";")[0] in _IP_PROVIDERS):
+                interface = _local_address_towards(
+                    coordinator_address or getattr(client, "coordinator_address", None))
+            handle = _ext.create_communicator(
+                rank, size, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
+                knobs.get("HERRING_CHUNK_BYTES"), knobs.get("HERRING_SERVER_THREADS"),
+                knobs.get("HERRING_TIMEOUT_S"))
+            try:
+                client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
+                addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
+                         for r in range(size)]
+                _ext.connect(handle, addrs)
+            except BaseException:
+                _ext.destroy(handle)
+                raise
+        except HerringError:
+            raise
+        except Exception as e:
+            raise HerringError(f"herring_jax.initialize() failed on rank {rank} of {size}: {e}") from e
+        _register_targets()
+        _state = _State(handle, rank, size, provider, _generation, args)
+
+
+def shutdown() -> None:
+    """Stops the server threads and closes the endpoint. Safe to call twice.
+
+    Compiled functions that reduce through herring_jax are dropped from jax's
+    caches, since they refer to the closed communicator.
+    """
+    global _state
+    with _lock:
+        if _state is None:
+            return
+        _ext.destroy(_state.handle)
+        _state = None
+    jax.clear_caches()
+
+
+def state() -> _State:
+    """The live state; raises HerringError before initialize()."""
+    current = _state
+    if current is None:
+        raise HerringError(
+            "herring_jax is not initialized in this process: call herring_jax.initialize() "
+            "first (under `herring-jax launch` it needs no arguments)")
+    return current
+
+
+def describe() -> str:
+    """Rank, size and transport, e.g. 'rank 0 of 4 over tcp;ofi_rxm (...)'."""
+    return _ext.describe(state().handle)
+
+
+def stats() -> dict:
+    """Counters of this process's communicator: reductions, bytes, dropped messages."""
+    return dict(_ext.stats(state().handle))
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def process_index() -> int:
+    return jax.process_index()

@@ -1,0 +1,103 @@
+// nanobind module herring_jax._herring_ffi: the handler capsules and the
+// communicator set-up that initialize() needs. Nothing else.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/registry.h"
+#include "handlers.h"
+
+namespace nb = nanobind;
+
+namespace herring {
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+std::shared_ptr<engine::Communicator> Find(int64_t handle) {
+  auto comm = engine::Registry::Get().Find(handle);
+  if (!comm) throw std::runtime_error("unknown herring communicator handle");
+  return comm;
+}
+
+std::vector<uint8_t> ToBytes(const nb::bytes& b) {
+  const auto* p = static_cast<const uint8_t*>(b.data());
+  return std::vector<uint8_t>(p, p + b.size());
+}
+
+}  // namespace
+
+NB_MODULE(_herring_ffi, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["herring_allreduce"] = EncapsulateFfiHandler(HerringAllReduce);
+    return d;
+  });
+
+  m.def(
+      "create_communicator",
+      [](int rank, int size, uint64_t token, const std::string& provider,
+         const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
+         double timeout_s) {
+        engine::CommConfig config;
+        config.rank = rank;
+        config.size = size;
+        config.token = token;
+        config.chunk_bytes = chunk_bytes;
+        config.server_threads = server_threads;
+        config.timeout_s = timeout_s;
+        config.transport.provider = provider;
+        config.transport.interface = interface;
+        config.transport.force_mr = force_mr;
+        engine::Status status;
+        std::unique_ptr<engine::Communicator> comm;
+        {
+          nb::gil_scoped_release release;
+          comm = engine::Communicator::Create(config, &status);
+        }
+        if (!status.ok()) throw std::runtime_error(status.message());
+        return engine::Registry::Get().Add(std::move(comm));
+      },
+      nb::arg("rank"), nb::arg("size"), nb::arg("token"), nb::arg("provider"),
+      nb::arg("interface"), nb::arg("force_mr"), nb::arg("chunk_bytes"),
+      nb::arg("server_threads"), nb::arg("timeout_s"),
+      "Opens the transport and starts the server threads; returns a handle.");
+
+  m.def("address", [](int64_t handle) {
+    std::vector<uint8_t> a = Find(handle)->Address();
+    return nb::bytes(reinterpret_cast<const char*>(a.data()), a.size());
+  });
+
+  m.def("connect", [](int64_t handle, const std::vector<nb::bytes>& addrs) {
+    std::vector<std::vector<uint8_t>> raw;
+    for (const auto& a : addrs) raw.push_back(ToBytes(a));
+    engine::Status s = Find(handle)->Connect(raw);
+    if (!s.ok()) throw std::runtime_error(s.message());
+  });
+
+  m.def("describe", [](int64_t handle) { return Find(handle)->Describe(); });
+
+  m.def("stats", [](int64_t handle) {
+    engine::CommStats s = Find(handle)->Stats();
+    nb::dict d;
+    d["reductions"] = s.reductions;
+    d["bytes_reduced"] = s.bytes_reduced;
+    d["messages_dropped"] = s.messages_dropped;
+    return d;
+  });
+
+  m.def("destroy", [](int64_t handle) {
+    nb::gil_scoped_release release;
+    engine::Registry::Get().Remove(handle);
+  });
+}
+
+}  // namespace herring

@@ -1,0 +1,81 @@
+// Reusable, page-aligned host buffers for server staging and local sums, so
+// that steady-state training allocates (and page-faults) nothing per step.
+#ifndef HERRING_ENGINE_BUFFER_POOL_H_
+#define HERRING_ENGINE_BUFFER_POOL_H_
+
+#include <cstddef>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+
+namespace herring::engine {
+
+class BufferPool {
+ public:
+  struct Free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  using Ptr = std::unique_ptr<void, Free>;
+
+  // A buffer of at least `bytes`; give it back with Release.
+  Ptr Acquire(size_t bytes, size_t* capacity) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.lower_bound(bytes);
+      // Reuse only buffers not much larger than asked, so one huge buffer
+      // does not serve (and pin) many small requests.
+      if (it != free_.end() && it->first <= 2 * bytes + 4096) {
+        *capacity = it->first;
+        Ptr p = std::move(it->second);
+        free_.erase(it);
+        held_ -= *capacity;
+        return p;
+      }
+    }
+    size_t rounded = (bytes + 4095) / 4096 * 4096;
+    if (rounded == 0) rounded = 4096;
+    *capacity = rounded;
+    return Ptr(std::aligned_alloc(4096, rounded));
+  }
+
+  void Release(Ptr p, size_t capacity) {
+    if (!p) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    // Bound what is kept; beyond it buffers go back to the allocator.
+    if (held_ + capacity > kMaxHeld) return;
+    held_ += capacity;
+    free_.emplace(capacity, std::move(p));
+  }
+
+ private:
+  static constexpr size_t kMaxHeld = size_t{2} << 30;
+  std::mutex mu_;
+  std::multimap<size_t, Ptr> free_;
+  size_t held_ = 0;
+};
+
+// Scoped buffer from a pool.
+class PooledBuffer {
+ public:
+  PooledBuffer() = default;
+  PooledBuffer(BufferPool* pool, size_t bytes) : pool_(pool) {
+    ptr_ = pool->Acquire(bytes, &capacity_);
+  }
+  PooledBuffer(PooledBuffer&&) = default;
+  PooledBuffer& operator=(PooledBuffer&&) = default;
+  ~PooledBuffer() {
+    if (pool_ != nullptr) pool_->Release(std::move(ptr_), capacity_);
+  }
+  char* data() const { return static_cast<char*>(ptr_.get()); }
+  bool ok() const { return ptr_ != nullptr; }
+
+ private:
+  BufferPool* pool_ = nullptr;
+  BufferPool::Ptr ptr_;
+  size_t capacity_ = 0;
+};
+
+}  // namespace herring::engine
+
+#endif  // HERRING_ENGINE_BUFFER_POOL_H_

@@ -1,0 +1,586 @@
+#include "engine/communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <set>
+
+#include "engine/reduce_kernels.h"
+#include "engine/wire.h"
+
+namespace herring::engine {
+
+// Everything one AllReduce call waits for. `remaining` counts the work that
+// must finish for success; `inflight` counts posted transport operations and
+// queued server tasks, which reference the batch and must drain before it
+// may be freed.
+struct Batch {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t remaining = 0;
+  size_t inflight = 0;
+  bool failed = false;
+  std::string error;
+  uint32_t stream = 0;
+  std::vector<int> group;
+  std::vector<std::unique_ptr<Job>> jobs;
+
+  void AddInflight(size_t k) {
+    std::lock_guard<std::mutex> lock(mu);
+    inflight += k;
+  }
+  // `work` units of `remaining` and `ops` of `inflight` are done.
+  void Complete(size_t work, size_t ops) {
+    std::lock_guard<std::mutex> lock(mu);
+    remaining -= work;
+    inflight -= ops;
+    if (remaining == 0 || inflight == 0) cv.notify_all();
+  }
+  bool Failed() {
+    std::lock_guard<std::mutex> lock(mu);
+    return failed;
+  }
+};
+
+// One buffer's reduction within a batch: its geometry and per-message state.
+struct Job {
+  Batch* batch = nullptr;
+  ReduceRequest req;
+  uint64_t round = 0;
+  int n = 0;   // processes in the group
+  int me = 0;  // this process's index in the group (= the part it serves)
+  size_t elem = 0;
+  size_t part_elems = 0;
+  size_t chunk_elems = 0;
+  size_t max_chunks = 0;
+
+  std::vector<WireHeader> send_hdrs;     // [part][chunk] contributions sent
+  std::vector<WireHeader> result_hdrs;   // [part][chunk] results received
+  std::vector<WireHeader> contrib_hdrs;  // [peer][chunk] contributions received
+  std::vector<WireHeader> out_hdrs;      // [chunk] results this server sends
+  std::vector<PooledBuffer> staging;     // [peer] contributions to this part
+  std::vector<uint32_t> contributors;    // [peer] devices in each contribution
+  std::unique_ptr<std::atomic<int>[]> arrivals;       // [chunk] of this part
+  std::unique_ptr<std::atomic<int>[]> contribs_from;  // [peer] chunks received
+  std::unique_ptr<std::atomic<int>[]> results_from;   // [part] chunks received
+
+  size_t PartBegin(int i) const { return std::min(req.count, i * part_elems); }
+  size_t PartLen(int i) const {
+    return std::min(req.count, (i + 1) * part_elems) - PartBegin(i);
+  }
+  size_t Chunks(int i) const { return (PartLen(i) + chunk_elems - 1) / chunk_elems; }
+  size_t ChunkBegin(int i, size_t c) const { return PartBegin(i) + c * chunk_elems; }
+  size_t ChunkLen(int i, size_t c) const {
+    return std::min(chunk_elems, PartLen(i) - c * chunk_elems);
+  }
+  char* OutAt(size_t elem_index) const {
+    return static_cast<char*>(req.out) + elem_index * elem;
+  }
+  const char* InAt(size_t elem_index) const {
+    return static_cast<const char*>(req.in) + elem_index * elem;
+  }
+  std::string Describe() const {
+    return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " +
+           ReduceOpName(req.op) + " (key " + std::to_string(req.key) + ", reduction #" +
+           std::to_string(round) + ")";
+  }
+};
+
+namespace {
+
+WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint32_t src, int part,
+                      size_t chunk, size_t payload_bytes, uint32_t contributors) {
+  WireHeader h{};
+  h.magic = kMagic;
+  h.version = kWireVersion;
+  h.kind = static_cast<uint8_t>(kind);
+  h.dtype = static_cast<uint8_t>(job.req.dtype);
+  h.token = token;
+  h.key = job.req.key;
+  h.round = job.round;
+  h.src_rank = src;
+  h.stream = job.batch->stream;
+  h.part = static_cast<uint32_t>(part);
+  h.chunk = static_cast<uint32_t>(chunk);
+  h.payload_bytes = payload_bytes;
+  h.total_elems = job.req.count;
+  h.op = static_cast<uint8_t>(job.req.op);
+  h.contributors = contributors;
+  SealHeader(&h);
+  return h;
+}
+
+std::string RankList(const std::set<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return "[" + s + "]";
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Status* status) {
+  if (config.size < 1 || config.size > kMaxRanks || config.rank < 0 ||
+      config.rank >= config.size) {
+    *status = Status::Error("invalid rank " + std::to_string(config.rank) + " of " +
+                            std::to_string(config.size) + " (at most " +
+                            std::to_string(kMaxRanks) + " processes)");
+    return nullptr;
+  }
+  std::unique_ptr<Communicator> comm(new Communicator(config));
+  comm->transport_ = transport::CreateFabricTransport(config.transport, status);
+  if (!status->ok()) return nullptr;
+  size_t max_payload = comm->transport_->MaxMessageBytes() - sizeof(WireHeader);
+  comm->config_.chunk_bytes = std::max<size_t>(64, std::min(config.chunk_bytes, max_payload));
+  for (int i = 0; i < std::max(1, config.server_threads); ++i) {
+    comm->servers_.emplace_back([c = comm.get()] { c->ServerLoop(); });
+  }
+  return comm;
+}
+
+Communicator::Communicator(const CommConfig& config) : config_(config) {}
+
+Communicator::~Communicator() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  for (auto& t : servers_) t.join();
+  transport_.reset();
+}
+
+Status Communicator::Connect(const std::vector<std::vector<uint8_t>>& addrs) {
+  if (static_cast<int>(addrs.size()) != config_.size) {
+    return Status::Error("expected " + std::to_string(config_.size) + " addresses, got " +
+                         std::to_string(addrs.size()));
+  }
+  Status s = transport_->SetPeers(addrs);
+  if (s.ok()) connected_ = true;
+  return s;
+}
+
+std::string Communicator::Describe() const {
+  return "rank " + std::to_string(config_.rank) + " of " + std::to_string(config_.size) +
+         " over " + transport_->Describe();
+}
+
+CommStats Communicator::Stats() const {
+  return CommStats{reductions_.load(), bytes_reduced_.load(), dropped_.load()};
+}
+
+void Communicator::Enqueue(std::function<void()> task) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    queue_.push_back(std::move(task));
+  }
+  queue_cv_.notify_one();
+}
+
+void Communicator::ServerLoop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+void Communicator::Fail(Batch* batch, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(batch->mu);
+    if (!batch->failed) {
+      batch->failed = true;
+      batch->error = why;
+    }
+  }
+  batch->cv.notify_all();
+  std::lock_guard<std::mutex> lock(broken_mu_);
+  if (broken_.empty()) broken_ = why;
+}
+
+Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
+                               std::vector<ReduceRequest>& requests) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (!broken_.empty()) {
+      return Status::Error("communicator unusable after an earlier failure: " + broken_);
+    }
+  }
+  if (!connected_) return Status::Error("communicator is not connected; call initialize()");
+  if (stream >= kMaxStreams) return Status::Error("stream id out of range");
+  auto self = std::find(group.begin(), group.end(), config_.rank);
+  if (group.empty() || !std::is_sorted(group.begin(), group.end()) || self == group.end() ||
+      group.front() < 0 || group.back() >= config_.size ||
+      std::adjacent_find(group.begin(), group.end()) != group.end()) {
+    return Status::Error("invalid process group for rank " + std::to_string(config_.rank));
+  }
+  for (const ReduceRequest& r : requests) {
+    if (ElementSize(r.dtype) == 0) return Status::Error("unsupported dtype");
+    bytes_reduced_ += r.count * ElementSize(r.dtype);
+  }
+  reductions_ += requests.size();
+
+  const int n = static_cast<int>(group.size());
+  if (n == 1) {
+    for (ReduceRequest& r : requests) {
+      const void* src = r.in;
+      double divisor = r.op == ReduceOp::kMean ? r.contributors : 1.0;
+      ReduceInto(r.dtype, r.out, &src, 1, r.count, divisor);
+    }
+    return Status::Ok();
+  }
+
+  auto batch = std::make_unique<Batch>();
+  batch->stream = stream;
+  batch->group = group;
+  {
+    // Rounds are assigned under one lock so that the jobs of a batch get
+    // consecutive numbers even if other threads reduce on other streams.
+    std::lock_guard<std::mutex> lock(rounds_mu_);
+    uint64_t& next = rounds_[{stream, group}];
+    for (ReduceRequest& r : requests) {
+      auto job = std::make_unique<Job>();
+      job->batch = batch.get();
+      job->req = r;
+      job->round = next++;
+      batch->jobs.push_back(std::move(job));
+    }
+  }
+  // Geometry first, so that `remaining` is complete before anything is posted.
+  for (auto& job : batch->jobs) {
+    Job& j = *job;
+    j.n = n;
+    j.me = static_cast<int>(self - group.begin());
+    j.elem = ElementSize(j.req.dtype);
+    const size_t align = std::max<size_t>(1, 64 / j.elem);
+    j.part_elems = ((j.req.count + n - 1) / n + align - 1) / align * align;
+    j.chunk_elems = std::max<size_t>(1, config_.chunk_bytes / j.elem);
+    j.chunk_elems = std::max(j.chunk_elems, (j.part_elems + kMaxChunksPerPart - 1) /
+                                                kMaxChunksPerPart);
+    j.max_chunks = j.part_elems == 0 ? 0 : (j.part_elems + j.chunk_elems - 1) / j.chunk_elems;
+    const size_t mine = j.Chunks(j.me);
+    // Server: n-1 receives, one sum and n-1 result sends per chunk.
+    batch->remaining += mine * (2 * (n - 1) + 1);
+    // Worker: one send and one result receive per chunk of every other part.
+    for (int i = 0; i < n; ++i) {
+      if (i != j.me) batch->remaining += 2 * j.Chunks(i);
+    }
+  }
+
+  Status status;
+  for (auto& job : batch->jobs) {
+    status = StartJob(batch.get(), job.get());
+    if (!status.ok()) {
+      Fail(batch.get(), status.message());
+      break;
+    }
+  }
+
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(config_.timeout_s));
+  std::unique_lock<std::mutex> lock(batch->mu);
+  bool done = batch->cv.wait_until(lock, deadline,
+                                   [&] { return batch->remaining == 0 || batch->failed; });
+  if (done && !batch->failed) return Status::Ok();
+  if (!done) {
+    lock.unlock();
+    Fail(batch.get(), "herring allreduce timed out after " +
+                          std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
+                          std::to_string(config_.rank) + ": " + MissingReport(*batch) +
+                          " A process may have died or hung, or the processes issued "
+                          "different reductions. HERRING_TIMEOUT_S sets the limit.");
+    lock.lock();
+  }
+  std::string error = batch->error;
+  lock.unlock();
+  // Receives may still point into XLA's buffers: cancel them and wait until
+  // the transport has let go of every buffer before returning.
+  transport_->CancelAll();
+  lock.lock();
+  bool drained = batch->cv.wait_for(lock, std::chrono::seconds(5),
+                                    [&] { return batch->inflight == 0; });
+  lock.unlock();
+  if (!drained) {
+    // Operations to a dead peer may never complete; their callbacks still
+    // reference the batch, so it is deliberately leaked (the communicator
+    // is unusable from here on anyway).
+    batch.release();
+  }
+  return Status::Error(error);
+}
+
+std::string Communicator::MissingReport(const Batch& batch) const {
+  std::set<int> missing;
+  std::string what;
+  for (const auto& job : batch.jobs) {
+    bool incomplete = false;
+    for (int p = 0; p < job->n; ++p) {
+      if (p == job->me) continue;
+      const int rank = batch.group[p];
+      if (job->contribs_from[p].load() < static_cast<int>(job->Chunks(job->me))) {
+        missing.insert(rank);
+        incomplete = true;
+      }
+      if (job->results_from[p].load() < static_cast<int>(job->Chunks(p))) {
+        missing.insert(rank);
+        incomplete = true;
+      }
+    }
+    if (incomplete && what.empty()) what = job->Describe();
+  }
+  if (missing.empty()) return "no data missing, but the reduction did not finish.";
+  return "waiting for rank(s) " + RankList(missing) + " in " + what + ".";
+}
+
+Status Communicator::StartJob(Batch* batch, Job* job) {
+  const int n = job->n;
+  const int me = job->me;
+  const size_t chunks_me = job->Chunks(me);
+  job->send_hdrs.resize(n * job->max_chunks);
+  job->result_hdrs.resize(n * job->max_chunks);
+  job->contrib_hdrs.resize(n * job->max_chunks);
+  job->out_hdrs.resize(job->max_chunks);
+  job->contributors.assign(n, 0);
+  job->contributors[me] = job->req.contributors;
+  job->arrivals.reset(new std::atomic<int>[std::max<size_t>(1, chunks_me)]());
+  job->contribs_from.reset(new std::atomic<int>[n]());
+  job->results_from.reset(new std::atomic<int>[n]());
+  job->staging.resize(n);
+
+  // Receives before sends, so that peers' messages find posted buffers.
+  if (chunks_me > 0) {
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      job->staging[p] = PooledBuffer(&pool_, job->PartLen(me) * job->elem);
+      if (!job->staging[p].ok()) return Status::Error("out of memory for staging buffers");
+      for (size_t c = 0; c < chunks_me; ++c) PostContributionRecv(job, p, c);
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if (i == me) continue;
+    for (size_t c = 0; c < job->Chunks(i); ++c) PostResultRecv(job, i, c);
+  }
+  // Contributions, chunk-major and starting at the next server, so that the
+  // processes do not all send to the same server at the same moment.
+  const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  for (size_t c = 0; c < job->max_chunks; ++c) {
+    for (int step = 1; step < n; ++step) {
+      const int i = (me + step) % n;
+      if (c >= job->Chunks(i)) continue;
+      const size_t len = job->ChunkLen(i, c) * job->elem;
+      WireHeader& h = job->send_hdrs[i * job->max_chunks + c];
+      h = MakeHeader(*job, MsgKind::kContribution, config_.token, my_rank, i, c, len,
+                     job->req.contributors);
+      transport::IoVec iov[2] = {{&h, sizeof(h)},
+                                 {const_cast<char*>(job->InAt(job->ChunkBegin(i, c))), len}};
+      batch->AddInflight(1);
+      Status s = transport_->Send(batch->group[i],
+                                  MakeTag(MsgKind::kContribution, my_rank, batch->stream,
+                                          job->round, c),
+                                  iov, len > 0 ? 2 : 1,
+                                  [this, job](const transport::Completion& done) {
+                                    SendDone(job, done);
+                                  });
+      if (!s.ok()) {
+        batch->Complete(1, 1);
+        return Status::Error("sending to rank " + std::to_string(batch->group[i]) + ": " +
+                             s.message());
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
+  Batch* batch = job->batch;
+  const int me = job->me;
+  WireHeader* h = &job->contrib_hdrs[p * job->max_chunks + c];
+  const size_t len = job->ChunkLen(me, c) * job->elem;
+  transport::IoVec iov[2] = {{h, sizeof(*h)},
+                             {job->staging[p].data() + c * job->chunk_elems * job->elem, len}};
+  batch->AddInflight(1);
+  Status s = transport_->Recv(
+      MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->round, c), 0, iov,
+      2, [this, job, p, c](const transport::Completion& done) {
+        OnContribution(job, p, c, done);
+      });
+  if (!s.ok()) {
+    Fail(batch, "posting a receive: " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+void Communicator::PostResultRecv(Job* job, int i, size_t c) {
+  Batch* batch = job->batch;
+  WireHeader* h = &job->result_hdrs[i * job->max_chunks + c];
+  const size_t len = job->ChunkLen(i, c) * job->elem;
+  transport::IoVec iov[2] = {{h, sizeof(*h)}, {job->OutAt(job->ChunkBegin(i, c)), len}};
+  batch->AddInflight(1);
+  Status s = transport_->Recv(
+      MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->round, c), 0, iov, 2,
+      [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); });
+  if (!s.ok()) {
+    Fail(batch, "posting a receive: " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+namespace {
+// Shared by both receive kinds: a failed or truncated completion is fatal
+// (unless the batch already failed and cancelled it).
+bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_rank,
+                   std::string* why) {
+  if (done.ok) return false;
+  if (done.truncated) {
+    *why = "rank " + std::to_string(from_rank) + " sent a larger message than expected for " +
+           job.Describe() + "; every process must issue the same reductions in the same order";
+  } else {
+    *why = "receive from rank " + std::to_string(from_rank) + " failed for " + job.Describe() +
+           ": " + done.error;
+  }
+  return true;
+}
+}  // namespace
+
+void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Completion& done) {
+  Batch* batch = job->batch;
+  const int from = batch->group[p];
+  std::string why;
+  if (ReceiveFailed(done, *job, from, &why)) {
+    if (!batch->Failed()) Fail(batch, why);
+    batch->Complete(1, 1);
+    return;
+  }
+  const WireHeader& h = job->contrib_hdrs[p * job->max_chunks + c];
+  Expectation want{MsgKind::kContribution, config_.token, job->req.key, job->round,
+                   static_cast<uint32_t>(from), batch->stream, static_cast<uint32_t>(job->me),
+                   static_cast<uint32_t>(c), job->req.dtype, job->req.op,
+                   job->ChunkLen(job->me, c) * job->elem, job->req.count};
+  switch (CheckHeader(&h, done.len, want, &why)) {
+    case HeaderVerdict::kOk:
+      break;
+    case HeaderVerdict::kMismatch:
+      Fail(batch, "mismatched reductions: " + why);
+      batch->Complete(1, 1);
+      return;
+    default:
+      if (dropped_.fetch_add(1) < 10) {
+        std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
+                     why.c_str());
+      }
+      batch->AddInflight(1);
+      batch->Complete(0, 1);
+      Enqueue([this, job, p, c] {
+        PostContributionRecv(job, p, c);
+        job->batch->Complete(0, 1);
+      });
+      return;
+  }
+  job->contributors[p] = h.contributors;
+  job->contribs_from[p].fetch_add(1);
+  if (job->arrivals[c].fetch_add(1) + 1 == job->n - 1) {
+    batch->AddInflight(1);
+    Enqueue([this, job, c] { ReduceChunk(job, c); });
+  }
+  batch->Complete(1, 1);
+}
+
+void Communicator::ReduceChunk(Job* job, size_t c) {
+  Batch* batch = job->batch;
+  const int n = job->n;
+  const int me = job->me;
+  if (batch->Failed()) {
+    batch->Complete(1 + (n - 1), 1);
+    return;
+  }
+  const size_t begin = job->ChunkBegin(me, c);
+  const size_t count = job->ChunkLen(me, c);
+  // Rank order, whichever contribution arrived first: the sum is the same
+  // bits on every run.
+  std::vector<const void*> srcs(n);
+  uint32_t contributors = 0;
+  for (int p = 0; p < n; ++p) {
+    srcs[p] = p == me ? static_cast<const void*>(job->InAt(begin))
+                      : job->staging[p].data() + c * job->chunk_elems * job->elem;
+    contributors += job->contributors[p];
+  }
+  const double divisor = job->req.op == ReduceOp::kMean ? contributors : 1.0;
+  char* dst = job->OutAt(begin);
+  ReduceInto(job->req.dtype, dst, srcs.data(), n, count, divisor);
+
+  const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  WireHeader& h = job->out_hdrs[c];
+  h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, count * job->elem,
+                 contributors);
+  size_t unposted = n - 1;
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    transport::IoVec iov[2] = {{&h, sizeof(h)}, {dst, count * job->elem}};
+    batch->AddInflight(1);
+    Status s = transport_->Send(
+        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->round, c), iov,
+        count > 0 ? 2 : 1,
+        [this, job](const transport::Completion& done) { SendDone(job, done); });
+    --unposted;
+    if (!s.ok()) {
+      Fail(batch, "sending to rank " + std::to_string(batch->group[p]) + ": " + s.message());
+      batch->Complete(1, 1);
+    }
+  }
+  batch->Complete(1 + unposted, 1);
+}
+
+void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completion& done) {
+  Batch* batch = job->batch;
+  const int from = batch->group[i];
+  std::string why;
+  if (ReceiveFailed(done, *job, from, &why)) {
+    if (!batch->Failed()) Fail(batch, why);
+    batch->Complete(1, 1);
+    return;
+  }
+  const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
+  Expectation want{MsgKind::kResult, config_.token, job->req.key, job->round,
+                   static_cast<uint32_t>(from), batch->stream, static_cast<uint32_t>(i),
+                   static_cast<uint32_t>(c), job->req.dtype, job->req.op,
+                   job->ChunkLen(i, c) * job->elem, job->req.count};
+  switch (CheckHeader(&h, done.len, want, &why)) {
+    case HeaderVerdict::kOk:
+      job->results_from[i].fetch_add(1);
+      batch->Complete(1, 1);
+      return;
+    case HeaderVerdict::kMismatch:
+      Fail(batch, "mismatched reductions: " + why);
+      batch->Complete(1, 1);
+      return;
+    default:
+      if (dropped_.fetch_add(1) < 10) {
+        std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
+                     why.c_str());
+      }
+      batch->AddInflight(1);
+      batch->Complete(0, 1);
+      Enqueue([this, job, i, c] {
+        PostResultRecv(job, i, c);
+        job->batch->Complete(0, 1);
+      });
+      return;
+  }
+}
+
+void Communicator::SendDone(Job* job, const transport::Completion& done) {
+  Batch* batch = job->batch;
+  if (!done.ok && !batch->Failed()) {
+    Fail(batch, "a send failed for " + job->Describe() + ": " + done.error);
+  }
+  batch->Complete(1, 1);
+}
+
+}  // namespace herring::engine

@@ -1,0 +1,122 @@
+// The Herring engine of one process: a worker that splits its buffers into
+// balanced parts, one per server, and a server shard that sums the part this
+// process owns. Knows only transport.h.
+#ifndef HERRING_ENGINE_COMMUNICATOR_H_
+#define HERRING_ENGINE_COMMUNICATOR_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/buffer_pool.h"
+#include "engine/dtype.h"
+#include "transport/transport.h"
+
+namespace herring::engine {
+
+using transport::Status;
+
+struct CommConfig {
+  int rank = 0;
+  int size = 1;
+  uint64_t token = 0;            // job token; every message carries it
+  size_t chunk_bytes = 1 << 20;  // pipelining unit inside a part
+  int server_threads = 1;
+  double timeout_s = 300.0;      // no reduction waits longer
+  transport::TransportOptions transport;
+};
+
+// One buffer to reduce. `in` holds this process's contribution (already summed
+// over its local devices), `out` receives the result; they may be equal.
+struct ReduceRequest {
+  DType dtype = DType::kInvalid;
+  ReduceOp op = ReduceOp::kSum;
+  size_t count = 0;          // elements
+  uint64_t key = 0;          // identifies the reduction in errors and checks
+  const void* in = nullptr;
+  void* out = nullptr;
+  uint32_t contributors = 1;  // devices summed into `in` (divisor for mean)
+};
+
+struct CommStats {
+  uint64_t reductions = 0;
+  uint64_t bytes_reduced = 0;
+  uint64_t messages_dropped = 0;  // strangers and malformed messages
+};
+
+struct Job;
+struct Batch;
+
+class Communicator {
+ public:
+  static std::unique_ptr<Communicator> Create(const CommConfig& config, Status* status);
+  ~Communicator();
+
+  std::vector<uint8_t> Address() const { return transport_->Address(); }
+  // Installs every rank's address (index = rank) and enables reductions.
+  Status Connect(const std::vector<std::vector<uint8_t>>& addrs);
+
+  // Reduces every request across the processes of `group` (sorted ranks that
+  // include this one) with all requests in flight at once; returns when all
+  // are done. `stream` separates groups that share processes. Thread-safe;
+  // every process of the group must issue the same calls in the same order.
+  Status AllReduce(uint32_t stream, const std::vector<int>& group,
+                   std::vector<ReduceRequest>& requests);
+
+  int rank() const { return config_.rank; }
+  int size() const { return config_.size; }
+  const CommConfig& config() const { return config_; }
+  std::string Describe() const;
+  CommStats Stats() const;
+  BufferPool& pool() { return pool_; }
+
+ private:
+  explicit Communicator(const CommConfig& config);
+
+  Status StartJob(Batch* batch, Job* job);
+  void PostContributionRecv(Job* job, int peer_index, size_t chunk);
+  void PostResultRecv(Job* job, int part, size_t chunk);
+  void OnContribution(Job* job, int peer_index, size_t chunk, const transport::Completion& c);
+  void OnResult(Job* job, int part, size_t chunk, const transport::Completion& c);
+  void ReduceChunk(Job* job, size_t chunk);
+  void SendDone(Job* job, const transport::Completion& c);
+  void Fail(Batch* batch, const std::string& why);
+  void Enqueue(std::function<void()> task);
+  void ServerLoop();
+  std::string MissingReport(const Batch& batch) const;
+
+  CommConfig config_;
+  std::unique_ptr<transport::Transport> transport_;
+  BufferPool pool_;
+  bool connected_ = false;
+
+  std::mutex rounds_mu_;
+  std::map<std::pair<uint32_t, std::vector<int>>, uint64_t> rounds_;
+
+  // The first fatal error; afterwards every call fails with it, because
+  // messages of the failed reduction may still be in flight.
+  std::mutex broken_mu_;
+  std::string broken_;
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> servers_;
+
+  std::atomic<uint64_t> reductions_{0};
+  std::atomic<uint64_t> bytes_reduced_{0};
+  std::atomic<uint64_t> dropped_{0};
+};
+
+}  // namespace herring::engine
+
+#endif  // HERRING_ENGINE_COMMUNICATOR_H_

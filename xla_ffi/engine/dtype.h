@@ -1,0 +1,59 @@
+// Element types and reduction ops the engine understands, independent of XLA.
+#ifndef HERRING_ENGINE_DTYPE_H_
+#define HERRING_ENGINE_DTYPE_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace herring::engine {
+
+// Values travel in wire headers: never renumber.
+enum class DType : uint8_t {
+  kInvalid = 0,
+  kFloat32 = 1,
+  kFloat64 = 2,
+  kBFloat16 = 3,
+  kFloat16 = 4,
+  kInt32 = 5,
+  kInt64 = 6,
+};
+
+enum class ReduceOp : uint8_t {
+  kSum = 0,
+  kMean = 1,
+};
+
+inline size_t ElementSize(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat64: return 8;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
+    default: return 0;
+  }
+}
+
+inline const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat64: return "float64";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    default: return "invalid";
+  }
+}
+
+inline const char* ReduceOpName(ReduceOp op) {
+  return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMean ? "mean" : "invalid";
+}
+
+inline bool IsValidDType(uint8_t v) { return v >= 1 && v <= 6; }
+inline bool IsValidOp(uint8_t v) { return v <= 1; }
+
+}  // namespace herring::engine
+
+#endif  // HERRING_ENGINE_DTYPE_H_

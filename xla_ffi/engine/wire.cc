@@ -1,0 +1,86 @@
+#include "engine/wire.h"
+
+#include <cstring>
+
+namespace herring::engine {
+
+uint32_t HeaderChecksum(const WireHeader& h) {
+  // FNV-1a over the bytes before the checksum field: catches corruption and
+  // truncated or foreign headers; authenticity comes from the job token.
+  const auto* p = reinterpret_cast<const uint8_t*>(&h);
+  uint32_t hash = 2166136261u;
+  for (size_t i = 0; i < offsetof(WireHeader, checksum); ++i) {
+    hash ^= p[i];
+    hash *= 16777619u;
+  }
+  return hash;
+}
+
+void SealHeader(WireHeader* h) { h->checksum = HeaderChecksum(*h); }
+
+namespace {
+std::string Describe(DType dtype, uint64_t elems, ReduceOp op, uint64_t key) {
+  return std::string(DTypeName(dtype)) + "[" + std::to_string(elems) + "] " +
+         ReduceOpName(op) + " (key " + std::to_string(key) + ")";
+}
+}  // namespace
+
+HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& want,
+                          std::string* why) {
+  if (len < sizeof(WireHeader)) {
+    *why = "message of " + std::to_string(len) + " bytes is shorter than a header";
+    return HeaderVerdict::kMalformed;
+  }
+  WireHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  if (h.magic != kMagic || h.version != kWireVersion) {
+    *why = "bad magic or version";
+    return HeaderVerdict::kMalformed;
+  }
+  if (h.checksum != HeaderChecksum(h)) {
+    *why = "header checksum mismatch";
+    return HeaderVerdict::kMalformed;
+  }
+  if (!IsValidDType(h.dtype) || !IsValidOp(h.op) ||
+      (h.kind != static_cast<uint8_t>(MsgKind::kContribution) &&
+       h.kind != static_cast<uint8_t>(MsgKind::kResult))) {
+    *why = "invalid dtype, op or kind";
+    return HeaderVerdict::kMalformed;
+  }
+  if (h.payload_bytes != len - sizeof(WireHeader)) {
+    *why = "header announces " + std::to_string(h.payload_bytes) + " payload bytes, " +
+           std::to_string(len - sizeof(WireHeader)) + " arrived";
+    return HeaderVerdict::kMalformed;
+  }
+  if (h.token != want.token) {
+    *why = "wrong job token (a process of another job or an old run)";
+    return HeaderVerdict::kStranger;
+  }
+  if (h.kind != static_cast<uint8_t>(want.kind) || h.src_rank != want.src_rank ||
+      h.stream != want.stream || h.part != want.part || h.chunk != want.chunk) {
+    *why = "sender, stream, part or chunk differ from the tag it was matched on";
+    return HeaderVerdict::kStranger;
+  }
+  if (h.round != want.round) {
+    *why = "rank " + std::to_string(h.src_rank) + " is at reduction #" +
+           std::to_string(h.round) + " of stream " + std::to_string(h.stream) +
+           " where this rank is at #" + std::to_string(want.round) +
+           ": the processes issued different numbers of reductions";
+    return HeaderVerdict::kMismatch;
+  }
+  if (h.key != want.key || h.dtype != static_cast<uint8_t>(want.dtype) ||
+      h.op != static_cast<uint8_t>(want.op) || h.total_elems != want.total_elems ||
+      h.payload_bytes != want.payload_bytes) {
+    *why = "rank " + std::to_string(h.src_rank) + " reduces " +
+           Describe(static_cast<DType>(h.dtype), h.total_elems, static_cast<ReduceOp>(h.op),
+                    h.key) +
+           " where this rank reduces " +
+           Describe(want.dtype, want.total_elems, want.op, want.key) + " as reduction #" +
+           std::to_string(want.round) + "; every process must issue the same reductions in "
+           "the same order";
+    return HeaderVerdict::kMismatch;
+  }
+  return HeaderVerdict::kOk;
+}
+
+}  // namespace herring::engine

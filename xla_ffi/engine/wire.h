@@ -1,0 +1,100 @@
+// The wire format: the 64-bit tag used for matching and the header that
+// travels in front of every payload and is checked before data is used.
+#ifndef HERRING_ENGINE_WIRE_H_
+#define HERRING_ENGINE_WIRE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "engine/dtype.h"
+
+namespace herring::engine {
+
+enum class MsgKind : uint8_t {
+  kContribution = 1,  // worker -> server: one chunk of the worker's part
+  kResult = 2,        // server -> worker: the reduced chunk
+};
+
+// Tag layout (matching only; the header is authoritative):
+//   bit 63       kind (0 contribution, 1 result)
+//   bits 62..50  sender rank (13 bits)
+//   bits 49..36  stream: the reduction group (14 bits)
+//   bits 35..16  round, modulo 2^20
+//   bits 15..0   chunk index within the part (16 bits)
+constexpr int kMaxRanks = 1 << 13;
+constexpr uint32_t kMaxStreams = 1u << 14;
+constexpr uint64_t kMaxChunksPerPart = 1ull << 16;
+
+inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t round,
+                        uint64_t chunk) {
+  return (static_cast<uint64_t>(kind == MsgKind::kResult) << 63) |
+         (static_cast<uint64_t>(src & 0x1fff) << 50) |
+         (static_cast<uint64_t>(stream & 0x3fff) << 36) | ((round & 0xfffff) << 16) |
+         (chunk & 0xffff);
+}
+
+constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
+constexpr uint16_t kWireVersion = 1;
+
+// Fixed-size, little-endian on the machines herring_jax supports (x86-64,
+// aarch64); the version field guards layout changes.
+struct WireHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint8_t kind;          // MsgKind
+  uint8_t dtype;         // DType
+  uint64_t token;        // job token from initialize()
+  uint64_t key;          // caller's description of the reduction (hash)
+  uint64_t round;        // per-stream sequence number
+  uint32_t src_rank;
+  uint32_t stream;
+  uint32_t part;         // which server's part
+  uint32_t chunk;        // chunk index within the part
+  uint64_t payload_bytes;
+  uint64_t total_elems;  // elements of the whole buffer being reduced
+  uint8_t op;            // ReduceOp
+  uint8_t reserved[3];
+  uint32_t contributors;  // devices summed into this message's data
+  uint32_t checksum;      // of all bytes above
+  uint32_t reserved2;
+};
+static_assert(sizeof(WireHeader) == 80, "wire header layout changed");
+
+uint32_t HeaderChecksum(const WireHeader& h);
+void SealHeader(WireHeader* h);
+
+// What the receiver expects; fields are compared one by one so that a
+// mismatch can be described precisely.
+struct Expectation {
+  MsgKind kind;
+  uint64_t token;
+  uint64_t key;
+  uint64_t round;
+  uint32_t src_rank;
+  uint32_t stream;
+  uint32_t part;
+  uint32_t chunk;
+  DType dtype;
+  ReduceOp op;
+  uint64_t payload_bytes;
+  uint64_t total_elems;
+};
+
+enum class HeaderVerdict {
+  kOk,
+  kMalformed,  // too short, bad magic/version/checksum/enum values: drop
+  kStranger,   // wrong token or wrong sender/stream/round: drop
+  kMismatch,   // a genuine peer reduced something different: fail the job
+};
+
+// Checks a received message: `header` points at its first sizeof(WireHeader)
+// bytes (fewer were written if `received_len` is smaller) and `received_len`
+// is the length of the whole message, header included. On anything but kOk
+// `why` says what was wrong, in words fit for an error message.
+HeaderVerdict CheckHeader(const void* header, size_t received_len, const Expectation& want,
+                          std::string* why);
+
+}  // namespace herring::engine
+
+#endif  // HERRING_ENGINE_WIRE_H_

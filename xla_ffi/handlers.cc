@@ -1,0 +1,177 @@
+// XLA FFI handlers: decode buffers and attributes, call the engine. Nothing
+// thrown below may cross into XLA: every failure becomes an ffi::Error whose
+// message names the rank and says what to do.
+#include "handlers.h"
+
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "engine/buffer_pool.h"
+#include "engine/communicator.h"
+#include "engine/local_rendezvous.h"
+#include "engine/reduce_kernels.h"
+#include "engine/registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace herring {
+namespace {
+
+namespace ffi = xla::ffi;
+using engine::DType;
+using engine::ReduceOp;
+
+DType FromXla(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return DType::kFloat32;
+    case ffi::DataType::F64: return DType::kFloat64;
+    case ffi::DataType::BF16: return DType::kBFloat16;
+    case ffi::DataType::F16: return DType::kFloat16;
+    case ffi::DataType::S32: return DType::kInt32;
+    case ffi::DataType::S64: return DType::kInt64;
+    default: return DType::kInvalid;
+  }
+}
+
+engine::LocalRendezvous& Rendezvous() {
+  static auto* rendezvous = new engine::LocalRendezvous();
+  return *rendezvous;
+}
+
+std::string GroupKey(int64_t stream, ffi::Span<const int64_t> group) {
+  std::string key = std::to_string(stream) + ":";
+  for (int64_t r : group) key += std::to_string(r) + ",";
+  return key;
+}
+
+// Reduces the buffers of all local participants: first across the local
+// devices (in position order), then across processes, then copies the result
+// to every local device's output.
+engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
+                         uint32_t stream, const std::vector<int>& group,
+                         const std::vector<DType>& dtypes, const std::vector<size_t>& counts,
+                         const std::vector<engine::LocalArrival>& arrivals) {
+  const size_t num_buffers = dtypes.size();
+  const size_t local = arrivals.size();
+  std::vector<engine::ReduceRequest> requests(num_buffers);
+  std::vector<engine::PooledBuffer> scratch(num_buffers);
+  std::vector<const void*> srcs(local);
+  for (size_t k = 0; k < num_buffers; ++k) {
+    engine::ReduceRequest& r = requests[k];
+    r.dtype = dtypes[k];
+    r.op = op;
+    r.count = counts[k];
+    r.key = key + k;
+    r.out = arrivals[0].out[k];
+    r.contributors = static_cast<uint32_t>(local);
+    if (local == 1) {
+      r.in = arrivals[0].in[k];
+      continue;
+    }
+    scratch[k] = engine::PooledBuffer(&comm.pool(), counts[k] * engine::ElementSize(dtypes[k]));
+    if (!scratch[k].ok()) return engine::Status::Error("out of memory for the local sum");
+    for (size_t d = 0; d < local; ++d) srcs[d] = arrivals[d].in[k];
+    engine::ReduceInto(dtypes[k], scratch[k].data(), srcs.data(), local, counts[k], 1.0);
+    r.in = scratch[k].data();
+  }
+  engine::Status status = comm.AllReduce(stream, group, requests);
+  if (!status.ok()) return status;
+  for (size_t d = 1; d < local; ++d) {
+    for (size_t k = 0; k < num_buffers; ++k) {
+      std::memcpy(arrivals[d].out[k], arrivals[0].out[k],
+                  counts[k] * engine::ElementSize(dtypes[k]));
+    }
+  }
+  return status;
+}
+
+ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                         int64_t comm_handle, int64_t op, int64_t key, int64_t stream,
+                         ffi::Span<const int64_t> group, ffi::Span<const int64_t> local_devices) {
+  try {
+    std::shared_ptr<engine::Communicator> comm = engine::Registry::Get().Find(comm_handle);
+    if (!comm) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "herring_jax is not initialized (or was shut down) in this process: "
+                        "call herring_jax.initialize() before reducing");
+    }
+    const std::string where = "herring allreduce on rank " + std::to_string(comm->rank()) + ": ";
+    if (op != 0 && op != 1) return ffi::Error::InvalidArgument(where + "op must be 0 (sum) or 1 (mean)");
+    if (args.size() != rets.size()) {
+      return ffi::Error::InvalidArgument(where + "operand and result counts differ");
+    }
+    // A single-device computation may be lowered before its device is known:
+    // Python then passes -1, "whichever device runs this".
+    int position = local_devices.size() == 1 && local_devices[0] == -1 ? 0 : -1;
+    for (size_t i = 0; i < local_devices.size(); ++i) {
+      if (local_devices[i] == device) position = static_cast<int>(i);
+    }
+    if (position < 0) {
+      return ffi::Error::InvalidArgument(where + "device " + std::to_string(device) +
+                                         " is not among the local participants");
+    }
+    std::vector<int> ranks(group.begin(), group.end());
+
+    engine::LocalArrival arrival;
+    std::vector<DType> dtypes;
+    std::vector<size_t> counts;
+    for (size_t k = 0; k < args.size(); ++k) {
+      auto in = args.get<ffi::AnyBuffer>(k);
+      auto out = rets.get<ffi::AnyBuffer>(k);
+      if (in.has_error()) return in.error();
+      if (out.has_error()) return out.error();
+      DType dtype = FromXla(in->element_type());
+      if (dtype == DType::kInvalid) {
+        return ffi::Error::InvalidArgument(
+            where + "unsupported element type for operand " + std::to_string(k) +
+            "; supported: float32, float64, bfloat16, float16, int32, int64");
+      }
+      if ((*out)->element_type() != in->element_type() ||
+          (*out)->element_count() != in->element_count()) {
+        return ffi::Error::InvalidArgument(where + "result " + std::to_string(k) +
+                                           " does not match its operand");
+      }
+      dtypes.push_back(dtype);
+      counts.push_back(in->element_count());
+      arrival.in.push_back(in->untyped_data());
+      arrival.out.push_back((*out)->untyped_data());
+    }
+
+    auto work = [&](const std::vector<engine::LocalArrival>& all) {
+      return ReduceAll(*comm, static_cast<ReduceOp>(op), static_cast<uint64_t>(key),
+                       static_cast<uint32_t>(stream), ranks, dtypes, counts, all);
+    };
+    engine::Status status;
+    if (local_devices.size() == 1) {
+      status = work({std::move(arrival)});
+    } else {
+      status = Rendezvous().Arrive(GroupKey(stream, group), position,
+                                   static_cast<int>(local_devices.size()), std::move(arrival),
+                                   comm->config().timeout_s + 10.0, work);
+    }
+    if (!status.ok()) return ffi::Error(ffi::ErrorCode::kInternal, where + status.message());
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("herring allreduce: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("herring allreduce: unknown C++ exception");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    HerringAllReduce, AllReduceImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::DeviceOrdinal>()                   // global id of the calling device
+        .RemainingArgs()                             // buffers to reduce
+        .RemainingRets()                             // reduced buffers, same types
+        .Attr<int64_t>("comm")                       // communicator handle (registry)
+        .Attr<int64_t>("op")                         // 0 sum, 1 mean
+        .Attr<int64_t>("key")                        // description hash, checked on the wire
+        .Attr<int64_t>("stream")                     // reduction group id
+        .Attr<ffi::Span<const int64_t>>("group")     // process ranks of the group, sorted
+        .Attr<ffi::Span<const int64_t>>("local_devices"));  // this process's devices, in order
+
+}  // namespace herring

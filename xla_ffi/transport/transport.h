@@ -1,0 +1,103 @@
+// The transport interface the engine is written against: tagged, reliable,
+// connectionless messages between ranks, completed through callbacks.
+//
+// The engine never sees libfabric. Everything provider-specific (memory
+// registration, progress, message size limits, retries on -FI_EAGAIN) lives
+// behind this interface, so that a provider feature such as FI_HMEM (device
+// memory sent directly) can be added inside the transport alone.
+#ifndef HERRING_TRANSPORT_TRANSPORT_H_
+#define HERRING_TRANSPORT_TRANSPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace herring::transport {
+
+// A small status type: the engine and transport report failures as values;
+// nothing throws across the FFI boundary.
+class Status {
+ public:
+  Status() = default;
+  static Status Ok() { return Status(); }
+  static Status Error(std::string message) {
+    Status s;
+    s.ok_ = false;
+    s.message_ = std::move(message);
+    return s;
+  }
+  bool ok() const { return ok_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  bool ok_ = true;
+  std::string message_;
+};
+
+struct IoVec {
+  void* base;
+  size_t len;
+};
+
+// Outcome of one posted operation, passed to its callback on the transport's
+// progress thread. Callbacks must be short and must not block.
+struct Completion {
+  bool ok = true;
+  size_t len = 0;       // bytes received (receives) or sent (sends)
+  uint64_t tag = 0;     // the tag the message carried (receives)
+  bool truncated = false;  // the message was longer than the posted buffers
+  std::string error;    // provider's description when !ok
+};
+
+using Callback = std::function<void(const Completion&)>;
+
+struct TransportOptions {
+  std::string provider;       // libfabric provider name, e.g. "tcp;ofi_rxm"
+  std::string interface;      // network interface or node to bind, may be empty
+  bool force_mr = false;      // register every buffer even if not required
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  // This endpoint's address, to be published to the peers.
+  virtual std::vector<uint8_t> Address() const = 0;
+
+  // Installs the addresses of all ranks (index = rank). Must be called once
+  // before any send.
+  virtual Status SetPeers(const std::vector<std::vector<uint8_t>>& addrs) = 0;
+
+  // Posts a send of the concatenation of `iov` to `peer` with `tag`. The
+  // buffers must stay valid and unmodified until the callback runs.
+  virtual Status Send(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
+                      Callback done) = 0;
+
+  // Posts a receive matching any sender's message whose tag equals `tag` on
+  // the bits not set in `ignore`, scattered into `iov`.
+  virtual Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov,
+                      size_t iov_count, Callback done) = 0;
+
+  // Cancels every posted receive; their callbacks run with ok == false.
+  virtual void CancelAll() = 0;
+
+  // Largest message (all iov entries together) the provider accepts.
+  virtual size_t MaxMessageBytes() const = 0;
+
+  // Human-readable provider and fabric description for logs and errors.
+  virtual std::string Describe() const = 0;
+
+  // Operations posted and not yet completed.
+  virtual size_t Outstanding() const = 0;
+};
+
+// Opens a libfabric RDM endpoint with tagged messages.
+std::unique_ptr<Transport> CreateFabricTransport(const TransportOptions& options,
+                                                 Status* status);
+
+}  // namespace herring::transport
+
+#endif  // HERRING_TRANSPORT_TRANSPORT_H_
