@@ -49,7 +49,7 @@ std::string GroupKey(int64_t stream, ffi::Span<const int64_t> group) {
 // devices (in position order), then across processes, then copies the result
 // to every local device's output.
 engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
-                         uint32_t stream, const std::vector<int>& group,
+                         uint64_t slot, uint32_t stream, const std::vector<int>& group,
                          const std::vector<DType>& dtypes, const std::vector<size_t>& counts,
                          const std::vector<engine::LocalArrival>& arrivals) {
   const size_t num_buffers = dtypes.size();
@@ -63,6 +63,7 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
     r.op = op;
     r.count = counts[k];
     r.key = key + k;
+    r.slot = slot + k;
     r.out = arrivals[0].out[k];
     r.contributors = static_cast<uint32_t>(local);
     if (local == 1) {
@@ -87,7 +88,8 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
 }
 
 ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                         int64_t comm_handle, int64_t op, int64_t key, int64_t stream,
+                         int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
+                         int64_t stream,
                          ffi::Span<const int64_t> group, ffi::Span<const int64_t> local_devices) {
   try {
     std::shared_ptr<engine::Communicator> comm = engine::Registry::Get().Find(comm_handle);
@@ -140,13 +142,18 @@ ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::Remaining
 
     auto work = [&](const std::vector<engine::LocalArrival>& all) {
       return ReduceAll(*comm, static_cast<ReduceOp>(op), static_cast<uint64_t>(key),
-                       static_cast<uint32_t>(stream), ranks, dtypes, counts, all);
+                       static_cast<uint64_t>(slot), static_cast<uint32_t>(stream), ranks,
+                       dtypes, counts, all);
     };
     engine::Status status;
     if (local_devices.size() == 1) {
       status = work({std::move(arrival)});
     } else {
-      status = Rendezvous().Arrive(GroupKey(stream, group), position,
+      // Matched by call site, not arrival order: XLA may start a device's
+      // independent calls in any order.
+      status = Rendezvous().Arrive(GroupKey(stream, group) + std::to_string(slot) + ":" +
+                                       std::to_string(key),
+                                   position,
                                    static_cast<int>(local_devices.size()), std::move(arrival),
                                    comm->config().timeout_s + 10.0, work);
     }
@@ -170,6 +177,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("comm")                       // communicator handle (registry)
         .Attr<int64_t>("op")                         // 0 sum, 1 mean
         .Attr<int64_t>("key")                        // description hash, checked on the wire
+        .Attr<int64_t>("slot")                       // call site id, same on every process
         .Attr<int64_t>("stream")                     // reduction group id
         .Attr<ffi::Span<const int64_t>>("group")     // process ranks of the group, sorted
         .Attr<ffi::Span<const int64_t>>("local_devices"));  // this process's devices, in order

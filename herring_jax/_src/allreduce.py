@@ -134,14 +134,28 @@ def _participants(ctx, groups):
     raise NotImplementedError("grouped reductions are lowered by psum")
 
 
+def _next_slot(ctx, width: int) -> int:
+    """Numbers the call sites of one lowered module: 0, 1, 2, ...
+
+    XLA runs independent custom calls concurrently, in a different order on
+    every process, so the engine matches reductions by call site (slot) rather
+    than by order. Lowering visits the call sites in program order, which is
+    the same on every process. The primitive is registered uncacheable so that
+    every call site gets here.
+    """
+    return jax_compat.take_module_counter(ctx, "herring_jax.slot", width)
+
+
 def _lowering(ctx, *args, op, stream, groups):
     state = runtime.state()
     group, local = _participants(ctx, groups)
+    slot = _next_slot(ctx, len(args))
     return jax.ffi.ffi_lowering("herring_allreduce", has_side_effect=True)(
         ctx, *args,
         comm=np.int64(state.handle),
         op=np.int64(OPS[op]),
         key=np.int64(_key(op, ctx.avals_in)),
+        slot=np.int64(slot),
         stream=np.int64(stream),
         group=np.asarray(group, dtype=np.int64),
         local_devices=np.asarray(local, dtype=np.int64))
@@ -176,7 +190,7 @@ def _batch(args, dims, *, op, stream, groups):
 allreduce_p = jex_core.Primitive("herring_allreduce")
 allreduce_p.multiple_results = True
 allreduce_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(allreduce_p, _lowering, platform="cpu")
+mlir.register_lowering(allreduce_p, _lowering, platform="cpu", cacheable=False)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose
 batching.primitive_batchers[allreduce_p] = _batch

@@ -37,3 +37,15 @@ def computation_devices(ctx) -> list | None:
         return list(axis_ctx.device_assignment)
     devices = getattr(axis_ctx, "devices", None)
     return list(devices) if devices is not None else None
+
+
+def take_module_counter(ctx, name: str, width: int) -> int:
+    """Returns a counter scoped to the module being lowered and adds `width`.
+
+    Kept in the module context's own per-module cache dict, so it starts at 0
+    for every lowered module and needs no clean-up.
+    """
+    store = ctx.module_context.cached_primitive_lowerings
+    value = store.get(name, 0)
+    store[name] = value + width
+    return value

@@ -82,8 +82,8 @@ struct Job {
   }
   std::string Describe() const {
     return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " +
-           ReduceOpName(req.op) + " (key " + std::to_string(req.key) + ", reduction #" +
-           std::to_string(round) + ")";
+           ReduceOpName(req.op) + " (key " + std::to_string(req.key) + ", slot " +
+           std::to_string(req.slot) + ", round " + std::to_string(round) + ")";
   }
 };
 
@@ -240,15 +240,12 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   batch->stream = stream;
   batch->group = group;
   {
-    // Rounds are assigned under one lock so that the jobs of a batch get
-    // consecutive numbers even if other threads reduce on other streams.
     std::lock_guard<std::mutex> lock(rounds_mu_);
-    uint64_t& next = rounds_[{stream, group}];
     for (ReduceRequest& r : requests) {
       auto job = std::make_unique<Job>();
       job->batch = batch.get();
       job->req = r;
-      job->round = next++;
+      job->round = rounds_[{stream, group, r.slot, r.key}]++;
       batch->jobs.push_back(std::move(job));
     }
   }
@@ -383,7 +380,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       batch->AddInflight(1);
       Status s = transport_->Send(batch->group[i],
                                   MakeTag(MsgKind::kContribution, my_rank, batch->stream,
-                                          job->round, c),
+                                          job->req.slot, job->round, c),
                                   iov, len > 0 ? 2 : 1,
                                   [this, job](const transport::Completion& done) {
                                     SendDone(job, done);
@@ -407,7 +404,8 @@ void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
                              {job->staging[p].data() + c * job->chunk_elems * job->elem, len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
-      MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->round, c), 0, iov,
+      MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->req.slot,
+              job->round, c), 0, iov,
       2, [this, job, p, c](const transport::Completion& done) {
         OnContribution(job, p, c, done);
       });
@@ -424,7 +422,7 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   transport::IoVec iov[2] = {{h, sizeof(*h)}, {job->OutAt(job->ChunkBegin(i, c)), len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
-      MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->round, c), 0, iov, 2,
+      MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->req.slot, job->round, c), 0, iov, 2,
       [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); });
   if (!s.ok()) {
     Fail(batch, "posting a receive: " + s.message());
@@ -525,7 +523,7 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
     transport::IoVec iov[2] = {{&h, sizeof(h)}, {dst, count * job->elem}};
     batch->AddInflight(1);
     Status s = transport_->Send(
-        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->round, c), iov,
+        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->req.slot, job->round, c), iov,
         count > 0 ? 2 : 1,
         [this, job](const transport::Completion& done) { SendDone(job, done); });
     --unposted;

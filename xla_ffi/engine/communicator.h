@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "engine/buffer_pool.h"
@@ -40,7 +41,9 @@ struct ReduceRequest {
   DType dtype = DType::kInvalid;
   ReduceOp op = ReduceOp::kSum;
   size_t count = 0;          // elements
-  uint64_t key = 0;          // identifies the reduction in errors and checks
+  uint64_t key = 0;          // what is reduced (shape, dtype, op): checked on the wire
+  uint64_t slot = 0;         // call site and buffer: matches the same reduction
+                             // on every process whatever order calls start in
   const void* in = nullptr;
   void* out = nullptr;
   uint32_t contributors = 1;  // devices summed into `in` (divisor for mean)
@@ -66,8 +69,9 @@ class Communicator {
 
   // Reduces every request across the processes of `group` (sorted ranks that
   // include this one) with all requests in flight at once; returns when all
-  // are done. `stream` separates groups that share processes. Thread-safe;
-  // every process of the group must issue the same calls in the same order.
+  // are done. `stream` separates groups of one call that share processes.
+  // Thread-safe: calls may run concurrently and start in any order; every
+  // process must make each (stream, slot) reduction the same number of times.
   Status AllReduce(uint32_t stream, const std::vector<int>& group,
                    std::vector<ReduceRequest>& requests);
 
@@ -99,7 +103,8 @@ class Communicator {
   bool connected_ = false;
 
   std::mutex rounds_mu_;
-  std::map<std::pair<uint32_t, std::vector<int>>, uint64_t> rounds_;
+  // How often each (stream, group, slot, key) was reduced: the round.
+  std::map<std::tuple<uint32_t, std::vector<int>, uint64_t, uint64_t>, uint64_t> rounds_;
 
   // The first fatal error; afterwards every call fails with it, because
   // messages of the failed reduction may still be in flight.

@@ -62,10 +62,9 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
     return HeaderVerdict::kStranger;
   }
   if (h.round != want.round) {
-    *why = "rank " + std::to_string(h.src_rank) + " is at reduction #" +
-           std::to_string(h.round) + " of stream " + std::to_string(h.stream) +
-           " where this rank is at #" + std::to_string(want.round) +
-           ": the processes issued different numbers of reductions";
+    *why = "rank " + std::to_string(h.src_rank) + " sent round " + std::to_string(h.round) +
+           " of a reduction where this rank is at round " + std::to_string(want.round) +
+           ": the processes ran this reduction a different number of times";
     return HeaderVerdict::kMismatch;
   }
   if (h.key != want.key || h.dtype != static_cast<uint8_t>(want.dtype) ||
@@ -75,9 +74,8 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
            Describe(static_cast<DType>(h.dtype), h.total_elems, static_cast<ReduceOp>(h.op),
                     h.key) +
            " where this rank reduces " +
-           Describe(want.dtype, want.total_elems, want.op, want.key) + " as reduction #" +
-           std::to_string(want.round) + "; every process must issue the same reductions in "
-           "the same order";
+           Describe(want.dtype, want.total_elems, want.op, want.key) + " at the same call "
+           "site; every process must run the same reductions (shapes, dtypes, ops)";
     return HeaderVerdict::kMismatch;
   }
   return HeaderVerdict::kOk;

@@ -19,19 +19,24 @@ enum class MsgKind : uint8_t {
 // Tag layout (matching only; the header is authoritative):
 //   bit 63       kind (0 contribution, 1 result)
 //   bits 62..50  sender rank (13 bits)
-//   bits 49..36  stream: the reduction group (14 bits)
-//   bits 35..16  round, modulo 2^20
-//   bits 15..0   chunk index within the part (16 bits)
+//   bits 49..44  stream: which group of the call (6 bits)
+//   bits 43..30  slot: the call site and buffer within the executable (14 bits)
+//   bits 29..14  round of that slot, modulo 2^16
+//   bits 13..0   chunk index within the part (14 bits)
+// XLA runs independent custom calls concurrently and in any order, so
+// reductions are matched by what they are (slot, round), never by the order
+// in which they happen to start. Wrap-around is harmless: a slot's round r+2^16
+// cannot be in flight while round r still is.
 constexpr int kMaxRanks = 1 << 13;
-constexpr uint32_t kMaxStreams = 1u << 14;
-constexpr uint64_t kMaxChunksPerPart = 1ull << 16;
+constexpr uint32_t kMaxStreams = 1u << 6;
+constexpr uint64_t kMaxChunksPerPart = 1ull << 14;
 
-inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t round,
-                        uint64_t chunk) {
+inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t slot,
+                        uint64_t round, uint64_t chunk) {
   return (static_cast<uint64_t>(kind == MsgKind::kResult) << 63) |
          (static_cast<uint64_t>(src & 0x1fff) << 50) |
-         (static_cast<uint64_t>(stream & 0x3fff) << 36) | ((round & 0xfffff) << 16) |
-         (chunk & 0xffff);
+         (static_cast<uint64_t>(stream & 0x3f) << 44) | ((slot & 0x3fff) << 30) |
+         ((round & 0xffff) << 14) | (chunk & 0x3fff);
 }
 
 constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
@@ -46,7 +51,7 @@ struct WireHeader {
   uint8_t dtype;         // DType
   uint64_t token;        // job token from initialize()
   uint64_t key;          // caller's description of the reduction (hash)
-  uint64_t round;        // per-stream sequence number
+  uint64_t round;        // how often this slot (call site) reduced before
   uint32_t src_rank;
   uint32_t stream;
   uint32_t part;         // which server's part
