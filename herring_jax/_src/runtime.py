@@ -108,8 +108,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if process_id is None:
             process_id = knobs.get("HERRING_PROCESS_ID")
         if not jax.distributed.is_initialized():
-            jax.distributed.initialize(coordinator_address=coordinator_address,
-                                       num_processes=num_processes, process_id=process_id)
+            try:
+                jax.distributed.initialize(coordinator_address=coordinator_address,
+                                           num_processes=num_processes, process_id=process_id)
+            except RuntimeError as e:
+                raise HerringError(
+                    f"jax.distributed.initialize() failed: {e} Call herring_jax.initialize() "
+                    "at the start of the program, before any JAX computation.") from e
         client = jax_compat.distributed_client()
         rank, size = jax.process_index(), jax.process_count()
         if client is None:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything herring_jax needs on a fresh Debian 12 machine (as root),
+# then builds and installs herring_jax itself. Safe to run again: it installs
+# only what is missing, and rebuilds the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+apt_pkgs=()
+pkg-config --exists libfabric 2>/dev/null || apt_pkgs+=(libfabric-dev)
+command -v pkg-config >/dev/null || apt_pkgs+=(pkg-config)
+command -v fi_info >/dev/null || apt_pkgs+=(libfabric-bin)
+command -v ip >/dev/null || apt_pkgs+=(iproute2)
+if ((${#apt_pkgs[@]})); then
+  echo "== apt-get install ${apt_pkgs[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_pkgs[@]}" >/dev/null
+fi
+
+echo "== pip install build and test dependencies"
+python3 -m pip install -q --disable-pip-version-check \
+  "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11" "nanobind>=2" "scikit-build-core>=0.10" \
+  flax optax ml_dtypes pytest pytest-timeout 2>&1 | grep -v "^WARNING: " || true
+
+echo "== building herring_jax (CMake via scikit-build-core)"
+python3 -m pip install -q --disable-pip-version-check --no-build-isolation . 2>&1 \
+  | grep -v "^WARNING: " || true
+python3 -P -c "import herring_jax, herring_jax._herring_ffi; print('herring_jax', herring_jax.__version__, 'installed')"

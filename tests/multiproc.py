@@ -1,0 +1,69 @@
+"""Runs a worker script on N real processes through `herring-jax launch` and
+collects the `HERRING_RESULT` lines each rank printed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+_LINE = re.compile(r"^\[rank (\d+)\] HERRING_RESULT (.*)$")
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess, nproc: int):
+        self.returncode = proc.returncode
+        self.stdout = proc.stdout
+        self.stderr = proc.stderr
+        self.results: dict[int, list[dict]] = defaultdict(list)
+        for line in proc.stdout.splitlines():
+            m = _LINE.match(line)
+            if m:
+                self.results[int(m.group(1))].append(json.loads(m.group(2)))
+        self.nproc = nproc
+
+    def explain(self) -> str:
+        return (f"exit code {self.returncode}\n--- stdout (tail) ---\n{self.stdout[-6000:]}"
+                f"\n--- stderr (tail) ---\n{self.stderr[-6000:]}")
+
+
+def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
+           env: dict[str, str] | None = None, timeout: float = 600) -> Run:
+    """Runs tests/workers/<worker> on `nproc` processes with `devices` CPU devices each."""
+    full_env = dict(os.environ)
+    full_env.pop("XLA_FLAGS", None)
+    full_env["JAX_PLATFORMS"] = "cpu"
+    full_env.setdefault("HERRING_TIMEOUT_S", "120")
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc),
+           "--devices-per-process", str(devices), "--timeout", str(int(timeout)), "--",
+           sys.executable, str(WORKERS / worker), *args]
+    # cwd=tests/: `-m` puts the cwd on sys.path, and the source tree's
+    # herring_jax (without the compiled extension) must not shadow the installed one.
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent, env=full_env, capture_output=True, text=True,
+                          timeout=timeout + 30)
+    return Run(proc, nproc)
+
+
+def assert_all_ok(run: Run, expected_cases: int | None = None) -> dict[str, set[str]]:
+    """Every rank reported every case ok; returns case -> set of digests."""
+    assert run.returncode == 0, run.explain()
+    assert sorted(run.results) == list(range(run.nproc)), run.explain()
+    digests: dict[str, set[str]] = defaultdict(set)
+    counts = {r: len(v) for r, v in run.results.items()}
+    assert len(set(counts.values())) == 1, f"ranks reported different case counts {counts}"
+    if expected_cases is not None:
+        assert counts[0] == expected_cases, f"{counts[0]} cases, expected {expected_cases}"
+    bad = [(r, res["case"]) for r, rs in run.results.items() for res in rs if not res["ok"]]
+    assert not bad, f"wrong results (rank, case): {bad[:20]}\n{run.explain()}"
+    for rs in run.results.values():
+        for res in rs:
+            if "digest" in res:
+                digests[res["case"]].add(res["digest"])
+    return digests

@@ -1,0 +1,96 @@
+"""Reduces every (dtype, op, size) case given on the command line and checks
+each result bitwise against the numpy rank-order reference.
+
+Usage (under the launcher):
+  python tests/workers/reduce_worker.py --dtypes float32,int32 --ops sum,mean \
+      --counts 0,1,7,4097 --mib 1,16 [--devices D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import common  # noqa: E402
+import herring_jax  # noqa: E402
+
+
+def cases(args):
+    for dtype in args.dtypes.split(","):
+        for op in args.ops.split(","):
+            if op == "mean" and dtype.startswith("int"):
+                continue
+            itemsize = common.NP_DTYPES[dtype].itemsize
+            counts = [int(c) for c in args.counts.split(",") if c]
+            counts += [int(float(m) * 2**20) // itemsize for m in args.mib.split(",") if m]
+            for count in counts:
+                yield dtype, op, count
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtypes", default=",".join(common.NP_DTYPES))
+    parser.add_argument("--ops", default="sum,mean")
+    parser.add_argument("--counts", default="0,1,7,4097")
+    parser.add_argument("--mib", default="")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="local devices per process that contribute")
+    parser.add_argument("--describe", action="store_true",
+                        help="also report herring_jax.describe() (provider, registration)")
+    args = parser.parse_args()
+
+    jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
+    herring_jax.initialize()
+    rank, nproc = herring_jax.process_index(), herring_jax.process_count()
+    ndev = args.devices
+    assert jax.local_device_count() >= ndev, jax.local_devices()
+
+    if ndev > 1:
+        # Every device of every process contributes: shard_map over a global
+        # mesh, each device's block reduced by allreduce inside it.
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        mesh = jax.sharding.Mesh(np.array(devices), ("d",))
+        sharding = NamedSharding(mesh, P("d"))
+
+        def make_fn(op):
+            return jax.jit(jax.shard_map(lambda x: herring_jax.allreduce(x, op=op),
+                                         mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    fns = {}
+    for salt, (dtype, op, count) in enumerate(cases(args)):
+        mine = [common.make_input(dtype, count, rank * ndev + d, salt) for d in range(ndev)]
+        if ndev == 1:
+            got = [np.asarray(herring_jax.allreduce(mine[0], op=op))]
+        else:
+            local = np.stack(mine)  # (ndev, count): one row per local device
+            x = jax.make_array_from_process_local_data(sharding, local,
+                                                       (nproc * ndev, count))
+            fn = fns.setdefault(op, make_fn(op))
+            out = fn(x)
+            got = [np.asarray(s.data)[0] for s in sorted(out.addressable_shards,
+                                                         key=lambda s: s.device.id)]
+        # Every rank must hold the same bits on every device; rank 0 also
+        # checks them against the numpy reference (the driver then compares
+        # the other ranks' digests with rank 0's).
+        ok = len(got) == ndev and all(common.bitwise_equal(g, got[0]) for g in got)
+        if rank == 0:
+            inputs = [[common.make_input(dtype, count, p * ndev + d, salt)
+                       for d in range(ndev)] for p in range(nproc)]
+            ok = ok and common.bitwise_equal(got[0], common.reference(dtype, op, inputs))
+        common.report(f"{dtype}/{op}/{count}", ok, digest=common.digest(got[0]),
+                      devices=len(got))
+    if args.describe:
+        common.report("describe", True, describe=herring_jax.describe())
+    herring_jax.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
