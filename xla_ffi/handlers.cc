@@ -39,7 +39,7 @@ engine::LocalRendezvous& Rendezvous() {
   return *rendezvous;
 }
 
-std::string GroupKey(int64_t stream, ffi::Span<const int64_t> group) {
+std::string GroupKey(int64_t stream, const std::vector<int>& group) {
   std::string key = std::to_string(stream) + ":";
   for (int64_t r : group) key += std::to_string(r) + ",";
   return key;
@@ -89,8 +89,10 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
 
 ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
-                         int64_t stream,
-                         ffi::Span<const int64_t> group, ffi::Span<const int64_t> local_devices) {
+                         ffi::Span<const int64_t> local_devices,
+                         ffi::Span<const int64_t> device_streams,
+                         ffi::Span<const int64_t> stream_ranks,
+                         ffi::Span<const int64_t> stream_offsets) {
   try {
     std::shared_ptr<engine::Communicator> comm = engine::Registry::Get().Find(comm_handle);
     if (!comm) {
@@ -103,17 +105,34 @@ ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::Remaining
     if (args.size() != rets.size()) {
       return ffi::Error::InvalidArgument(where + "operand and result counts differ");
     }
+    if (device_streams.size() != local_devices.size() || stream_offsets.size() < 2) {
+      return ffi::Error::InvalidArgument(where + "malformed group attributes");
+    }
     // A single-device computation may be lowered before its device is known:
     // Python then passes -1, "whichever device runs this".
-    int position = local_devices.size() == 1 && local_devices[0] == -1 ? 0 : -1;
+    int index = local_devices.size() == 1 && local_devices[0] == -1 ? 0 : -1;
     for (size_t i = 0; i < local_devices.size(); ++i) {
-      if (local_devices[i] == device) position = static_cast<int>(i);
+      if (local_devices[i] == device) index = static_cast<int>(i);
     }
-    if (position < 0) {
+    if (index < 0) {
       return ffi::Error::InvalidArgument(where + "device " + std::to_string(device) +
                                          " is not among the local participants");
     }
-    std::vector<int> ranks(group.begin(), group.end());
+    // This device's group (stream): its processes, and its place among the
+    // local devices of the same group (the order of the local sum).
+    const int64_t stream = device_streams[index];
+    if (stream < 0 || static_cast<size_t>(stream) + 1 >= stream_offsets.size()) {
+      return ffi::Error::InvalidArgument(where + "stream out of range");
+    }
+    int position = 0;
+    int local_count = 0;
+    for (size_t i = 0; i < device_streams.size(); ++i) {
+      if (device_streams[i] != stream) continue;
+      if (static_cast<int>(i) < index) ++position;
+      ++local_count;
+    }
+    std::vector<int> ranks(stream_ranks.begin() + stream_offsets[stream],
+                           stream_ranks.begin() + stream_offsets[stream + 1]);
 
     engine::LocalArrival arrival;
     std::vector<DType> dtypes;
@@ -146,15 +165,14 @@ ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::Remaining
                        dtypes, counts, all);
     };
     engine::Status status;
-    if (local_devices.size() == 1) {
+    if (local_count == 1) {
       status = work({std::move(arrival)});
     } else {
       // Matched by call site, not arrival order: XLA may start a device's
       // independent calls in any order.
-      status = Rendezvous().Arrive(GroupKey(stream, group) + std::to_string(slot) + ":" +
+      status = Rendezvous().Arrive(GroupKey(stream, ranks) + std::to_string(slot) + ":" +
                                        std::to_string(key),
-                                   position,
-                                   static_cast<int>(local_devices.size()), std::move(arrival),
+                                   position, local_count, std::move(arrival),
                                    comm->config().timeout_s + 10.0, work);
     }
     if (!status.ok()) return ffi::Error(ffi::ErrorCode::kInternal, where + status.message());
@@ -178,8 +196,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("op")                         // 0 sum, 1 mean
         .Attr<int64_t>("key")                        // description hash, checked on the wire
         .Attr<int64_t>("slot")                       // call site id, same on every process
-        .Attr<int64_t>("stream")                     // reduction group id
-        .Attr<ffi::Span<const int64_t>>("group")     // process ranks of the group, sorted
-        .Attr<ffi::Span<const int64_t>>("local_devices"));  // this process's devices, in order
+        .Attr<ffi::Span<const int64_t>>("local_devices")    // this process's devices, in order
+        .Attr<ffi::Span<const int64_t>>("device_streams")   // group (stream) of each of them
+        .Attr<ffi::Span<const int64_t>>("stream_ranks")     // processes of each group, sorted,
+        .Attr<ffi::Span<const int64_t>>("stream_offsets")); // concatenated; offsets per group
 
 }  // namespace herring

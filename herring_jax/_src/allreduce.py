@@ -95,14 +95,19 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
 
 @functools.partial(jax.jit, static_argnames=("op",))
 def _allreduce_jit(leaves, *, op):
-    return tuple(allreduce_p.bind(*leaves, op=op, stream=0, groups=None))
+    return tuple(allreduce_p.bind(*leaves, op=op, axes=None))
 
 
 # -- abstract eval -----------------------------------------------------------
+# axes=None: across all processes (allreduce). A tuple of mesh axis names:
+# across those axes of the enclosing shard_map (psum/pmean); the result is
+# then the same on every device of those axes, as for lax.psum.
 
-def _abstract_eval(*avals, op, stream, groups):
-    del op, stream, groups
-    return [jax.core.ShapedArray(a.shape, a.dtype) for a in avals]
+def _abstract_eval(*avals, op, axes):
+    del op
+    if axes is None:
+        return list(avals)
+    return [jax_compat.drop_varying_axes(a, axes) for a in avals]
 
 
 # -- lowering ----------------------------------------------------------------
@@ -116,22 +121,55 @@ def _key(op: str, avals) -> int:
 
 # The handler's "whichever device runs this" for single-device computations.
 _ANY_DEVICE = -1
+# Groups per call: the wire tag has 6 bits for the group.
+_MAX_STREAMS = 64
 
 
-def _participants(ctx, groups):
-    """(group ranks, local device ids) for this process's part of the call."""
+def _layout(ctx, axes):
+    """How this process takes part: its devices, each device's group (stream),
+    and each group's processes.
+
+    Returns (local_devices, device_streams, stream_ranks, stream_offsets).
+    """
     me = jax.process_index()
-    devices = jax_compat.computation_devices(ctx)
-    if devices is None:
-        raise HerringError("herring_jax cannot lower without a concrete device assignment")
-    if devices == [None]:
-        return tuple(range(jax.process_count())), [_ANY_DEVICE]
-    local = [d.id for d in devices if d.process_index == me]
-    if not local:
-        raise HerringError(f"process {me} has no device in this computation")
-    if groups is None:
-        return tuple(range(jax.process_count())), local
-    raise NotImplementedError("grouped reductions are lowered by psum")
+    if axes is None:
+        devices = jax_compat.computation_devices(ctx)
+        if devices is None:
+            raise HerringError("herring_jax cannot lower without a concrete device assignment")
+        if devices == [None]:
+            local = [_ANY_DEVICE]
+        else:
+            local = [d.id for d in devices if d.process_index == me]
+        if not local:
+            raise HerringError(f"process {me} has no device in this computation")
+        return local, [0] * len(local), list(range(jax.process_count())), [0, jax.process_count()]
+
+    mesh = jax_compat.manual_mesh(ctx)
+    if mesh is None:
+        raise HerringError(
+            f"herring_jax.psum over axes {axes} must be called inside jax.shard_map (or pmap)")
+    names = list(mesh.axis_names)
+    missing = [a for a in axes if a not in names]
+    if missing:
+        raise NameError(f"unbound axis name(s) {missing}; the mesh has axes {names}")
+    others = [i for i, n in enumerate(names) if n not in axes]
+    # Devices that share their coordinates on the other axes reduce together.
+    # Groups are numbered in coordinate order: the same on every process.
+    groups: dict[tuple, list] = {}
+    for idx in np.ndindex(*mesh.devices.shape):
+        groups.setdefault(tuple(idx[i] for i in others), []).append(mesh.devices[idx])
+    keys = sorted(groups)
+    if len(keys) > _MAX_STREAMS:
+        raise NotImplementedError(
+            f"herring_jax reduces at most {_MAX_STREAMS} groups in one call; this psum over "
+            f"{axes} forms {len(keys)}")
+    stream_of = {d.id: s for s, k in enumerate(keys) for d in groups[k]}
+    local = [d.id for d in mesh.devices.flat if d.process_index == me]
+    ranks, offsets = [], [0]
+    for k in keys:
+        ranks += sorted({d.process_index for d in groups[k]})
+        offsets.append(len(ranks))
+    return local, [stream_of[d] for d in local], ranks, offsets
 
 
 def _next_slot(ctx, width: int) -> int:
@@ -146,43 +184,53 @@ def _next_slot(ctx, width: int) -> int:
     return jax_compat.take_module_counter(ctx, "herring_jax.slot", width)
 
 
-def _lowering(ctx, *args, op, stream, groups):
+def _lowering(ctx, *args, op, axes):
     state = runtime.state()
-    group, local = _participants(ctx, groups)
+    local, streams, ranks, offsets = _layout(ctx, axes)
     slot = _next_slot(ctx, len(args))
+    i64 = functools.partial(np.asarray, dtype=np.int64)
     return jax.ffi.ffi_lowering("herring_allreduce", has_side_effect=True)(
         ctx, *args,
         comm=np.int64(state.handle),
         op=np.int64(OPS[op]),
         key=np.int64(_key(op, ctx.avals_in)),
         slot=np.int64(slot),
-        stream=np.int64(stream),
-        group=np.asarray(group, dtype=np.int64),
-        local_devices=np.asarray(local, dtype=np.int64))
+        local_devices=i64(local),
+        device_streams=i64(streams),
+        stream_ranks=i64(ranks),
+        stream_offsets=i64(offsets))
 
 
 # -- differentiation ---------------------------------------------------------
-# A sum (or mean) over processes is linear; its transpose is the same
-# reduction of the cotangents, as for lax.psum.
+# A sum (or mean) is linear. Its transpose follows lax.psum: across processes
+# (axes=None) and in shard_map without varying-axis checks it is the same
+# reduction of the cotangents; where shard_map tracks varying axes, the
+# result was invariant and the transpose only marks the cotangent varying
+# again (lax's pvary), with no communication.
 
-def _jvp(primals, tangents, *, op, stream, groups):
-    outs = allreduce_p.bind(*primals, op=op, stream=stream, groups=groups)
+def _jvp(primals, tangents, *, op, axes):
+    outs = allreduce_p.bind(*primals, op=op, axes=axes)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
-    touts = allreduce_p.bind(*tangents, op=op, stream=stream, groups=groups)
-    return outs, touts
+    return outs, allreduce_p.bind(*tangents, op=op, axes=axes)
 
 
-def _transpose(cts, *args, op, stream, groups):
+def _transpose(cts, *args, op, axes):
     cts = [ad.instantiate_zeros(ct) for ct in cts]
-    return allreduce_p.bind(*cts, op=op, stream=stream, groups=groups)
+    if axes is not None and all(jax_compat.is_varying(a.aval, axes) for a in args):
+        outs = [jax_compat.pvary(ct, axes) for ct in cts]
+        if op == "mean":
+            size = jax_compat.axes_size(axes)
+            outs = [ct / size for ct in outs]
+        return outs
+    return allreduce_p.bind(*cts, op=op, axes=axes)
 
 
 # -- batching ----------------------------------------------------------------
-# The reduction is element-wise across processes, so a batch dimension is just
-# more elements.
+# The reduction is element-wise across processes and devices, so a batch
+# dimension (of a vmap over an unnamed axis) is just more elements.
 
-def _batch(args, dims, *, op, stream, groups):
-    return allreduce_p.bind(*args, op=op, stream=stream, groups=groups), dims
+def _batch(args, dims, *, op, axes):
+    return allreduce_p.bind(*args, op=op, axes=axes), dims
 
 
 # -- registration ------------------------------------------------------------

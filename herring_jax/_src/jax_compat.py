@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 
+from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import sharding_impls as _sharding_impls
 
@@ -49,3 +50,41 @@ def take_module_counter(ctx, name: str, width: int) -> int:
     value = store.get(name, 0)
     store[name] = value + width
     return value
+
+
+# -- shard_map varying-axis (vma) bookkeeping ---------------------------------
+# jax 0.10 tracks which mesh axes a value varies over (aval.mat.varying) when
+# shard_map runs with check_vma=True; a psum result no longer varies over the
+# reduced axes.
+
+def _varying(aval) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def drop_varying_axes(aval, axes):
+    varying = _varying(aval)
+    if not varying.intersection(axes):
+        return aval
+    keep = frozenset(a for a in varying if a not in axes)
+    return aval.update(manual_axis_type=aval.mat.update(varying=keep))
+
+
+def is_varying(aval, axes) -> bool:
+    return bool(_varying(aval).intersection(axes))
+
+
+def pvary(x, axes):
+    return _core.pvary(x, axis_name=tuple(axes))
+
+
+def axes_size(axes) -> int:
+    return jax.lax.psum(1, tuple(axes))
+
+
+def manual_mesh(ctx):
+    """The mesh of the enclosing shard_map while lowering, or None."""
+    axis_ctx = ctx.module_context.axis_context
+    if isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
+        return axis_ctx.mesh
+    return None
