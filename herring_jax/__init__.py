@@ -20,5 +20,7 @@ from herring_jax._src.runtime import process_index as process_index
 from herring_jax._src.allreduce import allreduce as allreduce
 from herring_jax._src.psum import pmean as pmean
 from herring_jax._src.psum import psum as psum
+from herring_jax._src.optax_transform import AllReduceGradientsState as AllReduceGradientsState
+from herring_jax._src.optax_transform import allreduce_gradients as allreduce_gradients
 
 __version__ = "0.1.0"

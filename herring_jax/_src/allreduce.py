@@ -87,7 +87,14 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
     reduce_idx = [i for i, x in enumerate(leaves) if np.size(x) > 0]
     outs = list(leaves)
     if reduce_idx:
-        reduced = _allreduce_jit(tuple(leaves[i] for i in reduce_idx), op=op)
+        args = tuple(leaves[i] for i in reduce_idx)
+        if any(isinstance(x, jax.core.Tracer) for x in args):
+            # Under a trace, bind directly: a nested jit would be lowered once
+            # and shared by every call with the same shapes, merging their
+            # call sites (see _next_slot).
+            reduced = allreduce_p.bind(*args, op=op, axes=None)
+        else:
+            reduced = _allreduce_jit(args, op=op)
         for i, r in zip(reduce_idx, reduced):
             outs[i] = r
     return jax.tree_util.tree_unflatten(treedef, outs)
@@ -179,7 +186,10 @@ def _next_slot(ctx, width: int) -> int:
     every process, so the engine matches reductions by call site (slot) rather
     than by order. Lowering visits the call sites in program order, which is
     the same on every process. The primitive is registered uncacheable so that
-    every call site gets here.
+    every call site gets here. One hole remains: jax lowers a nested jitted
+    function once per module and calls it from each of its call sites, so its
+    reductions share slots (matched by how often each ran; safe when the calls
+    depend on each other, ambiguous when XLA may run them concurrently).
     """
     return jax_compat.take_module_counter(ctx, "herring_jax.slot", width)
 
