@@ -1,0 +1,39 @@
+"""The training examples run under the launcher with both reducers and learn."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(script, args, nproc=2, devices=1):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_TIMEOUT_S="120")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc), "--devices-per-process",
+           str(devices), "--timeout", "300", "--", sys.executable, script, *args]
+    proc = subprocess.run(cmd, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=330)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    done = [l for l in proc.stdout.splitlines() if "done:" in l]
+    assert len(done) == 1, proc.stdout[-4000:]
+    m = re.search(r"final loss ([\d.]+) \(first ([\d.]+)\)", done[0])
+    return float(m.group(1)), float(m.group(2)), done[0]
+
+
+@pytest.mark.parametrize("reduce", ["herring", "native"])
+def test_mnist_like_learns(reduce):
+    final, first, line = _run("train_mnist_like.py", ["--steps", "60", "--reduce", reduce])
+    assert final < 0.5 * first, line
+    accuracy = float(re.search(r"test accuracy ([\d.]+)", line).group(1))
+    assert accuracy > 0.85, line
+
+
+def test_lm_loss_falls_with_two_devices_per_process():
+    final, first, line = _run("train_lm.py", ["--steps", "15", "--log-every", "5",
+                                              "--dim", "64", "--text-bytes", str(1 << 20)],
+                              devices=2)
+    assert final < first - 1.0, line
