@@ -11,6 +11,7 @@
 #include "engine/buffer_pool.h"
 #include "engine/communicator.h"
 #include "engine/local_rendezvous.h"
+#include "engine/memory_hints.h"
 #include "engine/reduce_kernels.h"
 #include "engine/registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -57,6 +58,11 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
   std::vector<engine::ReduceRequest> requests(num_buffers);
   std::vector<engine::PooledBuffer> scratch(num_buffers);
   std::vector<const void*> srcs(local);
+  for (const engine::LocalArrival& a : arrivals) {
+    for (size_t k = 0; k < num_buffers; ++k) {
+      engine::AdviseHugePages(a.out[k], counts[k] * engine::ElementSize(dtypes[k]));
+    }
+  }
   for (size_t k = 0; k < num_buffers; ++k) {
     engine::ReduceRequest& r = requests[k];
     r.dtype = dtypes[k];

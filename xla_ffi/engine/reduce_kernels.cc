@@ -113,9 +113,36 @@ void Reduce(void* dst_v, const void* const* srcs_v, size_t n, size_t count, Load
   }
 }
 
-template <typename T>
-T Identity(T v) {
-  return v;
+// Function objects, not function pointers: the kernels must inline the
+// conversions to vectorise (a pointer per element made them ~10x slower).
+struct Same {
+  template <typename T>
+  T operator()(T v) const {
+    return v;
+  }
+};
+struct FromHalf {
+  float operator()(uint16_t v) const { return HalfToFloat(v); }
+};
+struct ToHalf {
+  uint16_t operator()(float v) const { return FloatToHalf(v); }
+};
+struct FromBF16 {
+  float operator()(uint16_t v) const { return BF16ToFloat(v); }
+};
+struct ToBF16 {
+  uint16_t operator()(float v) const { return FloatToBF16(v); }
+};
+
+// The divide-or-not decision is a template parameter so that the common
+// sum case has no per-element branch.
+template <typename T, typename A, typename Load, typename Store>
+void Dispatch(void* dst, const void* const* srcs, size_t n, size_t count, A divisor, bool div) {
+  if (div) {
+    Reduce<T, A>(dst, srcs, n, count, Load(), Store(), [=](A a) { return a / divisor; });
+  } else {
+    Reduce<T, A>(dst, srcs, n, count, Load(), Store(), Same());
+  }
 }
 
 }  // namespace
@@ -126,46 +153,42 @@ void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t n, size_
   IeeeDenormals ieee;
   const bool div = divisor != 1.0;
   switch (dtype) {
-    case DType::kFloat32: {
-      const float d = static_cast<float>(divisor);
-      Reduce<float, float>(dst, srcs, n, count, Identity<float>, Identity<float>,
-                           [=](float a) { return div ? a / d : a; });
+    case DType::kFloat32:
+      Dispatch<float, float, Same, Same>(dst, srcs, n, count, static_cast<float>(divisor), div);
       break;
-    }
     case DType::kFloat64:
-      Reduce<double, double>(dst, srcs, n, count, Identity<double>, Identity<double>,
-                             [=](double a) { return div ? a / divisor : a; });
+      Dispatch<double, double, Same, Same>(dst, srcs, n, count, divisor, div);
       break;
-    case DType::kFloat16: {
-      const float d = static_cast<float>(divisor);
-      Reduce<uint16_t, float>(dst, srcs, n, count, HalfToFloat, FloatToHalf,
-                              [=](float a) { return div ? a / d : a; });
+    case DType::kFloat16:
+      Dispatch<uint16_t, float, FromHalf, ToHalf>(dst, srcs, n, count,
+                                                  static_cast<float>(divisor), div);
       break;
-    }
-    case DType::kBFloat16: {
-      const float d = static_cast<float>(divisor);
-      Reduce<uint16_t, float>(dst, srcs, n, count, BF16ToFloat, FloatToBF16,
-                              [=](float a) { return div ? a / d : a; });
+    case DType::kBFloat16:
+      Dispatch<uint16_t, float, FromBF16, ToBF16>(dst, srcs, n, count,
+                                                  static_cast<float>(divisor), div);
       break;
-    }
     // Integers add in unsigned arithmetic so overflow wraps like numpy's
-    // instead of being undefined behaviour.
-    case DType::kInt32: {
-      const int32_t d = static_cast<int32_t>(divisor);
-      Reduce<uint32_t, uint32_t>(
-          dst, srcs, n, count, Identity<uint32_t>, Identity<uint32_t>, [=](uint32_t a) {
-            return div ? static_cast<uint32_t>(static_cast<int32_t>(a) / d) : a;
-          });
+    // instead of being undefined behaviour; a mean divides as signed.
+    case DType::kInt32:
+      if (div) {
+        const int32_t d = static_cast<int32_t>(divisor);
+        Reduce<uint32_t, uint32_t>(dst, srcs, n, count, Same(), Same(), [=](uint32_t a) {
+          return static_cast<uint32_t>(static_cast<int32_t>(a) / d);
+        });
+      } else {
+        Reduce<uint32_t, uint32_t>(dst, srcs, n, count, Same(), Same(), Same());
+      }
       break;
-    }
-    case DType::kInt64: {
-      const int64_t d = static_cast<int64_t>(divisor);
-      Reduce<uint64_t, uint64_t>(
-          dst, srcs, n, count, Identity<uint64_t>, Identity<uint64_t>, [=](uint64_t a) {
-            return div ? static_cast<uint64_t>(static_cast<int64_t>(a) / d) : a;
-          });
+    case DType::kInt64:
+      if (div) {
+        const int64_t d = static_cast<int64_t>(divisor);
+        Reduce<uint64_t, uint64_t>(dst, srcs, n, count, Same(), Same(), [=](uint64_t a) {
+          return static_cast<uint64_t>(static_cast<int64_t>(a) / d);
+        });
+      } else {
+        Reduce<uint64_t, uint64_t>(dst, srcs, n, count, Same(), Same(), Same());
+      }
       break;
-    }
     default:
       break;
   }

@@ -130,10 +130,18 @@ class FabricTransport final : public Transport {
     fi_cq_attr cq_attr{};
     cq_attr.format = FI_CQ_FORMAT_TAGGED;
     cq_attr.size = kCqSize;
-    cq_attr.wait_obj = FI_WAIT_NONE;
+    // A wait object lets the progress thread sleep in the kernel until data
+    // arrives instead of spinning; providers without one (EFA) are polled.
+    cq_attr.wait_obj = FI_WAIT_UNSPEC;
     fid_cq* cq = nullptr;
-    if ((ret = fi_cq_open(domain_.get(), &cq_attr, &cq, nullptr)) != 0)
-      return Status::Error(FiError("fi_cq_open", ret));
+    ret = fi_cq_open(domain_.get(), &cq_attr, &cq, nullptr);
+    if (ret != 0) {
+      cq_attr.wait_obj = FI_WAIT_NONE;
+      if ((ret = fi_cq_open(domain_.get(), &cq_attr, &cq, nullptr)) != 0)
+        return Status::Error(FiError("fi_cq_open", ret));
+    } else {
+      can_wait_ = true;
+    }
     cq_.reset(cq);
 
     fi_av_attr av_attr{};
@@ -203,7 +211,8 @@ class FabricTransport final : public Transport {
   std::string Describe() const override {
     return std::string(info_->fabric_attr->prov_name) + " (fabric " +
            info_->fabric_attr->name + ", domain " + info_->domain_attr->name +
-           (need_mr_ ? ", registered buffers" : "") + ")";
+           (need_mr_ ? ", registered buffers" : "") +
+           (can_wait_ ? ", blocking progress" : ", polled progress") + ")";
   }
 
   size_t Outstanding() const override { return outstanding_.load(); }
@@ -281,10 +290,13 @@ class FabricTransport final : public Transport {
     delete op;
   }
 
-  // Returns the number of completions handled.
-  int PollOnce() {
+  // Returns the number of completions handled. With `wait_ms` > 0 and a
+  // wait object, blocks up to that long for the first completion.
+  int PollOnce(int wait_ms = 0) {
     fi_cq_tagged_entry entries[kCqBatch];
-    ssize_t n = fi_cq_read(cq_.get(), entries, kCqBatch);
+    ssize_t n = wait_ms > 0 && can_wait_
+                    ? fi_cq_sread(cq_.get(), entries, kCqBatch, nullptr, wait_ms)
+                    : fi_cq_read(cq_.get(), entries, kCqBatch);
     if (n > 0) {
       for (ssize_t i = 0; i < n; ++i) {
         Completion c;
@@ -311,22 +323,35 @@ class FabricTransport final : public Transport {
     return 0;
   }
 
-  // Polls the completion queue. Providers such as tcp;ofi_rxm and EFA make
-  // progress only when polled, so the thread keeps polling while anything is
-  // in flight; when idle it still polls every millisecond so that peers'
-  // connection requests and unexpected messages are answered.
+  // Drives the provider. Providers such as tcp;ofi_rxm and EFA make progress
+  // only when their completion queue is read, so while operations are in
+  // flight the thread reads it continuously: blocking in fi_cq_sread where the
+  // provider has a wait object, else polling and backing off. When nothing is
+  // posted it sleeps on a condition variable (woken by Post) and still reads
+  // the queue every millisecond, so that peers' connection requests and early
+  // messages are answered. Some providers' sread spins (shm), which is why an
+  // idle endpoint never calls it: an idle process must leave the cores to
+  // XLA and to the other processes.
   void ProgressLoop() {
     int idle = 0;
     while (running_) {
-      if (PollOnce() > 0) {
+      if (outstanding_.load() == 0) {
+        {
+          std::unique_lock<std::mutex> lock(work_mu_);
+          work_cv_.wait_for(lock, std::chrono::milliseconds(1),
+                            [this] { return outstanding_.load() > 0 || !running_; });
+        }
+        PollOnce();
         idle = 0;
         continue;
       }
-      ++idle;
-      if (outstanding_.load() == 0) {
-        std::unique_lock<std::mutex> lock(work_mu_);
-        work_cv_.wait_for(lock, std::chrono::milliseconds(1));
-      } else if (idle < 256) {
+      if (can_wait_) {
+        PollOnce(/*wait_ms=*/1);
+        continue;
+      }
+      if (PollOnce() > 0) {
+        idle = 0;
+      } else if (++idle < 256) {
         sched_yield();
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(10));
@@ -373,6 +398,7 @@ class FabricTransport final : public Transport {
   bool force_mr_ = false;
   bool need_mr_ = false;
   bool prov_key_ = false;
+  bool can_wait_ = false;
   std::atomic<uint64_t> next_key_{1};
 
   std::atomic<bool> running_{false};
