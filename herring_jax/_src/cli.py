@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from herring_jax._src import launch
+from herring_jax._src import bench, launch
 
 # name -> (help, add_arguments(parser), run(args) -> exit code)
 SUBCOMMANDS = {
     "launch": ("start N local processes of a command", launch.add_arguments, launch.run),
+    "bench": ("time herring_jax's all-reduce against its peers", bench.add_arguments, bench.run),
 }
 
 
