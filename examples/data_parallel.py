@@ -68,7 +68,8 @@ def global_batch(mesh, local_arrays):
 
 
 def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
-    """Runs the steps with progress output on rank 0; returns (params, losses, step_s)."""
+    """Runs the steps with progress output on rank 0, prints a summary line
+    ("done: ...") and shuts herring_jax down; returns (params, losses, step_s)."""
     rank = jax.process_index()
     losses, times = [], []
     for i in range(args.steps):
@@ -83,4 +84,10 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
             recent = np.median(times[1:][-args.log_every:]) * 1e3 if len(times) > 1 else float("nan")
             print(f"step {i:4d}  loss {loss:.4f}  step {recent:.1f} ms  {extra}", flush=True)
     step_s = float(np.median(times[1:])) if len(times) > 1 else float("nan")
+    if rank == 0:
+        extra = report(params) if report else ""
+        print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
+              f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
+              f"{step_s * 1e3:.1f} ms", flush=True)
+    herring_jax.shutdown()
     return params, losses, step_s

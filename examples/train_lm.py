@@ -17,7 +17,6 @@ import numpy as np
 import optax
 
 import data_parallel
-import herring_jax
 
 VOCAB = 256  # bytes
 
@@ -111,14 +110,7 @@ def main() -> None:
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
         print(f"{n_params / 1e6:.2f} M parameters, {len(text) / 2**20:.1f} MiB of stdlib text, "
               f"{nproc} processes x {local_devices} devices, reduce={args.reduce}", flush=True)
-    params, losses, step_s = data_parallel.train(mesh, args, params, opt_state, step,
-                                                 next_local_batch, report)
-    if rank == 0:
-        print(f"done: reduce={args.reduce} processes={nproc} final loss {losses[-1]:.4f} "
-              f"(first {losses[0]:.4f}), {report(params)}, median step {step_s * 1e3:.1f} ms",
-              flush=True)
-    herring_jax.shutdown()
-
+    data_parallel.train(mesh, args, params, opt_state, step, next_local_batch, report)
 
 if __name__ == "__main__":
     main()

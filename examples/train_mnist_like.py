@@ -16,7 +16,6 @@ import optax
 from sklearn.datasets import load_digits
 
 import data_parallel
-import herring_jax
 
 
 class MLP(nn.Module):
@@ -62,14 +61,7 @@ def main() -> None:
 
     params, opt_state, step = data_parallel.make_trainer(
         mesh, args, loss_fn, lambda: MLP().init(jax.random.key(args.seed), x[:1]))
-    params, losses, step_s = data_parallel.train(mesh, args, params, opt_state, step,
-                                                 next_local_batch, report)
-    if rank == 0:
-        print(f"done: reduce={args.reduce} processes={nproc} final loss {losses[-1]:.4f} "
-              f"(first {losses[0]:.4f}), {report(params)}, median step {step_s * 1e3:.1f} ms",
-              flush=True)
-    herring_jax.shutdown()
-
+    data_parallel.train(mesh, args, params, opt_state, step, next_local_batch, report)
 
 if __name__ == "__main__":
     main()

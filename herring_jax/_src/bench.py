@@ -151,7 +151,6 @@ def _table(results, n, link_gbps):
 def run(args) -> int:
     if args.worker:
         return _worker(args)
-    from herring_jax._src import launch
 
     env = dict(os.environ)
     if args.provider:

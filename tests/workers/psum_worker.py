@@ -35,7 +35,7 @@ def same(a, b, exact=False):
 
 def main() -> int:
     herring_jax.initialize()
-    rank, nproc = herring_jax.process_index(), herring_jax.process_count()
+    nproc = herring_jax.process_count()
     by_proc = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     ndev = by_proc.size
     local = ndev // nproc

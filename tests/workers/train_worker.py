@@ -62,7 +62,7 @@ def max_rel_diff(a, b) -> float:
 
 def main() -> int:
     herring_jax.initialize()
-    rank, nproc = herring_jax.process_index(), herring_jax.process_count()
+    rank = herring_jax.process_index()
     mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: d.process_index)),
                              ("p",))
     rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("p"))

@@ -134,6 +134,20 @@ struct ToBF16 {
   uint16_t operator()(float v) const { return FloatToBF16(v); }
 };
 
+// Integers add in unsigned arithmetic so overflow wraps like numpy's instead
+// of being undefined behaviour; a mean divides as signed.
+template <typename U, typename S>
+void ReduceInt(void* dst, const void* const* srcs, size_t n, size_t count, double divisor,
+               bool div) {
+  if (div) {
+    const S d = static_cast<S>(divisor);
+    Reduce<U, U>(dst, srcs, n, count, Same(), Same(),
+                 [=](U a) { return static_cast<U>(static_cast<S>(a) / d); });
+  } else {
+    Reduce<U, U>(dst, srcs, n, count, Same(), Same(), Same());
+  }
+}
+
 // The divide-or-not decision is a template parameter so that the common
 // sum case has no per-element branch.
 template <typename T, typename A, typename Load, typename Store>
@@ -167,27 +181,11 @@ void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t n, size_
       Dispatch<uint16_t, float, FromBF16, ToBF16>(dst, srcs, n, count,
                                                   static_cast<float>(divisor), div);
       break;
-    // Integers add in unsigned arithmetic so overflow wraps like numpy's
-    // instead of being undefined behaviour; a mean divides as signed.
     case DType::kInt32:
-      if (div) {
-        const int32_t d = static_cast<int32_t>(divisor);
-        Reduce<uint32_t, uint32_t>(dst, srcs, n, count, Same(), Same(), [=](uint32_t a) {
-          return static_cast<uint32_t>(static_cast<int32_t>(a) / d);
-        });
-      } else {
-        Reduce<uint32_t, uint32_t>(dst, srcs, n, count, Same(), Same(), Same());
-      }
+      ReduceInt<uint32_t, int32_t>(dst, srcs, n, count, divisor, div);
       break;
     case DType::kInt64:
-      if (div) {
-        const int64_t d = static_cast<int64_t>(divisor);
-        Reduce<uint64_t, uint64_t>(dst, srcs, n, count, Same(), Same(), [=](uint64_t a) {
-          return static_cast<uint64_t>(static_cast<int64_t>(a) / d);
-        });
-      } else {
-        Reduce<uint64_t, uint64_t>(dst, srcs, n, count, Same(), Same(), Same());
-      }
+      ReduceInt<uint64_t, int64_t>(dst, srcs, n, count, divisor, div);
       break;
     default:
       break;
