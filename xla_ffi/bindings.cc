@@ -42,6 +42,15 @@ NB_MODULE(_herring_ffi, m) {
     return d;
   });
 
+  // Handlers for XLA's CUDA platform; empty when built without a CUDA toolkit.
+  m.def("cuda_registrations", []() {
+    nb::dict d;
+#ifdef HERRING_WITH_CUDA
+    d["herring_allreduce"] = EncapsulateFfiHandler(HerringAllReduceCuda);
+#endif
+    return d;
+  });
+
   m.def(
       "create_communicator",
       [](int rank, int size, uint64_t token, const std::string& provider,

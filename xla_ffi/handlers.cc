@@ -2,6 +2,7 @@
 // thrown below may cross into XLA: every failure becomes an ffi::Error whose
 // message names the rank and says what to do.
 #include "handlers.h"
+#include "handler_common.h"
 
 #include <cstring>
 #include <exception>
@@ -17,11 +18,11 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace herring {
-namespace {
 
-namespace ffi = xla::ffi;
 using engine::DType;
 using engine::ReduceOp;
+
+namespace {
 
 DType FromXla(ffi::DataType t) {
   switch (t) {
@@ -93,6 +94,103 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
   return status;
 }
 
+}  // namespace
+
+ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,
+                      DecodedCall* call) {
+  call->comm = engine::Registry::Get().Find(attrs.comm);
+  if (!call->comm) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "herring_jax is not initialized (or was shut down) in this process: "
+                      "call herring_jax.initialize() before reducing");
+  }
+  call->where = "herring allreduce on rank " + std::to_string(call->comm->rank()) + ": ";
+  const std::string& where = call->where;
+  if (attrs.op != 0 && attrs.op != 1) {
+    return ffi::Error::InvalidArgument(where + "op must be 0 (sum) or 1 (mean)");
+  }
+  if (args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument(where + "operand and result counts differ");
+  }
+  for (size_t k = 0; k < args.size(); ++k) {
+    auto in = args.get<ffi::AnyBuffer>(k);
+    auto out = rets.get<ffi::AnyBuffer>(k);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    DType dtype = FromXla(in->element_type());
+    if (dtype == DType::kInvalid) {
+      return ffi::Error::InvalidArgument(
+          where + "unsupported element type for operand " + std::to_string(k) +
+          "; supported: float32, float64, bfloat16, float16, int32, int64");
+    }
+    if ((*out)->element_type() != in->element_type() ||
+        (*out)->element_count() != in->element_count()) {
+      return ffi::Error::InvalidArgument(where + "result " + std::to_string(k) +
+                                         " does not match its operand");
+    }
+    call->dtypes.push_back(dtype);
+    call->counts.push_back(in->element_count());
+    call->arrival.in.push_back(in->untyped_data());
+    call->arrival.out.push_back((*out)->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceCall(int32_t device, const CallAttrs& attrs, DecodedCall& call) {
+  const std::string& where = call.where;
+  const auto& local_devices = attrs.local_devices;
+  const auto& device_streams = attrs.device_streams;
+  if (device_streams.size() != local_devices.size() || attrs.stream_offsets.size() < 2) {
+    return ffi::Error::InvalidArgument(where + "malformed group attributes");
+  }
+  // A single-device computation may be lowered before its device is known:
+  // Python then passes -1, "whichever device runs this".
+  int index = local_devices.size() == 1 && local_devices[0] == -1 ? 0 : -1;
+  for (size_t i = 0; i < local_devices.size(); ++i) {
+    if (local_devices[i] == device) index = static_cast<int>(i);
+  }
+  if (index < 0) {
+    return ffi::Error::InvalidArgument(where + "device " + std::to_string(device) +
+                                       " is not among the local participants");
+  }
+  // This device's group (stream): its processes, and its place among the
+  // local devices of the same group (the order of the local sum).
+  const int64_t stream = device_streams[index];
+  if (stream < 0 || static_cast<size_t>(stream) + 1 >= attrs.stream_offsets.size()) {
+    return ffi::Error::InvalidArgument(where + "stream out of range");
+  }
+  int position = 0;
+  int local_count = 0;
+  for (size_t i = 0; i < device_streams.size(); ++i) {
+    if (device_streams[i] != stream) continue;
+    if (static_cast<int>(i) < index) ++position;
+    ++local_count;
+  }
+  std::vector<int> ranks(attrs.stream_ranks.begin() + attrs.stream_offsets[stream],
+                         attrs.stream_ranks.begin() + attrs.stream_offsets[stream + 1]);
+
+  auto work = [&](const std::vector<engine::LocalArrival>& all) {
+    return ReduceAll(*call.comm, static_cast<ReduceOp>(attrs.op),
+                     static_cast<uint64_t>(attrs.key), static_cast<uint64_t>(attrs.slot),
+                     static_cast<uint32_t>(stream), ranks, call.dtypes, call.counts, all);
+  };
+  engine::Status status;
+  if (local_count == 1) {
+    status = work({call.arrival});
+  } else {
+    // Matched by call site, not arrival order: XLA may start a device's
+    // independent calls in any order.
+    status = Rendezvous().Arrive(GroupKey(stream, ranks) + std::to_string(attrs.slot) + ":" +
+                                     std::to_string(attrs.key),
+                                 position, local_count, call.arrival,
+                                 call.comm->config().timeout_s + 10.0, work);
+  }
+  if (!status.ok()) return ffi::Error(ffi::ErrorCode::kInternal, where + status.message());
+  return ffi::Error::Success();
+}
+
+namespace {
+
 ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
                          ffi::Span<const int64_t> local_devices,
@@ -100,89 +198,12 @@ ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::Remaining
                          ffi::Span<const int64_t> stream_ranks,
                          ffi::Span<const int64_t> stream_offsets) {
   try {
-    std::shared_ptr<engine::Communicator> comm = engine::Registry::Get().Find(comm_handle);
-    if (!comm) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                        "herring_jax is not initialized (or was shut down) in this process: "
-                        "call herring_jax.initialize() before reducing");
-    }
-    const std::string where = "herring allreduce on rank " + std::to_string(comm->rank()) + ": ";
-    if (op != 0 && op != 1) return ffi::Error::InvalidArgument(where + "op must be 0 (sum) or 1 (mean)");
-    if (args.size() != rets.size()) {
-      return ffi::Error::InvalidArgument(where + "operand and result counts differ");
-    }
-    if (device_streams.size() != local_devices.size() || stream_offsets.size() < 2) {
-      return ffi::Error::InvalidArgument(where + "malformed group attributes");
-    }
-    // A single-device computation may be lowered before its device is known:
-    // Python then passes -1, "whichever device runs this".
-    int index = local_devices.size() == 1 && local_devices[0] == -1 ? 0 : -1;
-    for (size_t i = 0; i < local_devices.size(); ++i) {
-      if (local_devices[i] == device) index = static_cast<int>(i);
-    }
-    if (index < 0) {
-      return ffi::Error::InvalidArgument(where + "device " + std::to_string(device) +
-                                         " is not among the local participants");
-    }
-    // This device's group (stream): its processes, and its place among the
-    // local devices of the same group (the order of the local sum).
-    const int64_t stream = device_streams[index];
-    if (stream < 0 || static_cast<size_t>(stream) + 1 >= stream_offsets.size()) {
-      return ffi::Error::InvalidArgument(where + "stream out of range");
-    }
-    int position = 0;
-    int local_count = 0;
-    for (size_t i = 0; i < device_streams.size(); ++i) {
-      if (device_streams[i] != stream) continue;
-      if (static_cast<int>(i) < index) ++position;
-      ++local_count;
-    }
-    std::vector<int> ranks(stream_ranks.begin() + stream_offsets[stream],
-                           stream_ranks.begin() + stream_offsets[stream + 1]);
-
-    engine::LocalArrival arrival;
-    std::vector<DType> dtypes;
-    std::vector<size_t> counts;
-    for (size_t k = 0; k < args.size(); ++k) {
-      auto in = args.get<ffi::AnyBuffer>(k);
-      auto out = rets.get<ffi::AnyBuffer>(k);
-      if (in.has_error()) return in.error();
-      if (out.has_error()) return out.error();
-      DType dtype = FromXla(in->element_type());
-      if (dtype == DType::kInvalid) {
-        return ffi::Error::InvalidArgument(
-            where + "unsupported element type for operand " + std::to_string(k) +
-            "; supported: float32, float64, bfloat16, float16, int32, int64");
-      }
-      if ((*out)->element_type() != in->element_type() ||
-          (*out)->element_count() != in->element_count()) {
-        return ffi::Error::InvalidArgument(where + "result " + std::to_string(k) +
-                                           " does not match its operand");
-      }
-      dtypes.push_back(dtype);
-      counts.push_back(in->element_count());
-      arrival.in.push_back(in->untyped_data());
-      arrival.out.push_back((*out)->untyped_data());
-    }
-
-    auto work = [&](const std::vector<engine::LocalArrival>& all) {
-      return ReduceAll(*comm, static_cast<ReduceOp>(op), static_cast<uint64_t>(key),
-                       static_cast<uint64_t>(slot), static_cast<uint32_t>(stream), ranks,
-                       dtypes, counts, all);
-    };
-    engine::Status status;
-    if (local_count == 1) {
-      status = work({std::move(arrival)});
-    } else {
-      // Matched by call site, not arrival order: XLA may start a device's
-      // independent calls in any order.
-      status = Rendezvous().Arrive(GroupKey(stream, ranks) + std::to_string(slot) + ":" +
-                                       std::to_string(key),
-                                   position, local_count, std::move(arrival),
-                                   comm->config().timeout_s + 10.0, work);
-    }
-    if (!status.ok()) return ffi::Error(ffi::ErrorCode::kInternal, where + status.message());
-    return ffi::Error::Success();
+    CallAttrs attrs{comm_handle,   op,           key,          slot,
+                    local_devices, device_streams, stream_ranks, stream_offsets};
+    DecodedCall call;
+    ffi::Error error = DecodeCall(args, rets, attrs, &call);
+    if (error.failure()) return error;
+    return ReduceCall(device, attrs, call);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("herring allreduce: ") + e.what());
   } catch (...) {

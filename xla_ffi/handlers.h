@@ -8,6 +8,11 @@ namespace herring {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduce);
 
+#ifdef HERRING_WITH_CUDA
+// cuda_handlers.cc: the same call on XLA's CUDA platform.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceCuda);
+#endif
+
 }  // namespace herring
 
 #endif  // HERRING_HANDLERS_H_

@@ -248,7 +248,8 @@ def _batch(args, dims, *, op, axes):
 allreduce_p = jex_core.Primitive("herring_allreduce")
 allreduce_p.multiple_results = True
 allreduce_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(allreduce_p, _lowering, platform="cpu", cacheable=False)
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(allreduce_p, _lowering, platform=_platform, cacheable=False)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose
 batching.primitive_batchers[allreduce_p] = _batch

@@ -51,7 +51,25 @@ def _register_targets() -> None:
         return
     for name, capsule in _ext.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    # The CUDA handler exists when the extension was built with a CUDA
+    # toolkit; it is registered only where jax has CUDA devices.
+    cuda = _ext.cuda_registrations()
+    if cuda and _has_cuda():
+        for name, capsule in cuda.items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     _targets_registered = True
+
+
+def _has_cuda() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def cuda_handler_built() -> bool:
+    """Whether this build of herring_jax includes the CUDA platform handler."""
+    return bool(_ext.cuda_registrations())
 
 
 def _local_address_towards(coordinator: str | None) -> str:

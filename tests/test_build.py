@@ -1,0 +1,18 @@
+"""What the build produced: the CPU handler always, the CUDA handler exactly
+when a CUDA toolkit (nvcc) is on the build machine (CI compile-checks it)."""
+
+import shutil
+
+from herring_jax import _herring_ffi
+from herring_jax._src import runtime
+
+
+def test_cpu_handler_registered():
+    assert sorted(_herring_ffi.registrations()) == ["herring_allreduce"]
+
+
+def test_cuda_handler_built_when_toolkit_present():
+    has_toolkit = shutil.which("nvcc") is not None
+    assert runtime.cuda_handler_built() == has_toolkit
+    if has_toolkit:
+        assert sorted(_herring_ffi.cuda_registrations()) == ["herring_allreduce"]

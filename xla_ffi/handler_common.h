@@ -1,0 +1,51 @@
+// The part of the allreduce handler shared by every platform: decoding the
+// call and running the hierarchical reduction on host buffers. A platform's
+// handler (CPU: handlers.cc, CUDA: cuda_handlers.cc) decodes, points the
+// arrival at host memory (staging it if needed), and calls ReduceCall.
+#ifndef HERRING_HANDLER_COMMON_H_
+#define HERRING_HANDLER_COMMON_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/communicator.h"
+#include "engine/local_rendezvous.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace herring {
+
+namespace ffi = xla::ffi;
+
+// The custom call's attributes (see the binding in handlers.cc).
+struct CallAttrs {
+  int64_t comm;
+  int64_t op;
+  int64_t key;
+  int64_t slot;
+  ffi::Span<const int64_t> local_devices;
+  ffi::Span<const int64_t> device_streams;
+  ffi::Span<const int64_t> stream_ranks;
+  ffi::Span<const int64_t> stream_offsets;
+};
+
+struct DecodedCall {
+  std::shared_ptr<engine::Communicator> comm;
+  std::string where;               // "herring allreduce on rank R: "
+  engine::LocalArrival arrival;    // XLA's buffer pointers, one per operand
+  std::vector<engine::DType> dtypes;
+  std::vector<size_t> counts;
+};
+
+// Finds the communicator and checks and collects the buffers.
+ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,
+                      DecodedCall* call);
+
+// Reduces `call.arrival` (host memory) with the other local devices of the
+// same group and across processes; the result lands in `call.arrival.out`.
+ffi::Error ReduceCall(int32_t device, const CallAttrs& attrs, DecodedCall& call);
+
+}  // namespace herring
+
+#endif  // HERRING_HANDLER_COMMON_H_
