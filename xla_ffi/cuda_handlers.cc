@@ -139,18 +139,10 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::Remaining
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     HerringAllReduceCuda, CudaAllReduceImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()    // XLA's stream for this device
-        .Ctx<ffi::DeviceOrdinal>()                   // global id of the calling device
-        .RemainingArgs()                             // device buffers to reduce
-        .RemainingRets()                             // reduced device buffers
-        .Attr<int64_t>("comm")                       // as for the CPU handler
-        .Attr<int64_t>("op")
-        .Attr<int64_t>("key")
-        .Attr<int64_t>("slot")
-        .Attr<ffi::Span<const int64_t>>("local_devices")
-        .Attr<ffi::Span<const int64_t>>("device_streams")
-        .Attr<ffi::Span<const int64_t>>("stream_ranks")
-        .Attr<ffi::Span<const int64_t>>("stream_offsets"));
+    BindAllReduceAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                           .Ctx<ffi::DeviceOrdinal>()  // global id of the calling device
+                           .RemainingArgs()            // device buffers to reduce
+                           .RemainingRets()));         // reduced device buffers
 
 }  // namespace herring

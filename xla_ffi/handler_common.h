@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/communicator.h"
@@ -37,6 +38,21 @@ struct DecodedCall {
   std::vector<engine::DType> dtypes;
   std::vector<size_t> counts;
 };
+
+// Adds the attributes every allreduce handler takes, in CallAttrs order, to
+// a binding that already has its context, operands and results.
+template <typename Binding>
+auto BindAllReduceAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("comm")                   // communicator handle (registry)
+      .template Attr<int64_t>("op")                     // 0 sum, 1 mean
+      .template Attr<int64_t>("key")                    // description hash, checked on the wire
+      .template Attr<int64_t>("slot")                   // call site id, same on every process
+      .template Attr<ffi::Span<const int64_t>>("local_devices")    // this process's devices
+      .template Attr<ffi::Span<const int64_t>>("device_streams")   // group of each of them
+      .template Attr<ffi::Span<const int64_t>>("stream_ranks")     // processes of each group,
+      .template Attr<ffi::Span<const int64_t>>("stream_offsets");  // concatenated; offsets
+}
 
 // Finds the communicator and checks and collects the buffers.
 ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,

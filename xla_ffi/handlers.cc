@@ -215,17 +215,9 @@ ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::Remaining
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     HerringAllReduce, AllReduceImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::DeviceOrdinal>()                   // global id of the calling device
-        .RemainingArgs()                             // buffers to reduce
-        .RemainingRets()                             // reduced buffers, same types
-        .Attr<int64_t>("comm")                       // communicator handle (registry)
-        .Attr<int64_t>("op")                         // 0 sum, 1 mean
-        .Attr<int64_t>("key")                        // description hash, checked on the wire
-        .Attr<int64_t>("slot")                       // call site id, same on every process
-        .Attr<ffi::Span<const int64_t>>("local_devices")    // this process's devices, in order
-        .Attr<ffi::Span<const int64_t>>("device_streams")   // group (stream) of each of them
-        .Attr<ffi::Span<const int64_t>>("stream_ranks")     // processes of each group, sorted,
-        .Attr<ffi::Span<const int64_t>>("stream_offsets")); // concatenated; offsets per group
+    BindAllReduceAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::DeviceOrdinal>()  // global id of the calling device
+                           .RemainingArgs()            // buffers to reduce
+                           .RemainingRets()));         // reduced buffers, same types
 
 }  // namespace herring
