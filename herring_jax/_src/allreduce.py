@@ -94,7 +94,14 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
             # call sites (see _next_slot).
             reduced = allreduce_p.bind(*args, op=op, axes=None)
         else:
-            reduced = _allreduce_jit(args, op=op)
+            # Eager: wait for the result, so that a failed reduction raises
+            # HerringError here rather than later from some other array.
+            try:
+                reduced = jax.block_until_ready(_allreduce_jit(args, op=op))
+            except jax.errors.JaxRuntimeError as e:
+                if "herring allreduce" in str(e):
+                    raise HerringError(str(e)) from e
+                raise
         for i, r in zip(reduce_idx, reduced):
             outs[i] = r
     return jax.tree_util.tree_unflatten(treedef, outs)
@@ -128,8 +135,9 @@ def _key(op: str, avals) -> int:
 
 # The handler's "whichever device runs this" for single-device computations.
 _ANY_DEVICE = -1
-# Groups per call: the wire tag has 6 bits for the group.
-_MAX_STREAMS = 64
+# Groups per call: the wire tag has 6 bits for the group, and the last value
+# is the engine's control stream.
+_MAX_STREAMS = 63
 
 
 def _layout(ctx, axes):

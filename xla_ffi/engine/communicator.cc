@@ -128,7 +128,9 @@ std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Sta
     return nullptr;
   }
   std::unique_ptr<Communicator> comm(new Communicator(config));
-  comm->transport_ = transport::CreateFabricTransport(config.transport, status);
+  transport::TransportOptions options = config.transport;
+  options.post_timeout_s = config.timeout_s;
+  comm->transport_ = transport::CreateFabricTransport(options, status);
   if (!status->ok()) return nullptr;
   size_t max_payload = comm->transport_->MaxMessageBytes() - sizeof(WireHeader);
   comm->config_.chunk_bytes = std::max<size_t>(64, std::min(config.chunk_bytes, max_payload));
@@ -156,8 +158,74 @@ Status Communicator::Connect(const std::vector<std::vector<uint8_t>>& addrs) {
                          std::to_string(addrs.size()));
   }
   Status s = transport_->SetPeers(addrs);
-  if (s.ok()) connected_ = true;
+  if (!s.ok()) return s;
+  control_.resize(kControlRecvs);
+  for (size_t i = 0; i < kControlRecvs; ++i) PostControlRecv(i);
+  connected_ = true;
   return s;
+}
+
+void Communicator::PostControlRecv(size_t slot) {
+  ControlBuffer& b = control_[slot];
+  transport::IoVec iov[2] = {{&b.header, sizeof(b.header)}, {b.text, sizeof(b.text)}};
+  // Any sender: the sender bits of the tag are ignored.
+  Status s = transport_->Recv(MakeControlTag(0), kSenderBits, iov, 2,
+                              [this, slot](const transport::Completion& c) {
+                                OnControl(slot, c);
+                              });
+  if (!s.ok()) {
+    std::fprintf(stderr, "herring_jax rank %d: cannot post a control receive: %s\n",
+                 config_.rank, s.message().c_str());
+  }
+}
+
+void Communicator::OnControl(size_t slot, const transport::Completion& c) {
+  if (!c.ok) return;  // cancelled at shutdown or after a failure
+  const ControlBuffer& b = control_[slot];
+  const uint32_t sender = TagSender(c.tag);
+  std::string why;
+  if (!CheckAbortHeader(b.header, c.len, config_.token, sender, &why)) {
+    if (dropped_.fetch_add(1) < 10) {
+      std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
+                   why.c_str());
+    }
+    Enqueue([this, slot] { PostControlRecv(slot); });
+    return;
+  }
+  const std::string reason(b.text, c.len - sizeof(WireHeader));
+  const std::string message = "rank " + std::to_string(sender) + " failed: " + reason;
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_.empty()) broken_ = message;
+  }
+  std::lock_guard<std::mutex> lock(active_mu_);
+  for (Batch* batch : active_) Fail(batch, message, /*tell_peers=*/false);
+}
+
+void Communicator::BroadcastAbort(const std::string& why) {
+  std::call_once(abort_once_, [&] {
+    const size_t len = std::min(why.size(), kAbortTextBytes);
+    std::memcpy(abort_out_.text, why.data(), len);
+    WireHeader& h = abort_out_.header;
+    h = WireHeader{};
+    h.magic = kMagic;
+    h.version = kWireVersion;
+    h.kind = static_cast<uint8_t>(MsgKind::kAbort);
+    h.dtype = static_cast<uint8_t>(DType::kFloat32);
+    h.token = config_.token;
+    h.src_rank = static_cast<uint32_t>(config_.rank);
+    h.stream = kControlStream;
+    h.payload_bytes = len;
+    SealHeader(&h);
+    for (int peer = 0; peer < config_.size; ++peer) {
+      if (peer == config_.rank) continue;
+      transport::IoVec iov[2] = {{&abort_out_.header, sizeof(WireHeader)},
+                                 {abort_out_.text, len}};
+      // Best effort: a dead peer never completes this, and nothing waits on it.
+      transport_->Send(peer, MakeControlTag(config_.rank), iov, len > 0 ? 2 : 1,
+                       [](const transport::Completion&) {});
+    }
+  });
 }
 
 std::string Communicator::Describe() const {
@@ -191,7 +259,7 @@ void Communicator::ServerLoop() {
   }
 }
 
-void Communicator::Fail(Batch* batch, const std::string& why) {
+void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
   {
     std::lock_guard<std::mutex> lock(batch->mu);
     if (!batch->failed) {
@@ -200,8 +268,13 @@ void Communicator::Fail(Batch* batch, const std::string& why) {
     }
   }
   batch->cv.notify_all();
-  std::lock_guard<std::mutex> lock(broken_mu_);
-  if (broken_.empty()) broken_ = why;
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_.empty()) broken_ = why;
+  }
+  // Sent from a server thread: Fail also runs on the progress thread, which
+  // must never wait on the transport's queues itself.
+  if (tell_peers && connected_) Enqueue([this, why] { BroadcastAbort(why); });
 }
 
 Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
@@ -213,7 +286,7 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
     }
   }
   if (!connected_) return Status::Error("communicator is not connected; call initialize()");
-  if (stream >= kMaxStreams) return Status::Error("stream id out of range");
+  if (stream >= kControlStream) return Status::Error("stream id out of range");
   auto self = std::find(group.begin(), group.end(), config_.rank);
   if (group.empty() || !std::is_sorted(group.begin(), group.end()) || self == group.end() ||
       group.front() < 0 || group.back() >= config_.size ||
@@ -239,6 +312,18 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   auto batch = std::make_unique<Batch>();
   batch->stream = stream;
   batch->group = group;
+  {
+    std::lock_guard<std::mutex> lock(active_mu_);
+    active_.insert(batch.get());
+  }
+  struct Deactivate {
+    Communicator* comm;
+    Batch* batch;
+    ~Deactivate() {
+      std::lock_guard<std::mutex> lock(comm->active_mu_);
+      comm->active_.erase(batch);
+    }
+  } deactivate{this, batch.get()};
   {
     std::lock_guard<std::mutex> lock(rounds_mu_);
     for (ReduceRequest& r : requests) {

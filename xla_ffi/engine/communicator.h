@@ -13,12 +13,14 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <set>
 #include <thread>
 #include <tuple>
 #include <vector>
 
 #include "engine/buffer_pool.h"
 #include "engine/dtype.h"
+#include "engine/wire.h"
 #include "transport/transport.h"
 
 namespace herring::engine {
@@ -86,13 +88,20 @@ class Communicator {
   explicit Communicator(const CommConfig& config);
 
   Status StartJob(Batch* batch, Job* job);
+  // Control plane: a failing rank tells every other rank at once, so that
+  // nobody waits for HERRING_TIMEOUT_S on a job that cannot finish.
+  void PostControlRecv(size_t slot);
+  void OnControl(size_t slot, const transport::Completion& c);
+  void BroadcastAbort(const std::string& why);
   void PostContributionRecv(Job* job, int peer_index, size_t chunk);
   void PostResultRecv(Job* job, int part, size_t chunk);
   void OnContribution(Job* job, int peer_index, size_t chunk, const transport::Completion& c);
   void OnResult(Job* job, int part, size_t chunk, const transport::Completion& c);
   void ReduceChunk(Job* job, size_t chunk);
   void SendDone(Job* job, const transport::Completion& c);
-  void Fail(Batch* batch, const std::string& why);
+  // Fails the batch; the first failure of this process also breaks the
+  // communicator and (with `tell_peers`) is broadcast to every other rank.
+  void Fail(Batch* batch, const std::string& why, bool tell_peers = true);
   void Enqueue(std::function<void()> task);
   void ServerLoop();
   std::string MissingReport(const Batch& batch) const;
@@ -110,6 +119,20 @@ class Communicator {
   // messages of the failed reduction may still be in flight.
   std::mutex broken_mu_;
   std::string broken_;
+
+  // Batches in flight, failed all at once when a peer aborts.
+  std::mutex active_mu_;
+  std::set<Batch*> active_;
+
+  static constexpr size_t kControlRecvs = 2;
+  static constexpr size_t kAbortTextBytes = 2048;
+  struct ControlBuffer {
+    WireHeader header;
+    char text[kAbortTextBytes];
+  };
+  std::vector<ControlBuffer> control_;  // posted receives
+  ControlBuffer abort_out_;             // what this rank broadcasts, sent once
+  std::once_flag abort_once_;
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

@@ -25,6 +25,21 @@ std::string Describe(DType dtype, uint64_t elems, ReduceOp op, uint64_t key) {
 }
 }  // namespace
 
+bool CheckAbortHeader(const WireHeader& h, size_t len, uint64_t token, uint32_t sender,
+                      std::string* why) {
+  if (len < sizeof(WireHeader) || h.magic != kMagic || h.version != kWireVersion ||
+      h.checksum != HeaderChecksum(h)) {
+    *why = "malformed control message";
+    return false;
+  }
+  if (h.kind != static_cast<uint8_t>(MsgKind::kAbort) || h.token != token ||
+      h.src_rank != sender || h.payload_bytes != len - sizeof(WireHeader)) {
+    *why = "control message with wrong kind, token, sender or length";
+    return false;
+  }
+  return true;
+}
+
 HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& want,
                           std::string* why) {
   if (len < sizeof(WireHeader)) {
@@ -42,8 +57,8 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
     return HeaderVerdict::kMalformed;
   }
   if (!IsValidDType(h.dtype) || !IsValidOp(h.op) ||
-      (h.kind != static_cast<uint8_t>(MsgKind::kContribution) &&
-       h.kind != static_cast<uint8_t>(MsgKind::kResult))) {
+      h.kind < static_cast<uint8_t>(MsgKind::kContribution) ||
+      h.kind > static_cast<uint8_t>(MsgKind::kAbort)) {
     *why = "invalid dtype, op or kind";
     return HeaderVerdict::kMalformed;
   }

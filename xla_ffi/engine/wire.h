@@ -14,6 +14,7 @@ namespace herring::engine {
 enum class MsgKind : uint8_t {
   kContribution = 1,  // worker -> server: one chunk of the worker's part
   kResult = 2,        // server -> worker: the reduced chunk
+  kAbort = 3,         // any -> all: this rank failed; payload is the reason (text)
 };
 
 // Tag layout (matching only; the header is authoritative):
@@ -38,6 +39,15 @@ inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t sl
          (static_cast<uint64_t>(stream & 0x3f) << 44) | ((slot & 0x3fff) << 30) |
          ((round & 0xffff) << 14) | (chunk & 0x3fff);
 }
+
+// The last stream is reserved for control messages (aborts); reductions use
+// streams 0 .. kMaxStreams - 2.
+constexpr uint32_t kControlStream = kMaxStreams - 1;
+constexpr uint64_t kSenderBits = 0x1fffull << 50;
+inline uint64_t MakeControlTag(uint32_t src) {
+  return MakeTag(MsgKind::kContribution, src, kControlStream, 0, 0, 0);
+}
+inline uint32_t TagSender(uint64_t tag) { return static_cast<uint32_t>((tag >> 50) & 0x1fff); }
 
 constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 constexpr uint16_t kWireVersion = 1;
@@ -92,6 +102,11 @@ enum class HeaderVerdict {
   kStranger,   // wrong token or wrong sender/stream/round: drop
   kMismatch,   // a genuine peer reduced something different: fail the job
 };
+
+// Checks a received abort message (header, then `received_len` - header
+// bytes of reason text) from `sender` (the tag's sender).
+bool CheckAbortHeader(const WireHeader& h, size_t received_len, uint64_t token,
+                      uint32_t sender, std::string* why);
 
 // Checks a received message: `header` points at its first sizeof(WireHeader)
 // bytes (fewer were written if `received_len` is smaller) and `received_len`

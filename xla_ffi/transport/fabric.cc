@@ -76,6 +76,7 @@ class FabricTransport final : public Transport {
 
   Status Open(const TransportOptions& options) {
     force_mr_ = options.force_mr;
+    post_timeout_s_ = options.post_timeout_s;
     InfoPtr hints(fi_allocinfo());
     if (!hints) return Status::Error("fi_allocinfo failed");
     hints->caps = FI_TAGGED;
@@ -251,17 +252,27 @@ class FabricTransport final : public Transport {
     }
     outstanding_.fetch_add(1);
     // -FI_EAGAIN means the provider's queues are full: the progress thread
-    // drains them, so wait for it rather than fail.
+    // drains them, so wait for it rather than fail, but not forever (a peer
+    // that died keeps its connection's queue full).
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(post_timeout_s_));
     for (int spins = 0;; ++spins) {
       ssize_t ret = is_recv
                         ? fi_trecvv(ep_.get(), iovs, desc, iov_count, addr, tag, ignore, raw)
                         : fi_tsendv(ep_.get(), iovs, desc, iov_count, addr, tag, raw);
       if (ret == 0) break;
-      if (ret != -FI_EAGAIN || !running_) {
+      const bool expired = ret == -FI_EAGAIN && std::chrono::steady_clock::now() > deadline;
+      if (ret != -FI_EAGAIN || !running_ || expired) {
         Forget(raw);
         ReleaseRegistrations(raw);
         delete raw;
-        return Status::Error(FiError(is_recv ? "fi_trecvv" : "fi_tsendv", static_cast<int>(ret)));
+        return Status::Error(
+            expired ? std::string(is_recv ? "fi_trecvv" : "fi_tsendv") +
+                          " stayed busy (-FI_EAGAIN) for " +
+                          std::to_string(static_cast<int>(post_timeout_s_)) +
+                          " s: the peer is unreachable or not making progress"
+                    : FiError(is_recv ? "fi_trecvv" : "fi_tsendv", static_cast<int>(ret)));
       }
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
       else sched_yield();
@@ -396,6 +407,7 @@ class FabricTransport final : public Transport {
   std::vector<uint8_t> address_;
   std::vector<fi_addr_t> peers_;
   bool force_mr_ = false;
+  double post_timeout_s_ = 300.0;
   bool need_mr_ = false;
   bool prov_key_ = false;
   bool can_wait_ = false;

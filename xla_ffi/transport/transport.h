@@ -58,6 +58,9 @@ struct TransportOptions {
   std::string provider;       // libfabric provider name, e.g. "tcp;ofi_rxm"
   std::string interface;      // network interface or node to bind, may be empty
   bool force_mr = false;      // register every buffer even if not required
+  // How long a post may wait for room in the provider's queues (-FI_EAGAIN),
+  // e.g. while a connection to an unreachable peer hangs.
+  double post_timeout_s = 300.0;
 };
 
 class Transport {
