@@ -81,7 +81,7 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::Remaining
                              ffi::Span<const int64_t> device_streams,
                              ffi::Span<const int64_t> stream_ranks,
                              ffi::Span<const int64_t> stream_offsets) {
-  try {
+  return NoThrow("herring allreduce (CUDA)", [&]() -> ffi::Error {
     CallAttrs attrs{comm_handle,   op,           key,          slot,
                     local_devices, device_streams, stream_ranks, stream_offsets};
     DecodedCall call;
@@ -128,11 +128,7 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::Remaining
     err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) return CudaError(where, "cudaStreamSynchronize", err);
     return ffi::Error::Success();
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("herring allreduce (CUDA): ") + e.what());
-  } catch (...) {
-    return ffi::Error::Internal("herring allreduce (CUDA): unknown C++ exception");
-  }
+  });
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #define HERRING_HANDLER_COMMON_H_
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <utility>
@@ -52,6 +53,19 @@ auto BindAllReduceAttrs(Binding binding) {
       .template Attr<ffi::Span<const int64_t>>("device_streams")   // group of each of them
       .template Attr<ffi::Span<const int64_t>>("stream_ranks")     // processes of each group,
       .template Attr<ffi::Span<const int64_t>>("stream_offsets");  // concatenated; offsets
+}
+
+// Runs a handler body so that no C++ exception crosses into XLA: anything
+// thrown becomes an ffi::Error that says where it came from.
+template <typename Body>
+ffi::Error NoThrow(const char* what, Body&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string(what) + ": " + e.what());
+  } catch (...) {
+    return ffi::Error::Internal(std::string(what) + ": unknown C++ exception");
+  }
 }
 
 // Finds the communicator and checks and collects the buffers.

@@ -197,18 +197,14 @@ ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::Remaining
                          ffi::Span<const int64_t> device_streams,
                          ffi::Span<const int64_t> stream_ranks,
                          ffi::Span<const int64_t> stream_offsets) {
-  try {
+  return NoThrow("herring allreduce", [&] {
     CallAttrs attrs{comm_handle,   op,           key,          slot,
                     local_devices, device_streams, stream_ranks, stream_offsets};
     DecodedCall call;
     ffi::Error error = DecodeCall(args, rets, attrs, &call);
     if (error.failure()) return error;
     return ReduceCall(device, attrs, call);
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("herring allreduce: ") + e.what());
-  } catch (...) {
-    return ffi::Error::Internal("herring allreduce: unknown C++ exception");
-  }
+  });
 }
 
 }  // namespace
