@@ -169,10 +169,10 @@ void Communicator::PostControlRecv(size_t slot) {
   ControlBuffer& b = control_[slot];
   transport::IoVec iov[2] = {{&b.header, sizeof(b.header)}, {b.text, sizeof(b.text)}};
   // Any sender: the sender bits of the tag are ignored.
-  Status s = transport_->Recv(MakeControlTag(0), kSenderBits, iov, 2,
-                              [this, slot](const transport::Completion& c) {
-                                OnControl(slot, c);
-                              });
+  Status s = transport_->Recv(
+      MakeControlTag(0), kSenderBits, iov, 2,
+      [this, slot](const transport::Completion& c) { OnControl(slot, c); },
+      /*background=*/true);
   if (!s.ok()) {
     std::fprintf(stderr, "herring_jax rank %d: cannot post a control receive: %s\n",
                  config_.rank, s.message().c_str());

@@ -68,6 +68,7 @@ struct Op {
   Callback done;
   std::vector<fid_mr*> mrs;
   bool is_recv = false;
+  bool counted = true;  // in outstanding_ (background receives are not)
 };
 
 class FabricTransport final : public Transport {
@@ -196,8 +197,9 @@ class FabricTransport final : public Transport {
   }
 
   Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov, size_t iov_count,
-              Callback done) override {
-    return Post(/*is_recv=*/true, FI_ADDR_UNSPEC, tag, ignore, iov, iov_count, std::move(done));
+              Callback done, bool background) override {
+    return Post(/*is_recv=*/true, FI_ADDR_UNSPEC, tag, ignore, iov, iov_count, std::move(done),
+                background);
   }
 
   void CancelAll() override {
@@ -220,13 +222,14 @@ class FabricTransport final : public Transport {
 
  private:
   Status Post(bool is_recv, fi_addr_t addr, uint64_t tag, uint64_t ignore, const IoVec* iov,
-              size_t iov_count, Callback done) {
+              size_t iov_count, Callback done, bool background = false) {
     if (iov_count == 0 || iov_count > kMaxIov || iov_count > info_->tx_attr->iov_limit)
       return Status::Error("bad iov count " + std::to_string(iov_count));
     auto op = std::make_unique<Op>();
     std::memset(&op->ctx, 0, sizeof(op->ctx));
     op->done = std::move(done);
     op->is_recv = is_recv;
+    op->counted = !background;
     iovec iovs[kMaxIov];
     void* desc[kMaxIov] = {};
     for (size_t i = 0; i < iov_count; ++i) {
@@ -250,7 +253,7 @@ class FabricTransport final : public Transport {
       std::lock_guard<std::mutex> lock(live_mu_);
       live_.insert(raw);
     }
-    outstanding_.fetch_add(1);
+    if (raw->counted) outstanding_.fetch_add(1);
     // -FI_EAGAIN means the provider's queues are full: the progress thread
     // drains them, so wait for it rather than fail, but not forever (a peer
     // that died keeps its connection's queue full).
@@ -281,12 +284,17 @@ class FabricTransport final : public Transport {
     return Status::Ok();
   }
 
+  size_t LiveOps() {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    return live_.size();
+  }
+
   void Forget(Op* op) {
     {
       std::lock_guard<std::mutex> lock(live_mu_);
       live_.erase(op);
     }
-    outstanding_.fetch_sub(1);
+    if (op->counted) outstanding_.fetch_sub(1);
   }
 
   static void ReleaseRegistrations(Op* op) {
@@ -376,7 +384,7 @@ class FabricTransport final : public Transport {
       // Give canceled and in-flight operations a moment to complete so their
       // callbacks (which reference engine state) run before teardown.
       auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-      while (outstanding_.load() > 0 && std::chrono::steady_clock::now() < deadline) {
+      while (LiveOps() > 0 && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       running_ = false;

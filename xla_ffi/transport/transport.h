@@ -80,9 +80,11 @@ class Transport {
                       Callback done) = 0;
 
   // Posts a receive matching any sender's message whose tag equals `tag` on
-  // the bits not set in `ignore`, scattered into `iov`.
+  // the bits not set in `ignore`, scattered into `iov`. A `background`
+  // receive (one kept posted for rare control messages) does not count as
+  // work in flight, so an idle endpoint stays idle.
   virtual Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov,
-                      size_t iov_count, Callback done) = 0;
+                      size_t iov_count, Callback done, bool background = false) = 0;
 
   // Cancels every posted receive; their callbacks run with ok == false.
   virtual void CancelAll() = 0;
@@ -93,7 +95,7 @@ class Transport {
   // Human-readable provider and fabric description for logs and errors.
   virtual std::string Describe() const = 0;
 
-  // Operations posted and not yet completed.
+  // Operations posted and not yet completed (background receives excluded).
   virtual size_t Outstanding() const = 0;
 };
 
