@@ -1,17 +1,18 @@
-"""herring-jax bench: all-reduce time of herring_jax against its peers, measured
-in the same invocation on the same buffers.
+"""herring-jax bench: herring_jax's all-reduce against its peers, in one run.
 
-  herring-jax bench -n 4 [--sizes-mib 1,16,64,256] [--iters 10] [--json out.json]
+  herring-jax bench -n 4 [--provider 'tcp;ofi_rxm'] [--sizes-mib 1,16,64] [--json out.json]
   python -m herring_jax.bench -n 4 ...
 
-Peers measured now: jax.lax.psum across processes (JAX's gloo CPU
-collectives). Every result is checked; the table gives the median and minimum
-time over --iters runs after --warmup runs, algorithmic bandwidth (bytes /
-time), bus bandwidth (algbw * 2(n-1)/n), the speed-up of herring over each
-peer, and a bound: the fewest seconds the parameter-server algorithm needs
-when each process moves 2(n-1)/n * bytes over a link of the transport's
-point-to-point bandwidth, measured here with fi_pingpong (or given with
---link-gbps).
+The driver (main / run) starts n worker processes through herring-jax launch;
+each worker (worker_main) times every peer on the same float32 buffers in the
+same order, checks every result, and rank 0 gathers the timings through the
+jax.distributed key-value store and prints the table. Workers can also be
+started by any other launcher (SLURM, mpirun) with `--worker`.
+
+Peers measured now: herring (herring_jax.allreduce under jax.jit) and jax_psum
+(jax.lax.psum in shard_map over one device per process, i.e. JAX's gloo CPU
+collectives). A peer is a class in PEERS, so mpi4jax, mpi4py and torch can be
+added without touching the timing loop.
 """
 
 from __future__ import annotations
@@ -23,187 +24,408 @@ import os
 import platform
 import re
 import shutil
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 
-PEERS = ("herring", "jax_psum")
-_RESULT = "HERRING_BENCH "
+import numpy as np
 
+_KV_PREFIX = "herring_jax_bench"
+_KV_TIMEOUT_MS = 600_000
+_BOUND_FORMULA = "bound = 2(n-1)/n * bytes / link"
+
+
+# -- peers -------------------------------------------------------------------
+
+class _Peer:
+    """One all-reduce implementation, timed on the same buffers as the others.
+
+    configure() runs before jax.distributed starts (backend choices must
+    precede it); __init__(rank, n) builds what does not depend on the size;
+    prepare(local) takes this process's buffer; run() reduces it and blocks;
+    result(out) is this process's copy of the sum as numpy.
+    """
+
+    label = ""
+
+    @staticmethod
+    def configure() -> None:
+        pass
+
+    def __init__(self, rank: int, n: int):
+        self._fn = self._arg = None
+
+    def prepare(self, local: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def run(self):
+        import jax
+        return jax.block_until_ready(self._fn(self._arg))
+
+    @staticmethod
+    def result(out) -> np.ndarray:
+        return np.asarray(out)
+
+
+class _HerringPeer(_Peer):
+    label = "herring_jax.allreduce under jax.jit, process-local buffer"
+
+    def __init__(self, rank: int, n: int):
+        import jax
+        import herring_jax
+        super().__init__(rank, n)
+        self._fn = jax.jit(lambda v: herring_jax.allreduce(v))
+
+    def prepare(self, local: np.ndarray) -> None:
+        import jax.numpy as jnp
+        self._arg = jnp.asarray(local)
+
+
+class _JaxPsumPeer(_Peer):
+    label = "jax.lax.psum in jitted shard_map, one device per process (gloo)"
+
+    @staticmethod
+    def configure() -> None:
+        import jax
+        # Without it jax has no cross-process CPU collectives; gloo is also
+        # jax 0.10's default, set here so the peer is what the table says.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    def __init__(self, rank: int, n: int):
+        import jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        super().__init__(rank, n)
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        if len(devices) != n:
+            raise SystemExit(f"jax_psum wants one device per process, found {len(devices)} "
+                             f"devices for {n} processes")
+        mesh = Mesh(np.array(devices), ("p",))
+        # jax.sharding.Mesh axes are not Explicit, so shard_map takes the
+        # NamedSharding input as is.
+        self._sharding = NamedSharding(mesh, P("p"))
+        self._fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "p"), mesh=mesh,
+                                         in_specs=P("p"), out_specs=P("p")))
+
+    def prepare(self, local: np.ndarray) -> None:
+        import jax
+        # Global shape (n * count,): shard i is process i's buffer.
+        self._arg = jax.make_array_from_process_local_data(self._sharding, local)
+
+    @staticmethod
+    def result(out) -> np.ndarray:
+        return np.asarray(out.addressable_shards[0].data)
+
+
+PEERS = {"herring": _HerringPeer, "jax_psum": _JaxPsumPeer}
+
+
+# -- worker ------------------------------------------------------------------
+
+def _worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="herring-jax bench --worker")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--sizes-mib", default="1,16,64")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peers", default="herring,jax_psum")
+    p.add_argument("--link-gbps", type=float, default=None)
+    p.add_argument("--link-source", default="--link-gbps")
+    p.add_argument("--json", default=None)
+    return p
+
+
+def _pattern(count: int, rank: int) -> np.ndarray:
+    # Small integers: every partial sum is exact in float32 whatever the
+    # summation order, so the check can demand equality; the ramp catches
+    # parts written to the wrong place, which a constant fill would not.
+    return ((np.arange(count, dtype=np.int64) % 251 + 1) * (rank + 1)).astype(np.float32)
+
+
+def _measure(peer, local, expected, iters: int, warmup: int) -> tuple[list[float], bool]:
+    peer.prepare(local)
+    for _ in range(warmup):  # the first call compiles
+        out = peer.run()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        out = peer.run()
+        times.append(time.perf_counter() - start)
+    correct = bool(np.array_equal(peer.result(out), expected))
+    return times, correct
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """Runs in each process: times every peer, rank 0 prints and saves.
+
+    Args:
+      argv: worker arguments (default sys.argv[1:]); see _worker_parser.
+
+    Returns:
+      0, or 3 on rank 0 when any rank got a wrong sum.
+    """
+    return _worker(_worker_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def _worker(args: argparse.Namespace) -> int:
+    names = [p for p in args.peers.split(",") if p]
+    unknown = [p for p in names if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
+    sizes = [float(s) for s in args.sizes_mib.split(",") if s]
+    for name in names:
+        PEERS[name].configure()
+    import jax
+    import herring_jax
+    from herring_jax._src import jax_compat
+
+    herring_jax.initialize()
+    rank, n = herring_jax.process_index(), herring_jax.process_count()
+    peers = {name: PEERS[name](rank, n) for name in names}
+    records = []
+    # Same sizes and peers in the same order on every rank: both libraries
+    # need collectives issued in one order everywhere.
+    for mib in sizes:
+        count = int(mib * 2**20) // 4
+        local = _pattern(count, rank)
+        expected = _pattern(count, 0) * np.float32(n * (n + 1) // 2)
+        for name, peer in peers.items():
+            times, correct = _measure(peer, local, expected, args.iters, args.warmup)
+            records.append({"mib": mib, "peer": name, "times": times, "correct": correct})
+        del local, expected
+    # Gathered through jax.distributed's key-value store rather than an
+    # all-reduce, so the figures do not depend on the code under test.
+    client = jax_compat.distributed_client()
+    client.key_value_set(f"{_KV_PREFIX}/{rank}", json.dumps(records))
+    code = 0
+    if rank == 0:
+        per_rank = [json.loads(client.blocking_key_value_get(f"{_KV_PREFIX}/{r}", _KV_TIMEOUT_MS))
+                    for r in range(n)]
+        report = _report(args, n, sizes, names, per_rank, herring_jax.describe(), jax)
+        code = 0 if all(r["correct"] for r in report["results"]) else 3
+    herring_jax.shutdown()
+    return code
+
+
+def _summarize(names, sizes, per_rank) -> list[dict]:
+    results = []
+    for i, (mib, peer) in enumerate((m, p) for m in sizes for p in names):
+        ranks = [records[i] for records in per_rank]
+        assert all(r["mib"] == mib and r["peer"] == peer for r in ranks)
+        times = [r["times"] for r in ranks]
+        results.append({
+            "mib": mib, "peer": peer,
+            # Each rank's median and minimum, then the slowest rank: a
+            # collective is done when its last process is.
+            "median_s": max(statistics.median(t) for t in times),
+            "min_s": max(min(t) for t in times),
+            # Iteration k as the job saw it (its slowest rank).
+            "times_s": [max(col) for col in zip(*times)],
+            "times_by_rank_s": times,
+            "correct": all(r["correct"] for r in ranks),
+            "wrong_ranks": [k for k, r in enumerate(ranks) if not r["correct"]],
+        })
+    return results
+
+
+def _bound_s(nbytes: float, n: int, link_gbps: float | None) -> float | None:
+    # Each process sends (n-1)/n of the buffer to the other servers and gets
+    # (n-1)/n back as sums; its server does the mirror image, so each link
+    # direction carries 2(n-1)/n * bytes at least.
+    if not link_gbps or n < 2:
+        return None
+    return 2 * (n - 1) / n * nbytes / (link_gbps * 1e9)
+
+
+def _table(results, n, link_gbps) -> str:
+    by = {(r["mib"], r["peer"]): r for r in results}
+    rows = [f"{'size MiB':>8} {'peer':>9} {'median ms':>10} {'min ms':>8} {'algbw GB/s':>10} "
+            f"{'busbw GB/s':>10} {'herring x':>10} {'bound ms':>9} {'ok':>3}"]
+    for r in results:
+        nbytes = r["mib"] * 2**20
+        algbw = nbytes / r["median_s"] / 1e9
+        herring = by.get((r["mib"], "herring"))
+        speedup = f"{r['median_s'] / herring['median_s']:.2f}" if herring else "-"
+        bound = _bound_s(nbytes, n, link_gbps)
+        # "!" marks a run faster than the bound: then the link figure is not
+        # what the transport can carry, and the bound is no bound.
+        bound_s = "-" if bound is None else (
+            f"{bound * 1e3:.1f}" + ("!" if r["median_s"] < bound else ""))
+        rows.append(f"{r['mib']:>8g} {r['peer']:>9} {r['median_s'] * 1e3:>10.1f} "
+                    f"{r['min_s'] * 1e3:>8.1f} {algbw:>10.3f} {algbw * 2 * (n - 1) / n:>10.3f} "
+                    f"{speedup:>10} {bound_s:>9} {'yes' if r['correct'] else 'NO':>3}")
+    return "\n".join(rows)
+
+
+def _report(args, n, sizes, names, per_rank, describe, jax) -> dict:
+    results = _summarize(names, sizes, per_rank)
+    link = (f"{args.link_gbps:.2f} GB/s from {args.link_source}" if args.link_gbps
+            else "not given (pass --link-gbps)")
+    print(f"transport: {describe}")
+    print("peers: " + "; ".join(f"{name} = {PEERS[name].label}" for name in names))
+    print("time: median (and min) of each rank's timed runs, slowest rank; algbw = bytes / median; "
+          "busbw = algbw * 2(n-1)/n; herring x = peer median / herring median (>1: herring "
+          "faster)")
+    print(f"{_BOUND_FORMULA}, link = {link}")
+    print(_table(results, n, args.link_gbps), flush=True)
+    if any(r["median_s"] < (_bound_s(r["mib"] * 2**20, n, args.link_gbps) or 0) for r in results):
+        print("!: faster than the bound: the link figure is below what the transport carries "
+              "(fi_pingpong has one message in flight and shares the CPU), so this bound is "
+              "no bound")
+    for r in results:
+        if not r["correct"]:
+            print(f"WRONG RESULT: {r['peer']} {r['mib']:g} MiB on ranks {r['wrong_ranks']}")
+    report = {
+        "n": n, "sizes_mib": sizes, "peers": names, "iters": args.iters, "warmup": args.warmup,
+        "provider": os.environ.get("HERRING_FI_PROVIDER") or "(default)", "transport": describe,
+        "link_gbps": args.link_gbps, "link_source": args.link_source if args.link_gbps else None,
+        "bound_formula": _BOUND_FORMULA, "results": results,
+        "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": platform.python_version(),
+        "host": platform.node(), "cpus": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+    return getattr(jaxlib, "__version__", "?")
+
+
+# -- driver ------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The driver's options (shared with `herring-jax bench`)."""
     parser.add_argument("-n", "--num-processes", type=int, default=4)
-    parser.add_argument("--sizes-mib", default="1,16,64,256",
+    parser.add_argument("--sizes-mib", default="1,16,64",
                         help="comma-separated buffer sizes in MiB (float32)")
     parser.add_argument("--iters", type=int, default=10, help="timed runs per size and peer")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (compile)")
     parser.add_argument("--peers", default=",".join(PEERS),
                         help=f"comma-separated subset of {', '.join(PEERS)}")
     parser.add_argument("--provider", default=None,
                         help="libfabric provider for herring (sets HERRING_FI_PROVIDER)")
     parser.add_argument("--link-gbps", type=float, default=None,
-                        help="link bandwidth for the bound in GB/s (default: fi_pingpong)")
+                        help="link bandwidth for the bound, GB/s (default: measure fi_pingpong)")
     parser.add_argument("--json", default=None, help="write every timing to this file")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole job")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--link-source", default="--link-gbps", help=argparse.SUPPRESS)
 
 
-# -- worker (runs in each process) -------------------------------------------
-
-def _worker(args) -> int:
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import herring_jax
-
-    herring_jax.initialize()
-    rank, n = herring_jax.process_index(), herring_jax.process_count()
-    mesh = jax.sharding.Mesh(np.array(sorted(jax.devices(), key=lambda d: d.process_index)),
-                             ("p",))
-    peers = [p for p in args.peers.split(",") if p]
-    herring_fn = jax.jit(lambda v: herring_jax.allreduce(v))
-    psum_fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "p"), mesh=mesh,
-                                    in_specs=P("p"), out_specs=P("p")))
-    expected = n * (n + 1) / 2  # every rank contributes rank + 1
-    for mib in [float(s) for s in args.sizes_mib.split(",") if s]:
-        count = int(mib * 2**20) // 4
-        local = np.full((count,), rank + 1, np.float32)
-        for peer in peers:
-            if peer == "herring":
-                fn, arg = herring_fn, jnp.asarray(local)
-            elif peer == "jax_psum":
-                fn = psum_fn
-                arg = jax.make_array_from_process_local_data(NamedSharding(mesh, P("p")), local)
-            else:
-                raise SystemExit(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
-            for _ in range(args.warmup):
-                out = jax.block_until_ready(fn(arg))
-            times = []
-            for _ in range(args.iters):
-                start = time.perf_counter()
-                out = jax.block_until_ready(fn(arg))
-                times.append(time.perf_counter() - start)
-            shard = np.asarray(out.addressable_shards[0].data)
-            correct = bool(np.all(shard == expected))
-            print(_RESULT + json.dumps({"rank": rank, "n": n, "mib": mib, "peer": peer,
-                                        "times": times, "correct": correct}), flush=True)
-            del out, arg
-    if rank == 0:
-        print(_RESULT + json.dumps({"describe": herring_jax.describe()}), flush=True)
-    herring_jax.shutdown()
-    return 0
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-# -- driver ------------------------------------------------------------------
-
-def _pingpong_gbps(provider: str | None) -> tuple[float | None, str]:
-    """One-way bandwidth of 4 MiB tagged messages between two local processes."""
+def _pingpong_gbps(provider: str) -> tuple[float | None, str]:
+    """Best one-way bandwidth of fi_pingpong (RDM, 1-16 MiB) between two local processes."""
     tool = shutil.which("fi_pingpong")
-    prov = provider or "tcp;ofi_rxm"
     if tool is None:
         return None, "fi_pingpong not found (apt-get install libfabric-bin)"
-    port = 47000 + os.getpid() % 1000
-    common = [tool, "-p", prov, "-e", "rdm", "-I", "50", "-S", str(4 << 20)]
-    try:
+    best = None
+    for mib in (1, 4, 16):
+        port = _free_port()
+        common = [tool, "-p", provider, "-e", "rdm", "-I", "20", "-S", str(mib << 20)]
         server = subprocess.Popen(common + ["-B", str(port)], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
-        out = subprocess.run(common + ["-P", str(port), "127.0.0.1"], capture_output=True,
-                             text=True, timeout=60).stdout
-        server.wait(timeout=10)
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"fi_pingpong failed: {e}"
-    m = re.search(r"^\s*4m\s+\d+\s+=\d+\s+\S+\s+\S+\s+([\d.]+)", out, re.M)
-    if not m:
-        return None, f"fi_pingpong -p {prov} gave no figure"
-    return float(m.group(1)) * 1e6 / 1e9, f"fi_pingpong -p '{prov}' -e rdm -S 4m, same machine"
+        try:
+            time.sleep(0.3)  # the server must listen before the client connects
+            out = subprocess.run(common + ["-P", str(port), "127.0.0.1"], capture_output=True,
+                                 text=True, timeout=60).stdout
+            server.wait(timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+        # Columns: bytes #sent #ack total time MB/sec usec/xfer ...; MB/sec is
+        # 1e6 bytes per second, one way (a message's half round trip).
+        m = re.search(rf"^\s*{mib}m\s+\d+\s+=\d+\s+\S+\s+\S+\s+([\d.]+)", out, re.M)
+        if m:
+            best = max(best or 0.0, float(m.group(1)) / 1e3)
+    if best is None:
+        return None, f"fi_pingpong -p '{provider}' failed"
+    return best, f"fi_pingpong -p '{provider}' -e rdm, best of 1/4/16 MiB, same host"
 
 
-def _table(results, n, link_gbps):
-    rows = []
-    by = {(r["mib"], r["peer"]): r for r in results}
-    header = (f"{'size MiB':>8} {'peer':>9} {'median ms':>10} {'min ms':>8} {'algbw GB/s':>10} "
-              f"{'busbw GB/s':>10} {'herring x':>10} {'bound ms':>9} {'ok':>3}")
-    rows.append(header)
-    for mib in sorted({m for m, _ in by}):
-        herring = by.get((mib, "herring"))
-        for peer in PEERS:
-            r = by.get((mib, peer))
-            if r is None:
-                continue
-            nbytes = mib * 2**20
-            algbw = nbytes / r["median_s"] / 1e9
-            busbw = algbw * 2 * (n - 1) / n
-            speedup = (f"{r['median_s'] / herring['median_s']:.2f}" if herring else "-")
-            bound = (f"{2 * (n - 1) / n * nbytes / (link_gbps * 1e9) * 1e3:.1f}"
-                     if link_gbps else "-")
-            rows.append(f"{mib:>8g} {peer:>9} {r['median_s'] * 1e3:>10.1f} "
-                        f"{r['min_s'] * 1e3:>8.1f} {algbw:>10.3f} {busbw:>10.3f} "
-                        f"{speedup:>10} {bound:>9} {'yes' if r['correct'] else 'NO':>3}")
-    return "\n".join(rows)
-
-
-def run(args) -> int:
-    if args.worker:
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark (or, with --worker, one worker). Returns an exit code."""
+    if args.worker:  # started by a launcher other than this driver
         return _worker(args)
-
     env = dict(os.environ)
     if args.provider:
         env["HERRING_FI_PROVIDER"] = args.provider
+    provider = env.get("HERRING_FI_PROVIDER") or "tcp;ofi_rxm"
+    unknown = [p for p in args.peers.split(",") if p and p not in PEERS]
+    if unknown:
+        print(f"herring-jax bench: unknown peers {unknown}; known: {', '.join(PEERS)}",
+              file=sys.stderr)
+        return 2
     link_gbps, link_source = ((args.link_gbps, "--link-gbps") if args.link_gbps
-                              else _pingpong_gbps(args.provider or env.get("HERRING_FI_PROVIDER")))
-    cmd = [sys.executable, "-m", "herring_jax.bench", "--worker", "--sizes-mib", args.sizes_mib,
-           "--iters", str(args.iters), "--warmup", str(args.warmup), "--peers", args.peers]
-    print(f"herring-jax bench: {args.num_processes} processes, sizes {args.sizes_mib} MiB, "
-          f"{args.iters} timed runs after {args.warmup} warm-up, peers {args.peers}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(
-            [sys.executable, "-m", "herring_jax.launch", "-n", str(args.num_processes),
-             "--timeout", str(args.timeout), "--", *cmd],
-            env=env, cwd=tmp, capture_output=True, text=True)
-    lines = [l.split(_RESULT, 1)[1] for l in proc.stdout.splitlines() if _RESULT in l]
-    if proc.returncode != 0 or not lines:
-        sys.stderr.write(proc.stdout[-5000:] + proc.stderr[-5000:])
-        print(f"herring-jax bench: workers failed (exit {proc.returncode})", file=sys.stderr)
-        return proc.returncode or 1
-    records = [json.loads(l) for l in lines]
-    describe = next((r["describe"] for r in records if "describe" in r), "?")
-    samples = [r for r in records if "peer" in r]
-    results = []
-    for key in sorted({(r["mib"], r["peer"]) for r in samples}):
-        per_rank = [r for r in samples if (r["mib"], r["peer"]) == key]
-        # An iteration ends for the job when its slowest rank ends.
-        iters = [max(r["times"][i] for r in per_rank) for i in range(len(per_rank[0]["times"]))]
-        iters.sort()
-        results.append({"mib": key[0], "peer": key[1], "median_s": iters[len(iters) // 2],
-                        "min_s": iters[0], "max_s": iters[-1], "times_s": iters,
-                        "correct": all(r["correct"] for r in per_rank)})
-    n = args.num_processes
-    print(f"transport: {describe}")
-    print(f"bound: 2(n-1)/n * bytes / link, link = "
-          f"{f'{link_gbps:.2f} GB/s' if link_gbps else 'unknown'} ({link_source})")
-    print(_table(results, n, link_gbps), flush=True)
+                              else _pingpong_gbps(provider))
+    # Workers import the very package this driver runs from: its parent goes
+    # first on PYTHONPATH and they start in an empty directory, since -m puts
+    # the working directory ahead of everything.
+    import herring_jax
+    root = os.path.dirname(os.path.dirname(os.path.abspath(herring_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    worker = [sys.executable, "-m", "herring_jax.bench", "--worker", "--sizes-mib",
+              args.sizes_mib, "--iters", str(args.iters), "--warmup", str(args.warmup),
+              "--peers", args.peers]
+    if link_gbps:
+        worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}"]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"n": n, "transport": describe, "link_gbps": link_gbps,
-                       "link_source": link_source, "results": results,
-                       "host": platform.node(), "cpus": os.cpu_count(),
-                       "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                       "jax": _jax_version()}, f, indent=1)
-    return 0 if all(r["correct"] for r in results) else 3
+        worker += ["--json", os.path.abspath(args.json)]
+    print(f"herring-jax bench: {args.num_processes} processes, provider "
+          f"{env.get('HERRING_FI_PROVIDER') or '(default)'}, sizes {args.sizes_mib} MiB, "
+          f"{args.iters} timed runs after {args.warmup} warm-up, peers {args.peers}", flush=True)
+    if not link_gbps:
+        print(f"link: {link_source}", flush=True)
+    return _launch(args, worker, env)
 
 
-def _jax_version() -> str:
-    import jax
-    return jax.__version__
+def _launch(args, worker: list[str], env: dict) -> int:
+    """Starts the workers under herring-jax launch and shows rank 0's output."""
+    launcher = [sys.executable, "-m", "herring_jax.launch", "-n", str(args.num_processes),
+                "--timeout", str(args.timeout), "--", *worker]
+    others: deque[str] = deque(maxlen=100)  # other ranks: shown only on failure
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(launcher, env=env, cwd=tmp, stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+        try:
+            for line in proc.stdout:
+                # gloo prints its connection chatter on stdout.
+                if line.startswith("[rank 0] ") and not line.startswith("[rank 0] [Gloo]"):
+                    sys.stdout.write(line[len("[rank 0] "):])
+                    sys.stdout.flush()
+                else:
+                    others.append(line)
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()  # the launcher stops every worker
+            proc.wait()
+            raise
+        if code != 0:
+            err.seek(0)
+            sys.stderr.write("".join(others) + err.read()[-8000:])
+            print(f"herring-jax bench: workers failed (exit {code})", file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m herring_jax.bench`: the driver, or a worker with --worker."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        return worker_main(argv)
     parser = argparse.ArgumentParser(prog="herring-jax bench",
                                      description=__doc__.split("\n")[0])
     add_arguments(parser)
