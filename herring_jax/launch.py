@@ -1,6 +1,12 @@
-"""`python -m herring_jax.launch -n N [--devices-per-process D] -- CMD ...`"""
+"""`python -m herring_jax.launch -n N [--devices-per-process D] -- CMD ...`
 
-from herring_jax._src.launch import main as main
+Starts N local processes of CMD for herring_jax; see herring_jax._src.launch
+for the options, the environment each process gets and the exit codes.
+"""
+
+from herring_jax._src.launch import main
+
+__all__ = ["main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,78 +1,222 @@
-"""herring-jax launch: environment, output prefixes, failure handling."""
+"""herring-jax launch: environment, output prefixes, failure, timeout and signal handling.
+
+Every test runs a real launcher (`python -m herring_jax.launch`, or the Python
+API in a fresh interpreter) on real `python -c` children, from tests/ so that
+the installed herring_jax is the one under test.
+"""
 
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
 
+# Writes this process's pid (and, with SPAWN, a grandchild's) to DIR/<rank>,
+# atomically, so a reader never sees half a file.
+_RECORD_PIDS = textwrap.dedent("""
+    import os, subprocess, sys, time
+    rank = os.environ["HERRING_PROCESS_ID"]
+    pids = [os.getpid()]
+    if SPAWN:
+        pids.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]).pid)
+    with open(os.path.join(DIR, rank + ".tmp"), "w") as f:
+        f.write(" ".join(map(str, pids)))
+    os.replace(os.path.join(DIR, rank + ".tmp"), os.path.join(DIR, rank))
+""")
+
+
+# Not the repository root: its herring_jax has no compiled extension and must
+# not shadow the installed package.
+_CWD = os.path.dirname(os.path.abspath(__file__))
+
+
+def _launch_cmd(args):
+    return [sys.executable, "-m", "herring_jax.launch", *args]
+
+
+def _env(extra=None):
+    return dict(os.environ, HERRING_LAUNCH_GRACE_S="2", **(extra or {}))
+
 
 def launch(args, env=None, timeout=60):
-    full = dict(os.environ, HERRING_LAUNCH_GRACE_S="2", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "herring_jax.launch", *args], env=full,
-                          capture_output=True, text=True, timeout=timeout,
-                          cwd=os.path.dirname(__file__))
+    """Runs the launcher to completion; returns the CompletedProcess."""
+    return subprocess.run(_launch_cmd(args), env=_env(env), capture_output=True, text=True,
+                          timeout=timeout, cwd=_CWD, check=False)
+
+
+def _child(tmp_path, body, spawn=False):
+    """A `python -c` program: record pids in tmp_path, then run body."""
+    return (f"DIR = {str(tmp_path)!r}\nSPAWN = {spawn!r}\n" + _RECORD_PIDS
+            + textwrap.dedent(body))
+
+
+def _recorded_pids(tmp_path, n):
+    return [int(p) for r in range(n) for p in (tmp_path / str(r)).read_text().split()]
+
+
+def _gone(pid, within=5.0):
+    """True once pid no longer runs (a zombie awaiting its reaper counts as gone)."""
+    end = time.monotonic() + within
+    while True:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                alive = f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+        if not alive or time.monotonic() > end:
+            return not alive
+        time.sleep(0.05)
 
 
 def test_environment_and_prefixes():
-    code = ("import os; print(os.environ['HERRING_PROCESS_ID'], os.environ['HERRING_NUM_PROCESSES'],"
-            " os.environ['HERRING_COORDINATOR_ADDRESS'])")
+    # stdout: the environment; stderr: a line, bad UTF-8, and a last line with no newline.
+    code = ("import os, sys; e = os.environ; print(e['HERRING_PROCESS_ID'],"
+            " e['HERRING_NUM_PROCESSES'], e['HERRING_COORDINATOR_ADDRESS'],"
+            " e['HERRING_LOCAL_RANK'], e['PYTHONUNBUFFERED']);"
+            " sys.stderr.write('oops\\n'); sys.stderr.buffer.write(b'bad \\xff\\n');"
+            " sys.stderr.write('no newline at the end')")
     p = launch(["-n", "3", "--", sys.executable, "-c", code])
     assert p.returncode == 0, p.stderr
     lines = sorted(p.stdout.splitlines())
-    assert [l.split()[1] for l in lines] == ["0]", "1]", "2]"]
-    fields = [l.split("] ", 1)[1].split() for l in lines]
-    assert [f[0] for f in fields] == ["0", "1", "2"] and {f[1] for f in fields} == {"3"}
-    assert len({f[2] for f in fields}) == 1 and fields[0][2].startswith("127.0.0.1:")
-
-
-def test_stderr_is_prefixed_and_stays_stderr():
-    p = launch(["-n", "2", "--", sys.executable, "-c", "import sys; sys.stderr.write('oops\\n')"])
-    assert p.returncode == 0
-    assert sorted(p.stderr.splitlines()) == ["[rank 0] oops", "[rank 1] oops"]
-    assert p.stdout == ""
+    assert len(lines) == 3
+    for rank, line in enumerate(lines):
+        prefix, rest = line.split("] ", 1)
+        assert prefix == f"[rank {rank}"
+        pid, n, address, local_rank, unbuffered = rest.split()
+        assert (pid, n, local_rank, unbuffered) == (str(rank), "3", str(rank), "1")
+        assert address.startswith("127.0.0.1:") and int(address.split(":")[1]) > 0
+    assert len({line.split()[4] for line in lines}) == 1  # one coordinator for all
+    # stderr stays stderr, prefixed, whole lines only.
+    assert sorted(p.stderr.splitlines()) == sorted(
+        f"[rank {r}] {text}" for r in range(3)
+        for text in ("oops", "bad \ufffd", "no newline at the end"))
 
 
 def test_devices_per_process_replaces_the_xla_flag():
-    code = "import os; print(os.environ['XLA_FLAGS'], os.environ['JAX_PLATFORMS'])"
-    p = launch(["-n", "1", "--devices-per-process", "2", "--", sys.executable, "-c", code],
-               env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo=1",
-                    "JAX_PLATFORMS": ""})
+    code = "import os; print(os.environ['XLA_FLAGS']); print(os.environ['JAX_PLATFORMS'])"
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo=1"}
+    env_without = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    p = subprocess.run(_launch_cmd(["-n", "1", "--devices-per-process", "2", "--",
+                                    sys.executable, "-c", code]),
+                       env=dict(env_without, **env), capture_output=True, text=True, timeout=60,
+                       cwd=_CWD, check=False)
     assert p.returncode == 0, p.stderr
-    out = p.stdout.strip()
-    assert out.count("--xla_force_host_platform_device_count") == 1
-    assert "--xla_force_host_platform_device_count=2" in out and "--foo=1" in out
+    flags, platforms = [line.split("] ", 1)[1] for line in p.stdout.splitlines()]
+    assert flags.count("--xla_force_host_platform_device_count") == 1
+    assert "--xla_force_host_platform_device_count=2" in flags.split()
+    assert "--foo=1" in flags.split()
+    assert platforms == "cpu"
 
 
-def test_a_failing_rank_stops_the_others(tmp_path):
-    code = (f"import os, sys, time; open(os.path.join({str(tmp_path)!r}, os.environ"
-            "['HERRING_PROCESS_ID']), 'w').write(str(os.getpid()));"
-            "rank = int(os.environ['HERRING_PROCESS_ID']);"
-            "time.sleep(0.5); sys.exit(3) if rank == 1 else time.sleep(60)")
+def test_a_failing_rank_stops_the_others_and_what_they_started(tmp_path):
+    body = """
+        if rank == "1":
+            while len([f for f in os.listdir(DIR) if not f.endswith(".tmp")]) < 3:
+                time.sleep(0.05)
+            sys.exit(3)
+        time.sleep(60)
+    """
     start = time.monotonic()
-    p = launch(["-n", "3", "--", sys.executable, "-c", code])
-    assert p.returncode == 3
+    p = launch(["-n", "3", "--", sys.executable, "-c", _child(tmp_path, body, spawn=True)])
+    assert p.returncode == 3, p.stderr
     assert time.monotonic() - start < 30
-    assert "rank 1 exited with code 3" in p.stderr
-    for rank in range(3):
-        pid = int((tmp_path / str(rank)).read_text())
+    assert "herring-jax launch: rank 1 exited with code 3; stopping the other 2 processes" \
+        in p.stderr
+    pids = _recorded_pids(tmp_path, 3)
+    assert len(pids) == 6
+    for pid in pids[::2]:  # the ranks themselves were reaped by the launcher
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert all(_gone(pid) for pid in pids[1::2])  # grandchildren, in the same groups
 
 
-def test_signal_death_and_timeout():
+def test_a_signal_death_gives_128_plus_the_signal():
     p = launch(["-n", "2", "--", sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"])
     assert p.returncode == 137
+    assert "exited with code 137 (killed by SIGKILL)" in p.stderr
+
+
+def test_timeout_stops_everything_with_124():
     start = time.monotonic()
     p = launch(["-n", "2", "--timeout", "1", "--", sys.executable, "-c",
                 "import time; time.sleep(60)"])
-    assert p.returncode == 124 and time.monotonic() - start < 20
-    assert "timed out" in p.stderr
+    assert p.returncode == 124
+    assert time.monotonic() - start < 20
+    assert "timed out after 1 s" in p.stderr
 
 
-def test_missing_command_is_an_error():
+def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
+    proc = subprocess.Popen(
+        _launch_cmd(["-n", "2", "--", sys.executable, "-c",
+                     _child(tmp_path, "time.sleep(60)", spawn=True)]),
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=_CWD)
+    try:
+        end = time.monotonic() + 30
+        while not all((tmp_path / str(r)).exists() for r in range(2)):
+            assert time.monotonic() < end and proc.poll() is None, proc.poll()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "got SIGTERM; stopping all 2 processes" in err
+    assert all(_gone(pid) for pid in _recorded_pids(tmp_path, 2))
+
+
+def test_missing_command_is_a_usage_error():
     p = launch(["-n", "2"])
-    assert p.returncode == 2 and "no command" in p.stderr
-    p = launch(["-n", "0", "--", "true"])
-    assert p.returncode == 2 and "at least 1" in p.stderr
+    assert p.returncode == 2
+    assert "usage:" in p.stderr and "no command given" in p.stderr and "'--'" in p.stderr
+
+
+# child_env, argument errors and the `herring-jax` CLI, checked in one fresh
+# interpreter (the repository root's herring_jax must not be the one imported).
+_API_CHECKS = textwrap.dedent("""
+    import contextlib, io, sys
+    from herring_jax._src import cli, launch
+
+    base = {"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8 --b=2",
+            "JAX_PLATFORMS": "cuda", "OTHER": "x"}
+    env = launch.child_env(base, rank=1, num_processes=4, port=1234, devices_per_process=3)
+    assert env["XLA_FLAGS"] == "--a=1 --b=2 --xla_force_host_platform_device_count=3", env
+    assert env["JAX_PLATFORMS"] == "cuda" and env["OTHER"] == "x", env
+    assert env["HERRING_COORDINATOR_ADDRESS"] == "127.0.0.1:1234", env
+    assert (env["HERRING_PROCESS_ID"], env["HERRING_NUM_PROCESSES"]) == ("1", "4"), env
+    assert base["XLA_FLAGS"].endswith("--b=2"), base  # the input is left alone
+    plain = launch.child_env({}, rank=0, num_processes=1, port=1)
+    assert "XLA_FLAGS" not in plain and "JAX_PLATFORMS" not in plain, plain
+    only = launch.child_env({}, 0, 1, 1, 2)
+    assert only["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2", only
+
+    for entry, args, message in [
+        (launch.main, ["-n", "0", "--", "true"], "must be at least 1, got 0"),
+        (launch.main, ["-n", "two", "--", "true"], "expected an integer, got 'two'"),
+        (launch.main, ["-n", "1", "--timeout", "0", "--", "true"], "must be greater than 0"),
+        (launch.main, ["--", "true"], "required: -n/--num-processes"),
+        (cli.main, ["launch", "-n", "2"], "herring-jax launch: error: no command given"),
+        (cli.main, [], "herring-jax: error:"),
+    ]:
+        err, code = io.StringIO(), None
+        with contextlib.redirect_stderr(err):
+            try:
+                entry(args)
+            except SystemExit as e:
+                code = e.code
+        assert code == 2, (args, code)
+        assert message in err.getvalue(), (args, message, err.getvalue())
+
+    sys.exit(cli.main(["launch", "-n", "2", "--", sys.executable, "-c",
+                       "import os; print('hello from', os.environ['HERRING_PROCESS_ID'])"]))
+""")
+
+
+def test_python_api_argument_errors_and_cli():
+    p = subprocess.run([sys.executable, "-c", _API_CHECKS], capture_output=True, text=True,
+                       timeout=60, cwd=_CWD, check=False)
+    assert p.returncode == 0, p.stderr
+    assert sorted(p.stdout.splitlines()) == ["[rank 0] hello from 0", "[rank 1] hello from 1"]

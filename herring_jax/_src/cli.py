@@ -1,25 +1,67 @@
-"""The `herring-jax` command: subcommands registered in one table."""
+"""The `herring-jax` console script: one subcommand per entry in SUBCOMMANDS.
+
+Usage::
+
+  herring-jax launch -n 4 [--devices-per-process 2] -- python train.py
+  herring-jax bench -n 4
+  herring-jax <subcommand> --help
+
+A module adds a subcommand by calling register() (or adding to SUBCOMMANDS)
+with a function that adds its options to an argparse parser and a function
+that runs the parsed arguments and returns an exit code.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
+from collections.abc import Callable
 
 from herring_jax._src import bench, launch
 
-# name -> (help, add_arguments(parser), run(args) -> exit code)
-SUBCOMMANDS = {
-    "launch": ("start N local processes of a command", launch.add_arguments, launch.run),
-    "bench": ("time herring_jax's all-reduce against its peers", bench.add_arguments, bench.run),
-}
+AddArguments = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int]
+
+# name -> (one-line help, add_arguments(parser), run(args) -> exit code)
+SUBCOMMANDS: dict[str, tuple[str, AddArguments, Run]] = {}
+
+
+def register(name: str, help: str, add_arguments: AddArguments, run: Run) -> None:
+    """Makes `herring-jax NAME ...` parse with add_arguments and call run.
+
+    Args:
+      name: the subcommand's name.
+      help: one line for `herring-jax --help`.
+      add_arguments: adds the subcommand's options to its (sub)parser.
+      run: takes the parsed arguments and returns the exit code.
+    """
+    SUBCOMMANDS[name] = (help, add_arguments, run)
+
+
+register("launch", "start N local processes of a command", launch.add_arguments, launch.run)
+register("bench", "time herring_jax's all-reduce against its peers", bench.add_arguments,
+         bench.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the `herring-jax` parser with one subparser per registered subcommand."""
+    parser = argparse.ArgumentParser(prog="herring-jax",
+                                     description="herring_jax command-line tools")
+    sub = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+    for name, (text, add_arguments, _) in SUBCOMMANDS.items():
+        add_arguments(sub.add_parser(name, help=text, description=text))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="herring-jax")
-    sub = parser.add_subparsers(dest="subcommand", required=True)
-    for name, (text, add_arguments, _) in SUBCOMMANDS.items():
-        add_arguments(sub.add_parser(name, help=text))
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    """Entry point of `herring-jax`.
+
+    Args:
+      argv: the arguments after the program name; sys.argv[1:] when None.
+
+    Returns:
+      The subcommand's exit code.
+    """
+    args = build_parser().parse_args(argv)
     return SUBCOMMANDS[args.subcommand][2](args)
 
 

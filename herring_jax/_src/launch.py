@@ -1,22 +1,31 @@
-"""Starts N local processes of a command with what herring_jax.initialize() needs.
+"""Starts N local processes of one command, wired up for herring_jax.initialize().
 
-Usage:
-  python -m herring_jax.launch -n 4 [--devices-per-process 2] -- python train.py
-  herring-jax launch -n 4 -- python train.py
+Usage (the two forms are the same)::
 
-Each child gets HERRING_COORDINATOR_ADDRESS (127.0.0.1 and a free port),
-HERRING_NUM_PROCESSES, HERRING_PROCESS_ID and HERRING_LOCAL_RANK; with
---devices-per-process D also XLA_FLAGS=--xla_force_host_platform_device_count=D
-and JAX_PLATFORMS=cpu (unless set). Output lines are prefixed with
-"[rank i] ". When one child fails, the others are stopped (SIGTERM, then
-SIGKILL after a grace period) and its exit code is returned, so a crashed peer
-never leaves the rest of the job hanging.
+  python -m herring_jax.launch -n N [--devices-per-process D] [--coordinator-port P]
+                               [--timeout S] -- COMMAND [ARG ...]
+  herring-jax launch -n 4 --devices-per-process 2 -- python train.py --steps 100
+
+Each child gets the launcher's environment plus HERRING_COORDINATOR_ADDRESS
+(127.0.0.1:P, P a free port by default), HERRING_NUM_PROCESSES,
+HERRING_PROCESS_ID, HERRING_LOCAL_RANK and PYTHONUNBUFFERED=1; with
+--devices-per-process D also --xla_force_host_platform_device_count=D in
+XLA_FLAGS and JAX_PLATFORMS=cpu unless set. Output lines keep their stream and
+are prefixed with "[rank i] ".
+
+The first child to fail stops the job: the others get SIGTERM, SIGKILL after
+HERRING_LAUNCH_GRACE_S seconds (default 10), and the launcher exits with that
+child's code (128 + N for a death by signal N). --timeout expiry exits 124;
+SIGINT or SIGTERM to the launcher exits 130 or 143. Each child leads its own
+process group and whole groups are killed, so nothing a rank started outlives
+the job. Standard library only: the launcher never imports jax.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import queue
 import re
 import signal
 import socket
@@ -25,153 +34,304 @@ import sys
 import threading
 import time
 
-_GRACE_ENV = "HERRING_LAUNCH_GRACE_S"
-_DEFAULT_GRACE_S = 10.0
+PROG = "herring-jax launch"
+GRACE_ENV = "HERRING_LAUNCH_GRACE_S"
+DEFAULT_GRACE_S = 10.0
+EXIT_TIMEOUT = 124
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_DEVICE_FLAG_RE = re.compile(rf"(?:^|\s){_DEVICE_FLAG}(?:=\S*)?(?=\s|$)")
+_POLL_S = 0.05
+# A reader can only hang past the kill if something left the child's process
+# group and still holds the pipe; do not let that hang the launcher too.
+_READER_JOIN_S = 2.0
+
+
+def _number(cast, low, strict: bool = False):
+    """Returns an argparse type: cast(text), >= low (> low if strict), readable errors."""
+
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            kind = "an integer" if cast is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'greater than' if strict else 'at least'} {low}, got {text}")
+        return value
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--num-processes", type=int, required=True,
-                        help="number of processes to start (>= 1)")
-    parser.add_argument("--devices-per-process", type=int, default=None,
-                        help="CPU devices per process (sets XLA_FLAGS)")
-    parser.add_argument("--coordinator-port", type=int, default=None,
-                        help="jax.distributed coordinator port (default: a free one)")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help="stop every process after this many seconds (exit code 124)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="-- followed by the command to run in every process")
+    """Adds the launcher's options to parser, a parser or `herring-jax` subparser."""
+    parser.add_argument("-n", "--num-processes", type=_number(int, 1), required=True,
+                        metavar="N", help="number of processes to start (>= 1)")
+    parser.add_argument("--devices-per-process", type=_number(int, 1), metavar="D",
+                        help="CPU devices per process: sets XLA_FLAGS and JAX_PLATFORMS=cpu")
+    parser.add_argument("--coordinator-port", type=_number(int, 0), default=0, metavar="P",
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--timeout", type=_number(float, 0, strict=True), metavar="S",
+                        help=f"stop every process after S seconds and exit {EXIT_TIMEOUT}")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                        help="the command every process runs, after '--'")
+    # run() must report a missing command as a usage error of whichever parser
+    # (standalone or subcommand) was used, so it is remembered here.
+    parser.set_defaults(launch_parser=parser)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def child_env(base: dict, rank: int, n: int, port: int, devices: int | None) -> dict:
+def child_env(base: dict, rank: int, num_processes: int, port: int,
+              devices_per_process: int | None = None) -> dict:
+    """Builds one child's environment.
+
+    Args:
+      base: the environment to extend (normally os.environ); not modified.
+      rank: the child's process id, also its local rank.
+      num_processes: the number of children.
+      port: the coordinator port on 127.0.0.1.
+      devices_per_process: if set, the number of host-platform devices.
+
+    Returns:
+      A new dict with the HERRING_* variables (and XLA settings) added.
+    """
     env = dict(base)
     env.update({
         "HERRING_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-        "HERRING_NUM_PROCESSES": str(n),
+        "HERRING_NUM_PROCESSES": str(num_processes),
         "HERRING_PROCESS_ID": str(rank),
         "HERRING_LOCAL_RANK": str(rank),
         "PYTHONUNBUFFERED": "1",
     })
-    if devices is not None:
-        flags = re.sub(rf"\s*{_DEVICE_FLAG}=\S*", "", env.get("XLA_FLAGS", "")).strip()
-        env["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={devices}".strip()
+    if devices_per_process is not None:
+        # Replaced, not appended: two copies would leave a reader of the
+        # environment guessing which one XLA honours.
+        flags = _DEVICE_FLAG_RE.sub("", env.get("XLA_FLAGS", "")).strip()
+        env["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={devices_per_process}".lstrip()
         env.setdefault("JAX_PLATFORMS", "cpu")
     return env
 
 
-def _pump(stream, sink, prefix: str, lock: threading.Lock) -> None:
-    # Whole lines under one lock, so ranks never interleave within a line.
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", errors="replace")
-        if not line.endswith("\n"):
-            line += "\n"
-        with lock:
-            sink.write(prefix + line)
-            sink.flush()
-    stream.close()
+def _grace_s() -> float:
+    """The SIGTERM-to-SIGKILL grace period, from HERRING_LAUNCH_GRACE_S if valid."""
+    text = os.environ.get(GRACE_ENV)
+    try:
+        return max(0.0, float(text)) if text else DEFAULT_GRACE_S
+    except ValueError:
+        print(f"{PROG}: ignoring {GRACE_ENV}={text!r} (not a number); using "
+              f"{DEFAULT_GRACE_S:g} s", file=sys.stderr, flush=True)
+        return DEFAULT_GRACE_S
 
 
 def _exit_code(returncode: int) -> int:
+    """Maps Popen.returncode to a shell-style exit code (128 + n for signal n)."""
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _stop(procs: list[subprocess.Popen], sig: int) -> None:
-    for p in procs:
-        if p.poll() is None:
+def _describe(returncode: int) -> str:
+    """Says how a child ended, naming the signal if one killed it."""
+    text = f"exited with code {_exit_code(returncode)}"
+    names = {-s.value: s.name for s in signal.Signals}
+    return f"{text} (killed by {names[returncode]})" if returncode in names else text
+
+
+def _processes(count: int) -> str:
+    """'1 process', '3 processes'."""
+    return f"{count} process" if count == 1 else f"{count} processes"
+
+
+class _Job:
+    """N running children, their output readers and the events that end the job."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.lock = threading.Lock()  # one whole line at a time, across ranks and streams
+        # SimpleQueue.put is reentrant, so the signal handler may use it too.
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.procs: list[subprocess.Popen] = []
+        self.readers: dict[int, list[threading.Thread]] = {}
+        self.waiters: list[threading.Thread] = []
+        self.signals: list[int] = []
+
+    def say(self, message: str) -> None:
+        """Writes one launcher line to stderr without splitting a child's line."""
+        self._emit(sys.stderr, f"{PROG}: {message}\n")
+
+    def _emit(self, sink, text: str) -> None:
+        with self.lock:
             try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
+                try:
+                    sink.write(text)
+                except UnicodeEncodeError:  # e.g. an ASCII-only stdout
+                    enc = getattr(sink, "encoding", None) or "ascii"
+                    sink.write(text.encode(enc, "backslashreplace").decode(enc))
+                sink.flush()
+            except (OSError, ValueError):
+                # A closed launcher stdout must not stop the draining, or the
+                # child would block forever on a full pipe.
                 pass
+
+    def _pump(self, stream, sink, prefix: str) -> None:
+        with stream:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace")
+                self._emit(sink, prefix + (line if line.endswith("\n") else line + "\n"))
+
+    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
+        self.events.put(("exit", rank, proc.wait()))
+
+    def start(self, rank: int, command: list[str], env: dict) -> None:
+        """Starts one child in its own session, with its reader and waiter threads."""
+        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        self.procs.append(proc)
+        prefix = f"[rank {rank}] "
+        self.readers[rank] = [
+            threading.Thread(target=self._pump, args=(stream, sink, prefix), daemon=True)
+            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        self.waiters.append(threading.Thread(target=self._wait, args=(rank, proc), daemon=True))
+        for t in (*self.readers[rank], self.waiters[-1]):
+            t.start()
+
+    def on_signal(self, signum: int, _frame) -> None:
+        """Signal handler: the main loop (or the grace wait) reacts to it."""
+        self.signals.append(signum)
+        self.events.put(("signal", signum, 0))
+
+    def wait_for_end(self, timeout: float | None) -> tuple[int, str | None, int | None]:
+        """Blocks until every child succeeded, one failed, a signal came or time ran out.
+
+        Returns:
+          (exit code, the line to report or None, the failed rank or None).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        running = set(range(len(self.procs)))
+        while running:
+            # Bounded waits: a signal caught by another thread gets its Python
+            # handler run only when this thread wakes up.
+            wait_s = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            try:
+                kind, what, code = self.events.get(timeout=max(0.0, wait_s))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return (EXIT_TIMEOUT, (f"timed out after {timeout:g} s; stopping all "
+                                           f"{_processes(len(running))}"), None)
+                continue
+            if kind == "signal":
+                return (128 + what, (f"got {signal.Signals(what).name}; stopping all "
+                                     f"{_processes(len(running))}"), None)
+            running.discard(what)
+            if code != 0:
+                tail = f"; stopping the other {_processes(len(running))}" if running else ""
+                return _exit_code(code), f"rank {what} {_describe(code)}{tail}", what
+        return 0, None, None
+
+    def _signal_groups(self, sig: int) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass  # the whole group is gone already
+
+    def _any_alive(self) -> bool:
+        if any(proc.returncode is None for proc in self.procs):
+            return True
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, 0)
+                return True
+            except (ProcessLookupError, PermissionError):
+                pass
+        return False
+
+    def stop(self, message: str | None = None, failed_rank: int | None = None) -> None:
+        """Ends every child's process group (SIGTERM, grace, SIGKILL) and joins threads.
+
+        Groups are signalled even when their leader has exited, so that what a
+        rank started in the background dies with the job.
+
+        Args:
+          message: the launcher's verdict, written to stderr once SIGTERM is sent.
+          failed_rank: the rank whose last output should come before the verdict.
+        """
+        signals_before = len(self.signals)
+        self._signal_groups(signal.SIGTERM)
+        end = time.monotonic() + self.grace_s
+        if failed_rank is not None:
+            # Its last words (usually a traceback) belong before the verdict;
+            # SIGTERM first, so a grandchild holding its pipes lets go of them.
+            for t in self.readers[failed_rank]:
+                t.join(max(0.0, min(_READER_JOIN_S, end - time.monotonic())))
+        if message:
+            self.say(message)
+        # A second Ctrl-C means "now": skip the rest of the grace period.
+        while (self._any_alive() and time.monotonic() < end
+               and len(self.signals) == signals_before):
+            time.sleep(_POLL_S)
+        self._signal_groups(signal.SIGKILL)
+        for t in self.waiters:
+            t.join()  # reaps every child: no zombies
+        for threads in self.readers.values():
+            for t in threads:
+                t.join(_READER_JOIN_S)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the job that add_arguments() parsed.
+
+    Returns:
+      0 when every process succeeded, else the code the module docstring gives.
+    """
     command = list(args.command)
-    if command and command[0] == "--":
+    if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        print("herring-jax launch: no command given; usage: herring-jax launch -n N -- CMD ...",
-              file=sys.stderr)
+        message = "no command given: put it after '--', e.g. -n 2 -- python train.py"
+        parser = getattr(args, "launch_parser", None)
+        if parser is not None:
+            parser.error(message)  # exits with status 2 and the usage line
+        print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
     n = args.num_processes
-    if n < 1:
-        print(f"herring-jax launch: -n must be at least 1, got {n}", file=sys.stderr)
-        return 2
-    port = args.coordinator_port or _free_port()
-    grace = float(os.environ.get(_GRACE_ENV, _DEFAULT_GRACE_S))
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    for rank in range(n):
-        try:
-            p = subprocess.Popen(command, env=child_env(os.environ, rank, n, port,
-                                                        args.devices_per_process),
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True)
-        except OSError as e:
-            print(f"herring-jax launch: cannot start {command[0]!r}: {e}", file=sys.stderr)
-            _stop(procs, signal.SIGKILL)
-            return 127
-        procs.append(p)
-        for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, sink, f"[rank {rank}] ", lock),
-                                 daemon=True)
-            t.start()
-            pumps.append(t)
-
-    stop_signal: list[int] = []
-
-    def on_signal(signum, _frame):
-        stop_signal.append(signum)
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    result = 0
+    port = args.coordinator_port or free_port()
+    job = _Job(_grace_s())
+    # Handlers go in before any child exists, so a Ctrl-C during start-up
+    # cannot leave children running; signal.signal only works on the main thread.
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    message = failed_rank = None
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                result = _exit_code(code)
-                alive = sum(c is None for c in codes)
-                with lock:
-                    print(f"herring-jax launch: rank {rank} exited with code {result}; "
-                          f"stopping the other {alive} processes", file=sys.stderr, flush=True)
-                break
-            if all(c == 0 for c in codes):
-                break
-            if stop_signal:
-                result = 128 + stop_signal[0]
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                with lock:
-                    print(f"herring-jax launch: timed out after {args.timeout:g} s; stopping "
-                          "every process", file=sys.stderr, flush=True)
-                result = 124
-                break
-            time.sleep(0.05)
-        _stop(procs, signal.SIGTERM)
-        end = time.monotonic() + grace
-        while any(p.poll() is None for p in procs) and time.monotonic() < end:
-            time.sleep(0.05)
-        _stop(procs, signal.SIGKILL)
-        for p in procs:
-            p.wait()
-        for t in pumps:
-            t.join(timeout=5)
+        for rank in range(n):
+            try:
+                job.start(rank, command, child_env(os.environ, rank, n, port,
+                                                   args.devices_per_process))
+            except OSError as e:
+                job.say(f"cannot start {command[0]!r}: {e}")
+                return 126 if isinstance(e, PermissionError) else 127
+        code, message, failed_rank = job.wait_for_end(args.timeout)
+        return code
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    return result
+        job.stop(message, failed_rank)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="herring-jax launch", description=__doc__.split("\n")[0])
+    """Entry point of `python -m herring_jax.launch`; argv defaults to sys.argv[1:]."""
+    parser = argparse.ArgumentParser(
+        prog="python -m herring_jax.launch",
+        description="Start N local processes of a command for herring_jax.",
+        epilog="example: python -m herring_jax.launch -n 4 -- python train.py")
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
