@@ -116,6 +116,15 @@ def main() -> int:
         b = smap(lambda v: jax.lax.psum(v, mesh.axis_names), out_spec=P())(x)
         common.report(f"{mesh_name}/invariant-out", same(a, b))
 
+    # jax.pmap over the local devices, the axis spanning every process.
+    rows = np.stack([common.make_input("float32", 100, herring_jax.process_index() * local + d, 5)
+                     for d in range(local)])
+    for ours, theirs, name in [(herring_jax.psum, jax.lax.psum, "psum"),
+                               (herring_jax.pmean, jax.lax.pmean, "pmean")]:
+        a = np.asarray(jax.pmap(lambda v: ours(v, "i"), axis_name="i")(rows))
+        b = np.asarray(jax.pmap(lambda v: theirs(v, "i"), axis_name="i")(rows))
+        common.report(f"pmap/{name}", np.allclose(a, b, rtol=1e-5, atol=1e-5))
+
     herring_jax.shutdown()
     return 0
 
