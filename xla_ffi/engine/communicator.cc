@@ -185,10 +185,7 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
   const uint32_t sender = TagSender(c.tag);
   std::string why;
   if (!CheckAbortHeader(b.header, c.len, config_.token, sender, &why)) {
-    if (dropped_.fetch_add(1) < 10) {
-      std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
-                   why.c_str());
-    }
+    CountDropped(why);
     Enqueue([this, slot] { PostControlRecv(slot); });
     return;
   }
@@ -200,6 +197,27 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
   }
   std::lock_guard<std::mutex> lock(active_mu_);
   for (Batch* batch : active_) Fail(batch, message, /*tell_peers=*/false);
+}
+
+void Communicator::CountDropped(const std::string& why) {
+  if (dropped_.fetch_add(1) < 10) {
+    std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
+                 why.c_str());
+  }
+}
+
+void Communicator::DropAndRepost(Batch* batch, const std::string& why,
+                                 std::function<void()> repost) {
+  CountDropped(why);
+  // The completed receive leaves flight; the queued re-post enters it until
+  // it has posted the new receive (from a server thread: never post from the
+  // progress thread, which must not wait on the transport's queues).
+  batch->AddInflight(1);
+  batch->Complete(0, 1);
+  Enqueue([batch, repost = std::move(repost)] {
+    repost();
+    batch->Complete(0, 1);
+  });
 }
 
 void Communicator::BroadcastAbort(const std::string& why) {
@@ -554,16 +572,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
       batch->Complete(1, 1);
       return;
     default:
-      if (dropped_.fetch_add(1) < 10) {
-        std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
-                     why.c_str());
-      }
-      batch->AddInflight(1);
-      batch->Complete(0, 1);
-      Enqueue([this, job, p, c] {
-        PostContributionRecv(job, p, c);
-        job->batch->Complete(0, 1);
-      });
+      DropAndRepost(batch, why, [this, job, p, c] { PostContributionRecv(job, p, c); });
       return;
   }
   job->contributors[p] = h.contributors;
@@ -644,16 +653,7 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
       batch->Complete(1, 1);
       return;
     default:
-      if (dropped_.fetch_add(1) < 10) {
-        std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
-                     why.c_str());
-      }
-      batch->AddInflight(1);
-      batch->Complete(0, 1);
-      Enqueue([this, job, i, c] {
-        PostResultRecv(job, i, c);
-        job->batch->Complete(0, 1);
-      });
+      DropAndRepost(batch, why, [this, job, i, c] { PostResultRecv(job, i, c); });
       return;
   }
 }

@@ -93,6 +93,10 @@ class Communicator {
   void PostControlRecv(size_t slot);
   void OnControl(size_t slot, const transport::Completion& c);
   void BroadcastAbort(const std::string& why);
+  // A message that failed its header check: counted, logged (the first 10),
+  // and its receive posted again.
+  void CountDropped(const std::string& why);
+  void DropAndRepost(Batch* batch, const std::string& why, std::function<void()> repost);
   void PostContributionRecv(Job* job, int peer_index, size_t chunk);
   void PostResultRecv(Job* job, int part, size_t chunk);
   void OnContribution(Job* job, int peer_index, size_t chunk, const transport::Completion& c);
