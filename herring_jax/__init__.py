@@ -11,6 +11,7 @@ Examples:
 """
 
 from herring_jax._src.errors import HerringError as HerringError
+from herring_jax._src.errors import herring_errors as herring_errors
 from herring_jax._src.runtime import initialize as initialize
 from herring_jax._src.runtime import shutdown as shutdown
 from herring_jax._src.runtime import describe as describe

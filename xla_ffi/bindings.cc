@@ -55,7 +55,7 @@ NB_MODULE(_herring_ffi, m) {
       "create_communicator",
       [](int rank, int size, uint64_t token, const std::string& provider,
          const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
-         double timeout_s) {
+         double timeout_s, double heartbeat_s, double peer_timeout_s) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -63,6 +63,8 @@ NB_MODULE(_herring_ffi, m) {
         config.chunk_bytes = chunk_bytes;
         config.server_threads = server_threads;
         config.timeout_s = timeout_s;
+        config.heartbeat_s = heartbeat_s;
+        config.peer_timeout_s = peer_timeout_s;
         config.transport.provider = provider;
         config.transport.interface = interface;
         config.transport.force_mr = force_mr;
@@ -77,7 +79,8 @@ NB_MODULE(_herring_ffi, m) {
       },
       nb::arg("rank"), nb::arg("size"), nb::arg("token"), nb::arg("provider"),
       nb::arg("interface"), nb::arg("force_mr"), nb::arg("chunk_bytes"),
-      nb::arg("server_threads"), nb::arg("timeout_s"),
+      nb::arg("server_threads"), nb::arg("timeout_s"), nb::arg("heartbeat_s"),
+      nb::arg("peer_timeout_s"),
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {
@@ -100,6 +103,8 @@ NB_MODULE(_herring_ffi, m) {
     d["reductions"] = s.reductions;
     d["bytes_reduced"] = s.bytes_reduced;
     d["messages_dropped"] = s.messages_dropped;
+    d["heartbeats_received"] = s.heartbeats_received;
+    d["peers_declared_dead"] = s.peers_declared_dead;
     return d;
   });
 

@@ -19,7 +19,7 @@ from jax.interpreters import ad, batching, mlir
 
 from herring_jax._src import jax_compat
 from herring_jax._src import runtime
-from herring_jax._src.errors import HerringError
+from herring_jax._src.errors import HerringError, herring_errors
 
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
 OPS = {"sum": 0, "mean": 1}
@@ -96,12 +96,8 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
         else:
             # Eager: wait for the result, so that a failed reduction raises
             # HerringError here rather than later from some other array.
-            try:
+            with herring_errors():
                 reduced = jax.block_until_ready(_allreduce_jit(args, op=op))
-            except jax.errors.JaxRuntimeError as e:
-                if "herring allreduce" in str(e):
-                    raise HerringError(str(e)) from e
-                raise
         for i, r in zip(reduce_idx, reduced):
             outs[i] = r
     return jax.tree_util.tree_unflatten(treedef, outs)

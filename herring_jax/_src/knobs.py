@@ -42,6 +42,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in [
@@ -60,6 +67,17 @@ KNOBS: dict[str, Knob] = {
              "Threads per process that sum the parts this process serves."),
         Knob("HERRING_TIMEOUT_S", 300.0, _positive_float,
              "No reduction waits longer; then every surviving rank raises HerringError."),
+        Knob("HERRING_PEER_TIMEOUT_S", 30.0, _positive_float,
+             "A rank a reduction waits for that has sent nothing (data or heartbeat) "
+             "for this long is declared dead: every surviving rank raises HerringError "
+             "naming it (at most HERRING_TIMEOUT_S)."),
+        Knob("HERRING_HEARTBEAT_S", 1.0, _non_negative_float,
+             "Interval of the liveness messages each rank sends every other rank; "
+             "0 turns them off (then only HERRING_TIMEOUT_S detects a dead peer)."),
+        Knob("HERRING_FAST_EXIT", True, _bool,
+             "1: an uncaught HerringError ends the process at once (status 1) instead of "
+             "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "
+             "for the dead peer."),
         Knob("HERRING_INIT_TIMEOUT_S", 300.0, _positive_float,
              "How long initialize() waits for every process to publish its address."),
         Knob("HERRING_COORDINATOR_ADDRESS", None, str,

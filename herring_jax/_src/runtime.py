@@ -17,7 +17,7 @@ import jax
 
 from herring_jax._src import jax_compat
 from herring_jax._src import knobs
-from herring_jax._src.errors import HerringError
+from herring_jax._src.errors import HerringError, install_excepthook
 
 try:
     from herring_jax import _herring_ffi as _ext
@@ -94,7 +94,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     Calls ``jax.distributed.initialize`` unless it already ran (arguments left
     as None come from HERRING_COORDINATOR_ADDRESS / HERRING_NUM_PROCESSES /
     HERRING_PROCESS_ID, set by ``herring-jax launch``, or from jax's own
-    cluster detection), then connects every process's server shard.
+    cluster detection), then connects every process's server shard. It also
+    installs a ``sys.excepthook`` under which an uncaught failed reduction from
+    inside a jitted function is reported as HerringError (and, with
+    HERRING_FAST_EXIT, ends the process at once).
 
     Args:
       coordinator_address: ``host:port`` of the jax.distributed coordinator.
@@ -154,7 +157,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             handle = _ext.create_communicator(
                 rank, size, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
                 knobs.get("HERRING_CHUNK_BYTES"), knobs.get("HERRING_SERVER_THREADS"),
-                knobs.get("HERRING_TIMEOUT_S"))
+                knobs.get("HERRING_TIMEOUT_S"), knobs.get("HERRING_HEARTBEAT_S"),
+                knobs.get("HERRING_PEER_TIMEOUT_S"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
@@ -168,6 +172,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         except Exception as e:
             raise HerringError(f"herring_jax.initialize() failed on rank {rank} of {size}: {e}") from e
         _register_targets()
+        install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _state = _State(handle, rank, size, provider, _generation, args)
 
 

@@ -4,7 +4,14 @@ return a wrong sum.
   mismatch: two ranks reduce different shapes at the same call site; both
     must fail at once (the detecting rank tells the others).
   dead-peer: rank 1 leaves right after initialize(); rank 0 must fail within
-    HERRING_TIMEOUT_S, naming rank 1.
+    HERRING_PEER_TIMEOUT_S (heartbeats) or HERRING_TIMEOUT_S, naming rank 1.
+  jit-dead-peer caught|uncaught: rank 1 leaves after two training steps whose
+    gradients allreduce_gradients averages inside the user's jax.jit; rank 0
+    must get HerringError naming rank 1: caught under herring_errors(), or
+    uncaught, when the process must die printing herring_jax.HerringError.
+  slow-peer: rank 1 starts its reduction long after rank 0 (more than
+    HERRING_PEER_TIMEOUT_S later) but is alive: its heartbeats must keep
+    rank 0 waiting, and the sum must be right.
 """
 
 from __future__ import annotations
@@ -35,6 +42,63 @@ def dead_peer(rank: int) -> None:
         common.report("dead-peer", False, message="no error")
 
 
+def slow_peer(rank: int, delay_s: float) -> None:
+    if rank == 1:
+        time.sleep(delay_s)
+    start = time.monotonic()
+    try:
+        out = herring_jax.allreduce(np.full(1000, rank + 1, np.float32))
+    except herring_jax.HerringError as e:
+        common.report("slow-peer", False, message=str(e)[:600])
+        return
+    stats = herring_jax.stats()
+    common.report("slow-peer", bool(np.all(np.asarray(out) == 3.0)),
+                  seconds=time.monotonic() - start, heartbeats=stats["heartbeats_received"],
+                  declared_dead=stats["peers_declared_dead"])
+
+
+def jit_dead_peer(rank: int, mode: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    tx = optax.chain(herring_jax.allreduce_gradients(), optax.sgd(0.1))
+    params = {"w": jnp.ones((64, 64)), "b": jnp.zeros(64)}
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    x = jnp.full((8, 64), 0.01 * (rank + 1))
+    for _ in range(2):
+        params, opt_state = step(params, opt_state, x)
+    jax.block_until_ready(params)
+    if rank == 1:
+        sys.stdout.flush()
+        os._exit(0)
+    start = time.monotonic()
+    if mode == "uncaught":
+        params, opt_state = step(params, opt_state, x)
+        jax.block_until_ready(params)  # raises: the process dies with a traceback
+        common.report("jit-dead-peer", False, message="no error")
+        return
+    try:
+        with herring_jax.herring_errors():
+            for _ in range(3):
+                params, opt_state = step(params, opt_state, x)
+            float(params["b"][0])
+    except herring_jax.HerringError as e:
+        common.report("jit-dead-peer", "rank 1" in str(e) and "key " in str(e),
+                      seconds=time.monotonic() - start,
+                      is_jax_error=isinstance(e, jax.errors.JaxRuntimeError),
+                      message=str(e)[:600])
+    else:
+        common.report("jit-dead-peer", False, message="no error")
+
+
 def main() -> int:
     herring_jax.initialize()
     rank = herring_jax.process_index()
@@ -42,6 +106,13 @@ def main() -> int:
         dead_peer(rank)
         sys.stdout.flush()
         os._exit(0)
+    if sys.argv[1:2] == ["jit-dead-peer"]:
+        jit_dead_peer(rank, sys.argv[2])
+        sys.stdout.flush()
+        os._exit(0)
+    if sys.argv[1:2] == ["slow-peer"]:
+        slow_peer(rank, float(sys.argv[2]))
+        return 0
     x = np.ones(1000 + rank * 24, np.float32)  # rank 1 reduces 24 more elements
     start = time.monotonic()
     try:

@@ -111,6 +111,12 @@ WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint32_t src
   return h;
 }
 
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 std::string RankList(const std::set<int>& ranks) {
   std::string s;
   for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
@@ -144,6 +150,12 @@ Communicator::Communicator(const CommConfig& config) : config_(config) {}
 
 Communicator::~Communicator() {
   {
+    std::lock_guard<std::mutex> lock(heartbeat_mu_);
+    heartbeat_stop_ = true;
+  }
+  heartbeat_cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  {
     std::lock_guard<std::mutex> lock(queue_mu_);
     stopping_ = true;
   }
@@ -161,8 +173,121 @@ Status Communicator::Connect(const std::vector<std::vector<uint8_t>>& addrs) {
   if (!s.ok()) return s;
   control_.resize(kControlRecvs);
   for (size_t i = 0; i < kControlRecvs; ++i) PostControlRecv(i);
+  const int64_t now = NowNs();
+  last_heard_.reset(new std::atomic<int64_t>[config_.size]);
+  heartbeat_busy_.reset(new std::atomic<bool>[config_.size]);
+  for (int r = 0; r < config_.size; ++r) {
+    last_heard_[r] = now;
+    heartbeat_busy_[r] = false;
+  }
   connected_ = true;
+  if (config_.heartbeat_s > 0 && config_.size > 1) {
+    heartbeat_out_.magic = kMagic;
+    heartbeat_out_.version = kWireVersion;
+    heartbeat_out_.kind = static_cast<uint8_t>(MsgKind::kHeartbeat);
+    heartbeat_out_.dtype = static_cast<uint8_t>(DType::kFloat32);
+    heartbeat_out_.token = config_.token;
+    heartbeat_out_.src_rank = static_cast<uint32_t>(config_.rank);
+    heartbeat_out_.stream = kControlStream;
+    SealHeader(&heartbeat_out_);
+    heartbeat_in_.resize(kHeartbeatRecvs);
+    for (size_t i = 0; i < kHeartbeatRecvs; ++i) PostHeartbeatRecv(i);
+    heartbeat_ = std::thread([this] { HeartbeatLoop(); });
+  }
   return s;
+}
+
+void Communicator::Heard(uint32_t rank) {
+  if (last_heard_ && rank < static_cast<uint32_t>(config_.size)) last_heard_[rank] = NowNs();
+}
+
+void Communicator::PostHeartbeatRecv(size_t slot) {
+  transport::IoVec iov[1] = {{&heartbeat_in_[slot], sizeof(WireHeader)}};
+  Status s = transport_->Recv(
+      MakeHeartbeatTag(0), kSenderBits, iov, 1,
+      [this, slot](const transport::Completion& c) { OnHeartbeat(slot, c); },
+      /*background=*/true);
+  if (!s.ok()) {
+    std::fprintf(stderr, "herring_jax rank %d: cannot post a heartbeat receive: %s\n",
+                 config_.rank, s.message().c_str());
+  }
+}
+
+void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
+  if (!c.ok) {
+    // A heartbeat larger than a header is malformed; anything else is a
+    // cancellation (shutdown or failure), after which nothing is re-posted.
+    if (!c.truncated) return;
+    CountDropped("oversized heartbeat");
+  } else {
+    const uint32_t sender = TagSender(c.tag);
+    std::string why;
+    if (CheckControlHeader(heartbeat_in_[slot], c.len, MsgKind::kHeartbeat, config_.token,
+                           sender, static_cast<uint32_t>(config_.size), &why)) {
+      heartbeats_.fetch_add(1);
+      Heard(sender);
+    } else {
+      CountDropped(why);
+    }
+  }
+  // Never post from the progress thread (see DropAndRepost).
+  Enqueue([this, slot] { PostHeartbeatRecv(slot); });
+}
+
+void Communicator::HeartbeatLoop() {
+  const auto interval = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(config_.heartbeat_s));
+  std::unique_lock<std::mutex> lock(heartbeat_mu_);
+  while (!heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; })) {
+    lock.unlock();
+    SendHeartbeats();
+    WatchPeers();
+    lock.lock();
+  }
+}
+
+void Communicator::SendHeartbeats() {
+  for (int peer = 0; peer < config_.size; ++peer) {
+    if (peer == config_.rank || heartbeat_busy_[peer].exchange(true)) continue;
+    transport::IoVec iov[1] = {{&heartbeat_out_, sizeof(WireHeader)}};
+    // TrySend: a peer whose queue is full (dead, or busy with data that
+    // proves it alive anyway) must not hold up the heartbeats to the others.
+    Status s = transport_->TrySend(
+        peer, MakeHeartbeatTag(static_cast<uint32_t>(config_.rank)), iov, 1,
+        [this, peer](const transport::Completion&) { heartbeat_busy_[peer] = false; });
+    if (!s.ok()) heartbeat_busy_[peer] = false;
+  }
+}
+
+void Communicator::WatchPeers() {
+  const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
+  const int64_t now = NowNs();
+  std::lock_guard<std::mutex> lock(active_mu_);
+  for (Batch* batch : active_) {
+    if (batch->Failed()) continue;
+    for (int rank : batch->group) {
+      if (rank == config_.rank) continue;
+      const double silent_s = (now - last_heard_[rank].load()) * 1e-9;
+      if (silent_s <= limit) continue;
+      declared_dead_.fetch_add(1);
+      const Job& job = *batch->jobs.front();
+      char silent[32];
+      std::snprintf(silent, sizeof(silent), "%.1f", silent_s);
+      Fail(batch, "rank " + std::to_string(rank) + " has sent nothing (no data, no " +
+                      "heartbeat) for " + silent + " s while rank " +
+                      std::to_string(config_.rank) + " waits for it in " + job.Describe() +
+                      (batch->jobs.size() > 1
+                           ? " and " + std::to_string(batch->jobs.size() - 1) + " more"
+                           : std::string()) +
+                      ": it died, hung or its host is unreachable. HERRING_PEER_TIMEOUT_S "
+                      "(at most HERRING_TIMEOUT_S) sets the limit.");
+      // After the batch has its reason: sends to the dead rank that wait for
+      // queue room give up now, so the caller's thread is not held in a post
+      // until HERRING_TIMEOUT_S.
+      transport_->SetPeerUnreachable(rank);
+      break;
+    }
+  }
 }
 
 void Communicator::PostControlRecv(size_t slot) {
@@ -184,11 +309,13 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
   const ControlBuffer& b = control_[slot];
   const uint32_t sender = TagSender(c.tag);
   std::string why;
-  if (!CheckAbortHeader(b.header, c.len, config_.token, sender, &why)) {
+  if (!CheckControlHeader(b.header, c.len, MsgKind::kAbort, config_.token, sender,
+                          static_cast<uint32_t>(config_.size), &why)) {
     CountDropped(why);
     Enqueue([this, slot] { PostControlRecv(slot); });
     return;
   }
+  Heard(sender);
   const std::string reason(b.text, c.len - sizeof(WireHeader));
   const std::string message = "rank " + std::to_string(sender) + " failed: " + reason;
   {
@@ -252,7 +379,8 @@ std::string Communicator::Describe() const {
 }
 
 CommStats Communicator::Stats() const {
-  return CommStats{reductions_.load(), bytes_reduced_.load(), dropped_.load()};
+  return CommStats{reductions_.load(), bytes_reduced_.load(), dropped_.load(),
+                   heartbeats_.load(), declared_dead_.load()};
 }
 
 void Communicator::Enqueue(std::function<void()> task) {
@@ -331,6 +459,19 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   batch->stream = stream;
   batch->group = group;
   {
+    std::lock_guard<std::mutex> lock(rounds_mu_);
+    for (ReduceRequest& r : requests) {
+      auto job = std::make_unique<Job>();
+      job->batch = batch.get();
+      job->req = r;
+      job->round = rounds_[{stream, group, r.slot, r.key}]++;
+      batch->jobs.push_back(std::move(job));
+    }
+  }
+  if (batch->jobs.empty()) return Status::Ok();
+  // Active (visible to aborts and the peer watch) once `jobs` is complete:
+  // from here on only the jobs' own atomics change under other threads.
+  {
     std::lock_guard<std::mutex> lock(active_mu_);
     active_.insert(batch.get());
   }
@@ -342,16 +483,6 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
       comm->active_.erase(batch);
     }
   } deactivate{this, batch.get()};
-  {
-    std::lock_guard<std::mutex> lock(rounds_mu_);
-    for (ReduceRequest& r : requests) {
-      auto job = std::make_unique<Job>();
-      job->batch = batch.get();
-      job->req = r;
-      job->round = rounds_[{stream, group, r.slot, r.key}]++;
-      batch->jobs.push_back(std::move(job));
-    }
-  }
   // Geometry first, so that `remaining` is complete before anything is posted.
   for (auto& job : batch->jobs) {
     Job& j = *job;
@@ -575,6 +706,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
       DropAndRepost(batch, why, [this, job, p, c] { PostContributionRecv(job, p, c); });
       return;
   }
+  Heard(static_cast<uint32_t>(from));
   job->contributors[p] = h.contributors;
   job->contribs_from[p].fetch_add(1);
   if (job->arrivals[c].fetch_add(1) + 1 == job->n - 1) {
@@ -645,6 +777,7 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
                    job->ChunkLen(i, c) * job->elem, job->req.count};
   switch (CheckHeader(&h, done.len, want, &why)) {
     case HeaderVerdict::kOk:
+      Heard(static_cast<uint32_t>(from));
       job->results_from[i].fetch_add(1);
       batch->Complete(1, 1);
       return;

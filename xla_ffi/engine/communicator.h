@@ -34,6 +34,12 @@ struct CommConfig {
   size_t chunk_bytes = 1 << 20;  // pipelining unit inside a part
   int server_threads = 1;
   double timeout_s = 300.0;      // no reduction waits longer
+  // Liveness: every rank sends a heartbeat to every other rank each
+  // `heartbeat_s` (0: none). A rank that a reduction waits for and that has
+  // sent nothing (data or heartbeat) for `peer_timeout_s` is declared dead,
+  // so a killed process or a lost host fails the job long before timeout_s.
+  double heartbeat_s = 1.0;
+  double peer_timeout_s = 30.0;
   transport::TransportOptions transport;
 };
 
@@ -55,6 +61,8 @@ struct CommStats {
   uint64_t reductions = 0;
   uint64_t bytes_reduced = 0;
   uint64_t messages_dropped = 0;  // strangers and malformed messages
+  uint64_t heartbeats_received = 0;
+  uint64_t peers_declared_dead = 0;
 };
 
 struct Job;
@@ -97,6 +105,13 @@ class Communicator {
   // and its receive posted again.
   void CountDropped(const std::string& why);
   void DropAndRepost(Batch* batch, const std::string& why, std::function<void()> repost);
+  // Liveness (see CommConfig::heartbeat_s).
+  void PostHeartbeatRecv(size_t slot);
+  void OnHeartbeat(size_t slot, const transport::Completion& c);
+  void Heard(uint32_t rank);
+  void HeartbeatLoop();
+  void SendHeartbeats();
+  void WatchPeers();
   void PostContributionRecv(Job* job, int peer_index, size_t chunk);
   void PostResultRecv(Job* job, int part, size_t chunk);
   void OnContribution(Job* job, int peer_index, size_t chunk, const transport::Completion& c);
@@ -138,6 +153,18 @@ class Communicator {
   ControlBuffer abort_out_;             // what this rank broadcasts, sent once
   std::once_flag abort_once_;
 
+  static constexpr size_t kHeartbeatRecvs = 4;
+  std::vector<WireHeader> heartbeat_in_;  // posted receives
+  WireHeader heartbeat_out_{};            // the same bytes go to every peer
+  // [rank] steady_clock nanoseconds of the last valid message from it.
+  std::unique_ptr<std::atomic<int64_t>[]> last_heard_;
+  // [rank] a heartbeat to it is still in flight: send no other.
+  std::unique_ptr<std::atomic<bool>[]> heartbeat_busy_;
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;
+  std::thread heartbeat_;
+
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<std::function<void()>> queue_;
@@ -147,6 +174,8 @@ class Communicator {
   std::atomic<uint64_t> reductions_{0};
   std::atomic<uint64_t> bytes_reduced_{0};
   std::atomic<uint64_t> dropped_{0};
+  std::atomic<uint64_t> heartbeats_{0};
+  std::atomic<uint64_t> declared_dead_{0};
 };
 
 }  // namespace herring::engine

@@ -25,16 +25,20 @@ std::string Describe(DType dtype, uint64_t elems, ReduceOp op, uint64_t key) {
 }
 }  // namespace
 
-bool CheckAbortHeader(const WireHeader& h, size_t len, uint64_t token, uint32_t sender,
-                      std::string* why) {
+bool CheckControlHeader(const WireHeader& h, size_t len, MsgKind kind, uint64_t token,
+                        uint32_t sender, uint32_t ranks, std::string* why) {
   if (len < sizeof(WireHeader) || h.magic != kMagic || h.version != kWireVersion ||
       h.checksum != HeaderChecksum(h)) {
     *why = "malformed control message";
     return false;
   }
-  if (h.kind != static_cast<uint8_t>(MsgKind::kAbort) || h.token != token ||
-      h.src_rank != sender || h.payload_bytes != len - sizeof(WireHeader)) {
-    *why = "control message with wrong kind, token, sender or length";
+  if (h.token != token) {
+    *why = "control message with a wrong job token (a process of another job or an old run)";
+    return false;
+  }
+  if (h.kind != static_cast<uint8_t>(kind) || h.src_rank != sender || sender >= ranks ||
+      h.payload_bytes != len - sizeof(WireHeader)) {
+    *why = "control message with wrong kind, sender or length";
     return false;
   }
   return true;

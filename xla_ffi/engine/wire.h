@@ -15,6 +15,7 @@ enum class MsgKind : uint8_t {
   kContribution = 1,  // worker -> server: one chunk of the worker's part
   kResult = 2,        // server -> worker: the reduced chunk
   kAbort = 3,         // any -> all: this rank failed; payload is the reason (text)
+  kHeartbeat = 4,     // any -> all, every HERRING_HEARTBEAT_S: this rank is alive
 };
 
 // Tag layout (matching only; the header is authoritative):
@@ -40,12 +41,15 @@ inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t sl
          ((round & 0xffff) << 14) | (chunk & 0x3fff);
 }
 
-// The last stream is reserved for control messages (aborts); reductions use
-// streams 0 .. kMaxStreams - 2.
+// The last stream is reserved for control messages (aborts in slot 0,
+// heartbeats in slot 1); reductions use streams 0 .. kMaxStreams - 2.
 constexpr uint32_t kControlStream = kMaxStreams - 1;
 constexpr uint64_t kSenderBits = 0x1fffull << 50;
 inline uint64_t MakeControlTag(uint32_t src) {
   return MakeTag(MsgKind::kContribution, src, kControlStream, 0, 0, 0);
+}
+inline uint64_t MakeHeartbeatTag(uint32_t src) {
+  return MakeTag(MsgKind::kContribution, src, kControlStream, 1, 0, 0);
 }
 inline uint32_t TagSender(uint64_t tag) { return static_cast<uint32_t>((tag >> 50) & 0x1fff); }
 
@@ -103,10 +107,15 @@ enum class HeaderVerdict {
   kMismatch,   // a genuine peer reduced something different: fail the job
 };
 
-// Checks a received abort message (header, then `received_len` - header
-// bytes of reason text) from `sender` (the tag's sender).
-bool CheckAbortHeader(const WireHeader& h, size_t received_len, uint64_t token,
-                      uint32_t sender, std::string* why);
+// Checks a received control message of `kind` (header, then `received_len` -
+// header bytes of payload: an abort's reason text; heartbeats have none) from
+// `sender` (the tag's sender) in a job of `ranks` processes.
+bool CheckControlHeader(const WireHeader& h, size_t received_len, MsgKind kind,
+                        uint64_t token, uint32_t sender, uint32_t ranks, std::string* why);
+inline bool CheckAbortHeader(const WireHeader& h, size_t received_len, uint64_t token,
+                             uint32_t sender, std::string* why) {
+  return CheckControlHeader(h, received_len, MsgKind::kAbort, token, sender, kMaxRanks, why);
+}
 
 // Checks a received message: `header` points at its first sizeof(WireHeader)
 // bytes (fewer were written if `received_len` is smaller) and `received_len`

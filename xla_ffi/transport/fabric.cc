@@ -179,6 +179,7 @@ class FabricTransport final : public Transport {
 
   Status SetPeers(const std::vector<std::vector<uint8_t>>& addrs) override {
     peers_.assign(addrs.size(), FI_ADDR_NOTAVAIL);
+    unreachable_.reset(new std::atomic<bool>[addrs.size()]());
     for (size_t i = 0; i < addrs.size(); ++i) {
       int ret = fi_av_insert(av_.get(), addrs[i].data(), 1, &peers_[i], 0, nullptr);
       if (ret != 1) {
@@ -193,7 +194,20 @@ class FabricTransport final : public Transport {
               Callback done) override {
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
       return Status::Error("send to unknown rank " + std::to_string(peer));
-    return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done));
+    return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
+                /*background=*/false, peer, /*may_wait=*/true);
+  }
+
+  Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
+                 Callback done) override {
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
+      return Status::Error("send to unknown rank " + std::to_string(peer));
+    return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
+                /*background=*/false, peer, /*may_wait=*/false);
+  }
+
+  void SetPeerUnreachable(int peer) override {
+    if (peer >= 0 && static_cast<size_t>(peer) < peers_.size()) unreachable_[peer] = true;
   }
 
   Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov, size_t iov_count,
@@ -221,8 +235,11 @@ class FabricTransport final : public Transport {
   size_t Outstanding() const override { return outstanding_.load(); }
 
  private:
+  // `peer` is the destination rank of a send (-1 for receives); a send with
+  // `may_wait` false gives up at the first -FI_EAGAIN.
   Status Post(bool is_recv, fi_addr_t addr, uint64_t tag, uint64_t ignore, const IoVec* iov,
-              size_t iov_count, Callback done, bool background = false) {
+              size_t iov_count, Callback done, bool background = false, int peer = -1,
+              bool may_wait = true) {
     if (iov_count == 0 || iov_count > kMaxIov || iov_count > info_->tx_attr->iov_limit)
       return Status::Error("bad iov count " + std::to_string(iov_count));
     auto op = std::make_unique<Op>();
@@ -265,17 +282,25 @@ class FabricTransport final : public Transport {
                         ? fi_trecvv(ep_.get(), iovs, desc, iov_count, addr, tag, ignore, raw)
                         : fi_tsendv(ep_.get(), iovs, desc, iov_count, addr, tag, raw);
       if (ret == 0) break;
-      const bool expired = ret == -FI_EAGAIN && std::chrono::steady_clock::now() > deadline;
-      if (ret != -FI_EAGAIN || !running_ || expired) {
+      const bool busy = ret == -FI_EAGAIN;
+      const bool expired = busy && std::chrono::steady_clock::now() > deadline;
+      const bool give_up = busy && peer >= 0 && (!may_wait || unreachable_[peer].load());
+      if (!busy || !running_ || expired || give_up) {
         Forget(raw);
         ReleaseRegistrations(raw);
         delete raw;
+        const char* what = is_recv ? "fi_trecvv" : "fi_tsendv";
+        if (give_up) {
+          return Status::Error(std::string(what) + " is busy (-FI_EAGAIN)" +
+                               (may_wait ? " and rank " + std::to_string(peer) +
+                                               " is unreachable"
+                                         : std::string()));
+        }
         return Status::Error(
-            expired ? std::string(is_recv ? "fi_trecvv" : "fi_tsendv") +
-                          " stayed busy (-FI_EAGAIN) for " +
+            expired ? std::string(what) + " stayed busy (-FI_EAGAIN) for " +
                           std::to_string(static_cast<int>(post_timeout_s_)) +
                           " s: the peer is unreachable or not making progress"
-                    : FiError(is_recv ? "fi_trecvv" : "fi_tsendv", static_cast<int>(ret)));
+                    : FiError(what, static_cast<int>(ret)));
       }
       if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
       else sched_yield();
@@ -414,6 +439,7 @@ class FabricTransport final : public Transport {
   FidPtr<fid_ep> ep_;
   std::vector<uint8_t> address_;
   std::vector<fi_addr_t> peers_;
+  std::unique_ptr<std::atomic<bool>[]> unreachable_;  // [rank]
   bool force_mr_ = false;
   double post_timeout_s_ = 300.0;
   bool need_mr_ = false;

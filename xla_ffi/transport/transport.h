@@ -79,6 +79,16 @@ class Transport {
   virtual Status Send(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
                       Callback done) = 0;
 
+  // Like Send, but never waits for room in the provider's queues: returns an
+  // error at once where Send would wait (for best-effort messages such as
+  // heartbeats, which must not stall on one unreachable peer).
+  virtual Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
+                         Callback done) = 0;
+
+  // Declares `peer` unreachable: sends to it stop waiting for queue room
+  // (including sends already waiting) and fail instead.
+  virtual void SetPeerUnreachable(int peer) = 0;
+
   // Posts a receive matching any sender's message whose tag equals `tag` on
   // the bits not set in `ignore`, scattered into `iov`. A `background`
   // receive (one kept posted for rare control messages) does not count as
