@@ -14,6 +14,25 @@ def test_mismatched_shapes_fail_every_rank_at_once():
         assert "float32[1000]" in first["message"] and "float32[1024]" in first["message"]
 
 
+def test_different_order_fails_every_rank_naming_both_reductions():
+    run = launch("failure_worker.py", ["order"], nproc=2, env={"HERRING_TIMEOUT_S": "120"})
+    assert_all_ok(run, expected_cases=1)
+    assert all(rs[0]["seconds"] < 60 for rs in run.results.values()), run.results
+    # A rank whose receive was too small for the other's part (tcp;ofi_rxm
+    # drops a truncated message whole) cannot read its header, so only the
+    # other rank can name both reductions.
+    messages = [rs[0]["message"] for rs in run.results.values()]
+    assert any("float32[100]" in m and "float32[200]" in m for m in messages), messages
+
+
+def test_peer_that_skips_a_reduction_is_reported_alive_and_idle():
+    run = launch("failure_worker.py", ["absent-peer"], nproc=2,
+                 env={"HERRING_TIMEOUT_S": "4", "HERRING_PEER_TIMEOUT_S": "30"})
+    assert run.returncode == 0, run.explain()
+    [result] = run.results[0]
+    assert result["ok"], result
+
+
 def test_dead_peer_is_detected_by_heartbeats_long_before_the_timeout():
     run = launch("failure_worker.py", ["dead-peer"], nproc=2,
                  env={"HERRING_TIMEOUT_S": "120", "HERRING_PEER_TIMEOUT_S": "3"})

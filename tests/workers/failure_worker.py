@@ -9,6 +9,11 @@ return a wrong sum.
     gradients allreduce_gradients averages inside the user's jax.jit; rank 0
     must get HerringError naming rank 1: caught under herring_errors(), or
     uncaught, when the process must die printing herring_jax.HerringError.
+  order: rank 0 reduces float32[100] then float32[200], rank 1 the other way
+    round; both must fail at once, each naming its own reduction, and the rank
+    that reads the other's header naming both.
+  absent-peer: rank 1 is alive but never reduces; rank 0's timeout must say
+    that rank 1 is alive and in no reduction.
   slow-peer: rank 1 starts its reduction long after rank 0 (more than
     HERRING_PEER_TIMEOUT_S later) but is alive: its heartbeats must keep
     rank 0 waiting, and the sum must be right.
@@ -99,6 +104,41 @@ def jit_dead_peer(rank: int, mode: str) -> None:
         common.report("jit-dead-peer", False, message="no error")
 
 
+def order(rank: int) -> None:
+    sizes = [100, 200] if rank == 0 else [200, 100]
+    start = time.monotonic()
+    try:
+        for size in sizes:
+            herring_jax.allreduce(np.ones(size, np.float32))
+    except herring_jax.HerringError as e:
+        text = str(e)
+        # Each rank names the reduction it was in (its first, sizes[0]).
+        common.report("order", f"float32[{sizes[0]}]" in text and "mismatched" in text,
+                      seconds=time.monotonic() - start, message=text[:800])
+    else:
+        common.report("order", False, message="no error")
+
+
+def absent_peer(rank: int) -> None:
+    from herring_jax._src import jax_compat
+
+    client = jax_compat.distributed_client()
+    if rank == 1:
+        # Alive (heartbeats go on) until rank 0 has its error; rank 1 leaves
+        # first, since rank 0 hosts jax.distributed's coordinator.
+        client.blocking_key_value_get("absent-peer/done", 120_000)
+        return
+    try:
+        herring_jax.allreduce(np.ones(100, np.float32))
+    except herring_jax.HerringError as e:
+        common.report("absent-peer", "rank 1 is alive and waits in no reduction" in str(e),
+                      message=str(e)[:800])
+    else:
+        common.report("absent-peer", False, message="no error")
+    client.key_value_set("absent-peer/done", "1")
+    time.sleep(2)
+
+
 def main() -> int:
     herring_jax.initialize()
     rank = herring_jax.process_index()
@@ -108,6 +148,10 @@ def main() -> int:
         os._exit(0)
     if sys.argv[1:2] == ["jit-dead-peer"]:
         jit_dead_peer(rank, sys.argv[2])
+        sys.stdout.flush()
+        os._exit(0)
+    if sys.argv[1:] in (["order"], ["absent-peer"]):
+        {"order": order, "absent-peer": absent_peer}[sys.argv[1]](rank)
         sys.stdout.flush()
         os._exit(0)
     if sys.argv[1:2] == ["slow-peer"]:

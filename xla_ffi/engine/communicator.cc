@@ -24,6 +24,7 @@ struct Batch {
   std::string error;
   uint32_t stream = 0;
   std::vector<int> group;
+  int64_t started_ns = 0;
   std::vector<std::unique_ptr<Job>> jobs;
 
   void AddInflight(size_t k) {
@@ -181,15 +182,9 @@ Status Communicator::Connect(const std::vector<std::vector<uint8_t>>& addrs) {
     heartbeat_busy_[r] = false;
   }
   connected_ = true;
+  peer_wait_.resize(config_.size);
   if (config_.heartbeat_s > 0 && config_.size > 1) {
-    heartbeat_out_.magic = kMagic;
-    heartbeat_out_.version = kWireVersion;
-    heartbeat_out_.kind = static_cast<uint8_t>(MsgKind::kHeartbeat);
-    heartbeat_out_.dtype = static_cast<uint8_t>(DType::kFloat32);
-    heartbeat_out_.token = config_.token;
-    heartbeat_out_.src_rank = static_cast<uint32_t>(config_.rank);
-    heartbeat_out_.stream = kControlStream;
-    SealHeader(&heartbeat_out_);
+    heartbeat_out_.resize(config_.size);
     heartbeat_in_.resize(kHeartbeatRecvs);
     for (size_t i = 0; i < kHeartbeatRecvs; ++i) PostHeartbeatRecv(i);
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
@@ -222,10 +217,24 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
   } else {
     const uint32_t sender = TagSender(c.tag);
     std::string why;
-    if (CheckControlHeader(heartbeat_in_[slot], c.len, MsgKind::kHeartbeat, config_.token,
-                           sender, static_cast<uint32_t>(config_.size), &why)) {
+    const WireHeader& h = heartbeat_in_[slot];
+    if (CheckControlHeader(h, c.len, MsgKind::kHeartbeat, config_.token, sender,
+                           static_cast<uint32_t>(config_.size), &why)) {
       heartbeats_.fetch_add(1);
       Heard(sender);
+      // A heartbeat also says what its sender waits for (contributors = 1):
+      // dtype, count, op, key, slot (part), round and seconds (chunk).
+      PeerWait wait;
+      if (h.contributors == 1 && IsValidDType(h.dtype) && IsValidOp(h.op)) {
+        wait.what = std::string(DTypeName(static_cast<DType>(h.dtype))) + "[" +
+                    std::to_string(h.total_elems) + "] " +
+                    ReduceOpName(static_cast<ReduceOp>(h.op)) + " (key " +
+                    std::to_string(h.key) + ", slot " + std::to_string(h.part) + ", round " +
+                    std::to_string(h.round) + ")";
+        wait.seconds = h.chunk;
+      }
+      std::lock_guard<std::mutex> lock(peer_wait_mu_);
+      peer_wait_[sender] = std::move(wait);
     } else {
       CountDropped(why);
     }
@@ -246,10 +255,66 @@ void Communicator::HeartbeatLoop() {
   }
 }
 
+std::string Communicator::OldestWait(WireHeader* h) {
+  std::lock_guard<std::mutex> lock(active_mu_);
+  const Batch* oldest = nullptr;
+  for (const Batch* batch : active_) {
+    if (oldest == nullptr || batch->started_ns < oldest->started_ns) oldest = batch;
+  }
+  if (oldest == nullptr) return "";
+  const Job& job = *oldest->jobs.front();
+  const double seconds = (NowNs() - oldest->started_ns) * 1e-9;
+  if (h != nullptr) {
+    h->contributors = 1;
+    h->dtype = static_cast<uint8_t>(job.req.dtype);
+    h->op = static_cast<uint8_t>(job.req.op);
+    h->total_elems = job.req.count;
+    h->key = job.req.key;
+    h->part = static_cast<uint32_t>(job.req.slot);
+    h->round = job.round;
+    h->chunk = static_cast<uint32_t>(std::min(seconds, 4e9));
+  }
+  return job.Describe() + " for " + std::to_string(static_cast<int64_t>(seconds)) + " s";
+}
+
+std::string Communicator::PeerReport(const std::set<int>& ranks) const {
+  if (!last_heard_ || config_.heartbeat_s <= 0) return "";
+  const int64_t now = NowNs();
+  std::string report;
+  std::lock_guard<std::mutex> lock(peer_wait_mu_);
+  for (int rank : ranks) {
+    const double silent = (now - last_heard_[rank].load()) * 1e-9;
+    std::string line = "rank " + std::to_string(rank);
+    if (silent > 3 * config_.heartbeat_s + 1) {
+      line += " has sent nothing for " + std::to_string(static_cast<int64_t>(silent)) + " s";
+    } else if (peer_wait_[rank].what.empty()) {
+      line += " is alive and waits in no reduction";
+    } else {
+      line += " is alive and has waited " +
+              std::to_string(static_cast<int64_t>(peer_wait_[rank].seconds)) + " s in " +
+              peer_wait_[rank].what;
+    }
+    report += (report.empty() ? "" : "; ") + line;
+  }
+  return report;
+}
+
 void Communicator::SendHeartbeats() {
+  WireHeader base{};
+  base.magic = kMagic;
+  base.version = kWireVersion;
+  base.kind = static_cast<uint8_t>(MsgKind::kHeartbeat);
+  base.dtype = static_cast<uint8_t>(DType::kFloat32);
+  base.token = config_.token;
+  base.src_rank = static_cast<uint32_t>(config_.rank);
+  base.stream = kControlStream;
+  OldestWait(&base);
+  SealHeader(&base);
   for (int peer = 0; peer < config_.size; ++peer) {
     if (peer == config_.rank || heartbeat_busy_[peer].exchange(true)) continue;
-    transport::IoVec iov[1] = {{&heartbeat_out_, sizeof(WireHeader)}};
+    // Only now, with no heartbeat to `peer` in flight, may its buffer change.
+    heartbeat_out_[peer] = base;
+    transport::IoVec iov[1] = {{&heartbeat_out_[peer], sizeof(WireHeader)}};
     // TrySend: a peer whose queue is full (dead, or busy with data that
     // proves it alive anyway) must not hold up the heartbeats to the others.
     Status s = transport_->TrySend(
@@ -317,7 +382,11 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
   }
   Heard(sender);
   const std::string reason(b.text, c.len - sizeof(WireHeader));
-  const std::string message = "rank " + std::to_string(sender) + " failed: " + reason;
+  const std::string mine = OldestWait();
+  const std::string message = "rank " + std::to_string(sender) + " failed: " + reason +
+                              (mine.empty() ? std::string()
+                                            : " [rank " + std::to_string(config_.rank) +
+                                                  " was waiting in " + mine + "]");
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
     if (broken_.empty()) broken_ = message;
@@ -458,6 +527,7 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   auto batch = std::make_unique<Batch>();
   batch->stream = stream;
   batch->group = group;
+  batch->started_ns = NowNs();
   {
     std::lock_guard<std::mutex> lock(rounds_mu_);
     for (ReduceRequest& r : requests) {
@@ -567,7 +637,9 @@ std::string Communicator::MissingReport(const Batch& batch) const {
     if (incomplete && what.empty()) what = job->Describe();
   }
   if (missing.empty()) return "no data missing, but the reduction did not finish.";
-  return "waiting for rank(s) " + RankList(missing) + " in " + what + ".";
+  const std::string peers = PeerReport(missing);
+  return "waiting for rank(s) " + RankList(missing) + " in " + what + "." +
+         (peers.empty() ? std::string() : " " + peers + ".");
 }
 
 Status Communicator::StartJob(Batch* batch, Job* job) {
@@ -667,12 +739,25 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
 namespace {
 // Shared by both receive kinds: a failed or truncated completion is fatal
 // (unless the batch already failed and cancelled it).
+// `header` is the receive's header buffer: on truncation the provider fills
+// the posted buffers as far as they go, so a genuine peer's header is there
+// and says what that peer reduces.
 bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_rank,
-                   std::string* why) {
+                   const WireHeader& header, uint64_t token, std::string* why) {
   if (done.ok) return false;
   if (done.truncated) {
-    *why = "rank " + std::to_string(from_rank) + " sent a larger message than expected for " +
-           job.Describe() + "; every process must issue the same reductions in the same order";
+    std::string theirs;
+    if (header.magic == kMagic && header.version == kWireVersion &&
+        header.checksum == HeaderChecksum(header) && header.token == token &&
+        IsValidDType(header.dtype) && IsValidOp(header.op)) {
+      theirs = " (it reduces " + std::string(DTypeName(static_cast<DType>(header.dtype))) +
+               "[" + std::to_string(header.total_elems) + "] " +
+               ReduceOpName(static_cast<ReduceOp>(header.op)) + ", key " +
+               std::to_string(header.key) + ", round " + std::to_string(header.round) + ")";
+    }
+    *why = "mismatched reductions: rank " + std::to_string(from_rank) +
+           " sent a larger message than expected for " + job.Describe() + theirs +
+           "; every process must issue the same reductions in the same order";
   } else {
     *why = "receive from rank " + std::to_string(from_rank) + " failed for " + job.Describe() +
            ": " + done.error;
@@ -685,12 +770,12 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
   Batch* batch = job->batch;
   const int from = batch->group[p];
   std::string why;
-  if (ReceiveFailed(done, *job, from, &why)) {
+  const WireHeader& h = job->contrib_hdrs[p * job->max_chunks + c];
+  if (ReceiveFailed(done, *job, from, h, config_.token, &why)) {
     if (!batch->Failed()) Fail(batch, why);
     batch->Complete(1, 1);
     return;
   }
-  const WireHeader& h = job->contrib_hdrs[p * job->max_chunks + c];
   Expectation want{MsgKind::kContribution, config_.token, job->req.key, job->round,
                    static_cast<uint32_t>(from), batch->stream, static_cast<uint32_t>(job->me),
                    static_cast<uint32_t>(c), job->req.dtype, job->req.op,
@@ -765,12 +850,12 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
   Batch* batch = job->batch;
   const int from = batch->group[i];
   std::string why;
-  if (ReceiveFailed(done, *job, from, &why)) {
+  const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
+  if (ReceiveFailed(done, *job, from, h, config_.token, &why)) {
     if (!batch->Failed()) Fail(batch, why);
     batch->Complete(1, 1);
     return;
   }
-  const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
   Expectation want{MsgKind::kResult, config_.token, job->req.key, job->round,
                    static_cast<uint32_t>(from), batch->stream, static_cast<uint32_t>(i),
                    static_cast<uint32_t>(c), job->req.dtype, job->req.op,

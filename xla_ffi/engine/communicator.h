@@ -124,6 +124,12 @@ class Communicator {
   void Enqueue(std::function<void()> task);
   void ServerLoop();
   std::string MissingReport(const Batch& batch) const;
+  // What this rank waits for longest (empty if nothing); fills `h`'s wait
+  // fields for a heartbeat when given.
+  std::string OldestWait(WireHeader* h = nullptr);
+  // For error messages: whether each rank is alive and what it waits for,
+  // as its heartbeats said.
+  std::string PeerReport(const std::set<int>& ranks) const;
 
   CommConfig config_;
   std::unique_ptr<transport::Transport> transport_;
@@ -155,7 +161,14 @@ class Communicator {
 
   static constexpr size_t kHeartbeatRecvs = 4;
   std::vector<WireHeader> heartbeat_in_;  // posted receives
-  WireHeader heartbeat_out_{};            // the same bytes go to every peer
+  std::vector<WireHeader> heartbeat_out_;  // [rank] rewritten only when not busy
+  // [rank] what its last heartbeat said it waits for (empty: nothing).
+  struct PeerWait {
+    std::string what;
+    double seconds = 0;
+  };
+  mutable std::mutex peer_wait_mu_;
+  std::vector<PeerWait> peer_wait_;
   // [rank] steady_clock nanoseconds of the last valid message from it.
   std::unique_ptr<std::atomic<int64_t>[]> last_heard_;
   // [rank] a heartbeat to it is still in flight: send no other.
