@@ -19,7 +19,7 @@ fi
 echo "== pip install build and test dependencies"
 python3 -m pip install -q --disable-pip-version-check \
   "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11" "nanobind>=2" "scikit-build-core>=0.10" \
-  flax optax ml_dtypes scikit-learn pytest pytest-timeout 2>&1 | grep -v "^WARNING: " || true
+  flax optax orbax-checkpoint ml_dtypes scikit-learn pytest pytest-timeout 2>&1 | grep -v "^WARNING: " || true
 
 echo "== building herring_jax (CMake via scikit-build-core)"
 python3 -m pip install -q --disable-pip-version-check --no-build-isolation . 2>&1 \

@@ -5,6 +5,9 @@ own collectives (`--reduce herring|native`)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
+import signal
 import time
 
 import jax
@@ -23,6 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save params and optimizer state here with orbax, and resume "
+                             "from the latest checkpoint found there")
+    parser.add_argument("--checkpoint-every", type=int, default=50,
+                        help="steps between checkpoints (and one after the last step)")
+    parser.add_argument("--kill-at-step", type=int, default=None,
+                        help="fault injection for tests: the last process SIGKILLs itself "
+                             "after this step (then relaunch to resume)")
 
 
 def setup(args) -> jax.sharding.Mesh:
@@ -67,27 +78,98 @@ def global_batch(mesh, local_arrays):
     return tuple(jax.make_array_from_process_local_data(sharding, a) for a in local_arrays)
 
 
+def params_digest(params) -> str:
+    """sha256 of this process's copy of every parameter, in tree order."""
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(params):
+        h.update(np.asarray(leaf.addressable_shards[0].data).tobytes())
+    return h.hexdigest()[:16]
+
+
+class Checkpoints:
+    """orbax checkpoints of (params, opt_state) after whole steps.
+
+    A run started with a --checkpoint-dir that holds checkpoints resumes after
+    the latest one. Batches depend only on (seed, rank, step) and herring's
+    sums are bitwise reproducible, so a killed and resumed run ends with the
+    same parameters as one that was never interrupted.
+    """
+
+    def __init__(self, args):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.every = args.checkpoint_every
+        if self.every < 1:
+            raise SystemExit(f"--checkpoint-every must be at least 1, got {self.every}")
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(args.checkpoint_dir),
+            options=ocp.CheckpointManagerOptions(max_to_keep=2,
+                                                 enable_async_checkpointing=False))
+
+    def restore(self, params, opt_state):
+        """Returns (params, opt_state, steps done): the latest checkpoint, or the inputs."""
+        done = self.manager.latest_step()
+        if done is None:
+            return params, opt_state, 0
+        target = jax.tree_util.tree_map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            {"params": params, "opt_state": opt_state})
+        state = self.manager.restore(done, args=self._ocp.args.StandardRestore(target))
+        return state["params"], state["opt_state"], done
+
+    def maybe_save(self, done: int, last: bool, params, opt_state) -> None:
+        if done % self.every == 0 or last:
+            state = {"params": params, "opt_state": opt_state}
+            self.manager.save(done, args=self._ocp.args.StandardSave(state), force=True)
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
 def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     """Runs the steps with progress output on rank 0, prints a summary line
-    ("done: ...") and shuts herring_jax down; returns (params, losses, step_s)."""
+    ("done: ...") and shuts herring_jax down; returns (params, losses, step_s).
+
+    `next_local_batch(i)` must depend only on the step index i (and the
+    process), so that a resumed run sees the batches an uninterrupted one would.
+    """
     rank = jax.process_index()
     losses, times = [], []
-    for i in range(args.steps):
+    checkpoints = Checkpoints(args) if args.checkpoint_dir else None
+    first = 0
+    if checkpoints:
+        params, opt_state, first = checkpoints.restore(params, opt_state)
+        if rank == 0 and first:
+            print(f"resumed from the checkpoint after step {first} in {args.checkpoint_dir}",
+                  flush=True)
+    for i in range(first, args.steps):
         batch = global_batch(mesh, next_local_batch(i))
         start = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, batch)
         loss = float(loss)  # waits for the step
         times.append(time.perf_counter() - start)
         losses.append(loss)
+        if checkpoints:
+            checkpoints.maybe_save(i + 1, i == args.steps - 1, params, opt_state)
+        if i == args.kill_at_step and rank == jax.process_count() - 1:
+            print(f"killing process {rank} after step {i} (--kill-at-step)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if rank == 0 and (i % args.log_every == 0 or i == args.steps - 1):
             extra = report(params) if report else ""
             recent = np.median(times[1:][-args.log_every:]) * 1e3 if len(times) > 1 else float("nan")
             print(f"step {i:4d}  loss {loss:.4f}  step {recent:.1f} ms  {extra}", flush=True)
     step_s = float(np.median(times[1:])) if len(times) > 1 else float("nan")
-    if rank == 0:
+    if checkpoints:
+        checkpoints.close()
+    if rank == 0 and losses:
         extra = report(params) if report else ""
         print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
               f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
-              f"{step_s * 1e3:.1f} ms", flush=True)
+              f"{step_s * 1e3:.1f} ms, params sha256 {params_digest(params)}", flush=True)
+    elif rank == 0:
+        print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
+              f"params sha256 {params_digest(params)}", flush=True)
     herring_jax.shutdown()
     return params, losses, step_s

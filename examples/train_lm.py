@@ -2,6 +2,7 @@
 download: the Python standard library's own source files, as bytes.
 
   herring-jax launch -n 4 -- python examples/train_lm.py [--reduce native]
+      [--checkpoint-dir /tmp/lm_ckpt]   # saves with orbax; resumes after a crash
 """
 
 from __future__ import annotations
@@ -80,13 +81,14 @@ def main() -> None:
     train_text = text[:-65536]
     model = TransformerLM(dim=args.dim, layers=args.layers, context=args.context)
     local_devices = len(mesh.local_devices)
-    rng = np.random.default_rng(args.seed + 1 + rank)  # each process its own windows
 
     def windows(source, starts):
         idx = starts[:, None] + np.arange(args.context + 1)
         return source[idx].astype(np.int32)
 
-    def next_local_batch(_):
+    def next_local_batch(i):
+        # Each process its own windows, a function of the step alone (resume).
+        rng = np.random.default_rng([args.seed, rank, i])
         starts = rng.integers(0, len(train_text) - args.context - 1,
                               size=args.batch * local_devices)
         w = windows(train_text, starts)

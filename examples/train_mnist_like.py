@@ -43,13 +43,13 @@ def main() -> None:
     shard = slice(rank * len(x_train) // nproc, (rank + 1) * len(x_train) // nproc)
     xs, ys = x_train[shard], y_train[shard]
     local_devices = len(mesh.local_devices)
-    rng = np.random.default_rng(args.seed + 1 + rank)
 
     def loss_fn(params, batch):
         logits = MLP().apply(params, batch[0])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
 
-    def next_local_batch(_):
+    def next_local_batch(i):
+        rng = np.random.default_rng([args.seed, rank, i])  # a function of the step (resume)
         idx = rng.integers(0, len(xs), size=args.batch * local_devices)
         return xs[idx], ys[idx]
 
