@@ -52,3 +52,5 @@ def test_provider_matrix(provider, force_mr):
     for text in described:
         assert text.split(" over ")[1].startswith(provider.split(";")[0]), text
         assert ("registered buffers" in text) == force_mr, text
+        # Heartbeats are on by default, except over shm (see HERRING_HEARTBEAT_S).
+        assert text.endswith("no heartbeats" if provider == "shm" else "heartbeats every 1 s"), text

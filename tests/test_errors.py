@@ -14,3 +14,33 @@ def test_documented_errors_and_edge_cases(nproc):
     run = launch("errors_worker.py", [], nproc=nproc)
     assert_all_ok(run, expected_cases=len(CASES))
     assert [r["case"] for r in run.results[0]] == CASES
+
+
+def test_herring_errors_translates_only_herring_failures():
+    import jax
+
+    import herring_jax
+
+    msg = "INTERNAL: herring allreduce on rank 0: rank 1 has sent nothing"
+    # Raised by jax when the step's result is awaited: the same object, re-classed.
+    original = jax.errors.JaxRuntimeError(msg)
+    with pytest.raises(herring_jax.HerringError) as info:
+        with herring_jax.herring_errors():
+            raise original
+    assert info.value is original and str(info.value) == msg
+    # Raised by jax when the call itself ran the step: a new HerringError caused by it.
+    cause = ValueError(msg)
+    with pytest.raises(herring_jax.HerringError) as info:
+        with herring_jax.herring_errors():
+            raise cause
+    assert info.value.__cause__ is cause and str(info.value) == msg
+    assert isinstance(info.value, jax.errors.JaxRuntimeError)
+    # Anything else passes unchanged, also as a decorator.
+
+    @herring_jax.herring_errors()
+    def other():
+        raise ValueError("INTERNAL: something else")
+
+    with pytest.raises(ValueError) as info:
+        other()
+    assert type(info.value) is ValueError

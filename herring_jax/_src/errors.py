@@ -36,13 +36,24 @@ HerringError.__module__ = "herring_jax"  # tracebacks name the public class
 
 
 def as_herring_error(exc: BaseException) -> BaseException:
-    """Returns `exc`, re-classed as HerringError if it is a herring failure.
+    """Returns `exc` as a HerringError if it is a failed herring reduction.
 
-    The object itself changes class (message, traceback and cause are kept),
-    so a re-raise is caught by ``except herring_jax.HerringError``.
+    jax raises a reduction that failed inside a compiled function as
+    JaxRuntimeError (when the result is awaited) or ValueError (when the call
+    itself ran it). A JaxRuntimeError changes class in place (message,
+    traceback and cause kept), so a re-raise of the same object is caught by
+    ``except herring_jax.HerringError``; anything else gets a new HerringError
+    whose ``__cause__`` is the original. Other exceptions come back unchanged.
     """
-    if (type(exc) is jax.errors.JaxRuntimeError and _MARKER in str(exc)):
+    if isinstance(exc, HerringError) or _MARKER not in str(exc):
+        return exc
+    if type(exc) is jax.errors.JaxRuntimeError:
         exc.__class__ = HerringError
+        return exc
+    if isinstance(exc, (jax.errors.JaxRuntimeError, ValueError)):
+        new = HerringError(str(exc)).with_traceback(exc.__traceback__)
+        new.__cause__ = exc
+        return new
     return exc
 
 
@@ -66,9 +77,12 @@ class herring_errors(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc is not None:
-            as_herring_error(exc)
-        return False  # re-raise (now as HerringError where it is one)
+        if exc is None:
+            return False
+        herring = as_herring_error(exc)
+        if herring is not exc:
+            raise herring
+        return False  # re-raise (re-classed in place where it was a JaxRuntimeError)
 
 
 _hook_lock = threading.Lock()
@@ -91,10 +105,11 @@ def install_excepthook(fast_exit: bool = True) -> None:
         previous = sys.excepthook
 
         def hook(exc_type, exc, tb):
-            if exc is None or not isinstance(as_herring_error(exc), HerringError):
+            herring = None if exc is None else as_herring_error(exc)
+            if not isinstance(herring, HerringError):
                 previous(exc_type, exc, tb)
                 return
-            previous(type(exc), exc, tb)
+            previous(HerringError, herring, herring.__traceback__)
             if fast_exit:
                 sys.stderr.write("herring_jax: exiting at once after an uncaught HerringError "
                                  "(HERRING_FAST_EXIT=0 runs exit handlers instead)\n")

@@ -71,9 +71,11 @@ KNOBS: dict[str, Knob] = {
              "A rank a reduction waits for that has sent nothing (data or heartbeat) "
              "for this long is declared dead: every surviving rank raises HerringError "
              "naming it (at most HERRING_TIMEOUT_S)."),
-        Knob("HERRING_HEARTBEAT_S", 1.0, _non_negative_float,
-             "Interval of the liveness messages each rank sends every other rank; "
-             "0 turns them off (then only HERRING_TIMEOUT_S detects a dead peer)."),
+        Knob("HERRING_HEARTBEAT_S", None, _non_negative_float,
+             "Interval of the liveness messages each rank sends every other rank; 0 turns "
+             "them off (then only HERRING_TIMEOUT_S detects a dead peer). Unset: 1 s, but "
+             "off over shm, whose libfabric 1.17 provider lost data messages between "
+             "heartbeats."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError ends the process at once (status 1) instead of "
              "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "

@@ -157,7 +157,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             handle = _ext.create_communicator(
                 rank, size, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
                 knobs.get("HERRING_CHUNK_BYTES"), knobs.get("HERRING_SERVER_THREADS"),
-                knobs.get("HERRING_TIMEOUT_S"), knobs.get("HERRING_HEARTBEAT_S"),
+                knobs.get("HERRING_TIMEOUT_S"), _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
                 knobs.get("HERRING_PEER_TIMEOUT_S"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
@@ -174,6 +174,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _register_targets()
         install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _state = _State(handle, rank, size, provider, _generation, args)
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def shutdown() -> None:

@@ -35,7 +35,7 @@ struct CommConfig {
   int server_threads = 1;
   double timeout_s = 300.0;      // no reduction waits longer
   // Liveness: every rank sends a heartbeat to every other rank each
-  // `heartbeat_s` (0: none). A rank that a reduction waits for and that has
+  // `heartbeat_s` (0: none; < 0: automatic, see Connect). A rank that a reduction waits for and that has
   // sent nothing (data or heartbeat) for `peer_timeout_s` is declared dead,
   // so a killed process or a lost host fails the job long before timeout_s.
   double heartbeat_s = 1.0;
@@ -159,8 +159,7 @@ class Communicator {
   ControlBuffer abort_out_;             // what this rank broadcasts, sent once
   std::once_flag abort_once_;
 
-  static constexpr size_t kHeartbeatRecvs = 4;
-  std::vector<WireHeader> heartbeat_in_;  // posted receives
+  std::vector<WireHeader> heartbeat_in_;  // [sender] posted receives
   std::vector<WireHeader> heartbeat_out_;  // [rank] rewritten only when not busy
   // [rank] what its last heartbeat said it waits for (empty: nothing).
   struct PeerWait {

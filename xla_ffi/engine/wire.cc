@@ -77,7 +77,17 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
   }
   if (h.kind != static_cast<uint8_t>(want.kind) || h.src_rank != want.src_rank ||
       h.stream != want.stream || h.part != want.part || h.chunk != want.chunk) {
-    *why = "sender, stream, part or chunk differ from the tag it was matched on";
+    auto fields = [](uint32_t kind, uint32_t src, uint32_t stream, uint32_t part,
+                     uint32_t chunk) {
+      return "kind " + std::to_string(kind) + " from rank " + std::to_string(src) +
+             ", stream " + std::to_string(stream) + ", part " + std::to_string(part) +
+             ", chunk " + std::to_string(chunk);
+    };
+    *why = "header (" + fields(h.kind, h.src_rank, h.stream, h.part, h.chunk) +
+           ") differs from the tag it was matched on (" +
+           fields(static_cast<uint32_t>(want.kind), want.src_rank, want.stream, want.part,
+                  want.chunk) +
+           ")";
     return HeaderVerdict::kStranger;
   }
   if (h.round != want.round) {
