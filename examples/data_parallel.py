@@ -19,8 +19,10 @@ import herring_jax
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--reduce", choices=["herring", "native"], default="herring",
-                        help="herring: herring_jax.allreduce_gradients; native: jax.lax.pmean")
+    parser.add_argument("--reduce", choices=["herring", "native", "none"], default="herring",
+                        help="herring: herring_jax.allreduce_gradients; native: jax.lax.pmean; "
+                             "none: no averaging (each process trains alone: the compute-only "
+                             "baseline of the training benchmark)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -50,10 +52,14 @@ def make_trainer(mesh, args, loss_fn, init_fn):
     if args.reduce == "herring":
         grad_tx = herring_jax.allreduce_gradients("data")
         mean = herring_jax.pmean
-    else:
+    elif args.reduce == "native":
         grad_tx = optax.GradientTransformation(
             lambda p: optax.EmptyState(), lambda g, s, p=None: (jax.lax.pmean(g, "data"), s))
         mean = jax.lax.pmean
+    else:
+        grad_tx = optax.identity()
+        def mean(x, _axis):
+            return x
     tx = optax.chain(grad_tx, optax.adamw(args.lr))
 
     def local_step(params, opt_state, batch):

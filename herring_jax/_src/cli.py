@@ -4,6 +4,7 @@ Usage::
 
   herring-jax launch -n 4 [--devices-per-process 2] -- python train.py
   herring-jax bench -n 4
+  herring-jax train-bench -n 4
   herring-jax <subcommand> --help
 
 A module adds a subcommand by calling register() (or adding to SUBCOMMANDS)
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from herring_jax._src import bench, launch
+from herring_jax._src import bench, launch, train_bench
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -40,6 +41,8 @@ def register(name: str, help: str, add_arguments: AddArguments, run: Run) -> Non
 register("launch", "start N local processes of a command", launch.add_arguments, launch.run)
 register("bench", "time herring_jax's all-reduce against its peers", bench.add_arguments,
          bench.run)
+register("train-bench", "training step time and scaling efficiency per reducer",
+         train_bench.add_arguments, train_bench.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,128 @@
+"""herring-jax train-bench: step time and scaling efficiency of a training job.
+
+  herring-jax train-bench -n 4 [--steps 60] [--script examples/train_lm.py] [--json out.json]
+
+Runs the data-parallel training example (examples/train_lm.py by default) under
+`herring-jax launch` on 1 and on N processes, once per reducer:
+  herring  gradients averaged by herring_jax.allreduce_gradients
+  native   gradients averaged by jax.lax.pmean (jax's gloo CPU collectives)
+  none     no averaging: every process trains alone (compute only)
+and prints each run's median step time with two efficiencies:
+  scaling  = step(1 process) / step(N processes), weak scaling (the batch per
+             device is fixed, so N processes do N times the work per step);
+  comm     = step(none, N) / step(reducer, N): the share of the N-process step
+             not lost to gradient reduction. Where the processes share fewer
+             cores than they need (this project's 2-core CI machine), compute
+             alone cannot scale and `comm` is the figure to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REDUCERS = ("herring", "native", "none")
+_DONE = re.compile(r"done: reduce=(\w+) processes=(\d+) final loss ([\d.]+).*median step "
+                   r"([\d.]+) ms")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `herring-jax train-bench`."""
+    parser.add_argument("-n", "--num-processes", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run")
+    parser.add_argument("--reducers", default=",".join(REDUCERS),
+                        help=f"comma-separated subset of {', '.join(REDUCERS)}")
+    parser.add_argument("--script", default=os.path.join("examples", "train_lm.py"),
+                        help="training script (takes --reduce, --steps, --log-every)")
+    parser.add_argument("--launch-args", default="",
+                        help="extra options for herring-jax launch, e.g. '--netns'")
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("script_args", nargs="*", help="extra options for the script (after --)")
+
+
+def _run_one(args, n: int, reducer: str) -> dict:
+    script = os.path.abspath(args.script)
+    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(n), "--timeout",
+           str(int(args.timeout)), *args.launch_args.split(), "--", sys.executable, script,
+           "--reduce", reducer, "--steps", str(args.steps), "--log-every", str(args.steps),
+           *args.script_args]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(cmd, cwd=os.path.dirname(script) or tmp, env=env,
+                              capture_output=True, text=True, timeout=args.timeout + 60,
+                              check=False)
+    m = _DONE.search(proc.stdout)
+    if proc.returncode != 0 or m is None:
+        tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
+        raise RuntimeError(f"{reducer} on {n} processes failed (exit {proc.returncode}):\n{tail}")
+    return {"reduce": reducer, "processes": n, "final_loss": float(m.group(3)),
+            "median_step_ms": float(m.group(4))}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs every (process count, reducer) pair and prints the table."""
+    reducers = [r for r in args.reducers.split(",") if r]
+    unknown = [r for r in reducers if r not in REDUCERS]
+    if unknown or not reducers:
+        print(f"herring-jax train-bench: unknown reducers {unknown}; known: "
+              f"{', '.join(REDUCERS)}", file=sys.stderr)
+        return 2
+    if not os.path.isfile(args.script):
+        print(f"herring-jax train-bench: no training script at {args.script!r}; pass --script "
+              "(run from the herring_jax source tree for examples/train_lm.py)", file=sys.stderr)
+        return 2
+    if args.num_processes < 2:
+        print("herring-jax train-bench: -n must be at least 2", file=sys.stderr)
+        return 2
+    counts = [1, args.num_processes]
+    print(f"herring-jax train-bench: {args.script}, {args.steps} steps, processes "
+          f"{counts}, reducers {', '.join(reducers)}, {os.cpu_count()} CPUs", flush=True)
+    results = []
+    for n in counts:
+        for reducer in reducers:
+            try:
+                r = _run_one(args, n, reducer)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"herring-jax train-bench: {e}", file=sys.stderr)
+                return 1
+            results.append(r)
+            print(f"  {reducer:>7} x{n}: median step {r['median_step_ms']:.1f} ms, final loss "
+                  f"{r['final_loss']:.4f}", flush=True)
+    by = {(r["reduce"], r["processes"]): r for r in results}
+    n = args.num_processes
+    none_n = by.get(("none", n))
+    print(f"{'reducer':>8} {'step x1 ms':>11} {'step x' + str(n) + ' ms':>11} "
+          f"{'scaling eff':>12} {'comm eff':>9}")
+    for reducer in reducers:
+        one, many = by[(reducer, 1)], by[(reducer, n)]
+        many["scaling_efficiency"] = one["median_step_ms"] / many["median_step_ms"]
+        if none_n and reducer != "none":
+            many["comm_efficiency"] = none_n["median_step_ms"] / many["median_step_ms"]
+        comm = f"{many['comm_efficiency']:.2f}" if "comm_efficiency" in many else "-"
+        print(f"{reducer:>8} {one['median_step_ms']:>11.1f} {many['median_step_ms']:>11.1f} "
+              f"{many['scaling_efficiency']:>12.2f} {comm:>9}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"script": args.script, "steps": args.steps, "processes": counts,
+                       "launch_args": args.launch_args, "cpus": os.cpu_count(),
+                       "results": results}, f, indent=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m herring_jax._src.train_bench`."""
+    parser = argparse.ArgumentParser(prog="herring-jax train-bench",
+                                     description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""A small run of `herring-jax train-bench` keeps the training benchmark working
+(step times are not asserted: they are only meaningful as ratios in one run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_train_bench_smoke(tmp_path):
+    out = tmp_path / "train.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.train_bench", "-n", "2", "--steps", "6",
+         "--reducers", "herring,none", "--script", str(ROOT / "examples" / "train_lm.py"),
+         "--json", str(out), "--", "--dim", "32", "--layers", "1", "--text-bytes",
+         str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "scaling eff" in proc.stdout and "comm eff" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    runs = {(r["reduce"], r["processes"]): r for r in data["results"]}
+    assert set(runs) == {("herring", 1), ("herring", 2), ("none", 1), ("none", 2)}
+    assert all(r["median_step_ms"] > 0 for r in runs.values())
+    assert runs[("herring", 2)]["scaling_efficiency"] > 0
+    assert "comm_efficiency" in runs[("herring", 2)]
+    # Averaged gradients differ from a lone process's: the runs really reduced.
+    assert runs[("herring", 2)]["final_loss"] != runs[("none", 2)]["final_loss"]
+
+
+def test_train_bench_rejects_a_missing_script(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.train_bench", "--script", "nope.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "no training script" in proc.stderr, proc.stderr
