@@ -26,7 +26,7 @@ from herring_jax._src.launch import child_env, free_port
 WORKER = Path(__file__).resolve().parent / "workers" / "chaos_worker.py"
 LONG = os.environ.get("HERRING_LONG_TESTS") == "1"
 PEER_TIMEOUT_S = 3.0
-SLACK_S = 30.0  # 4 processes on 2 shared cores
+SLACK_S = 40.0  # 4 processes on 2 shared cores; rank 0 lingers 8 s
 
 
 def _trial(rng: random.Random) -> tuple[int, list[float]]:
@@ -56,7 +56,7 @@ def _trial(rng: random.Random) -> tuple[int, list[float]]:
             out, _ = p.communicate(timeout=PEER_TIMEOUT_S + SLACK_S)
             elapsed = time.monotonic() - killed_at
             assert "CHAOS_WRONG" not in out, out[-2000:]
-            assert p.returncode == 3, (r, p.returncode, out[-2000:])
+            assert p.returncode == 3, (r, p.returncode, out[-8000:])
             m = re.search(r"CHAOS_ERROR ([\d.]+) (.*)", out)
             assert m, out[-2000:]
             # The killed rank is named, by the detecting rank or in its abort.

@@ -30,6 +30,12 @@ def main() -> int:
             out = np.asarray(herring_jax.allreduce(np.full(count, rank + 1, np.float32)))
         except herring_jax.HerringError as e:
             print(f"CHAOS_ERROR {time.monotonic() - last_ok:.2f} {str(e)[:400]}", flush=True)
+            if rank == 0:
+                # Rank 0 hosts jax.distributed's coordinator: when it exits,
+                # jax terminates the other processes at once, possibly before
+                # they print their own HerringError (a failed reduction can
+                # take up to 5 s to let go of its buffers).
+                time.sleep(8)
             os._exit(3)  # the job is broken: skip jax.distributed's shutdown barrier
         if out.shape != (count,) or not np.all(out == expected):
             print(f"CHAOS_WRONG reduction {i}", flush=True)
