@@ -315,6 +315,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="link bandwidth for the bound, GB/s (default: measure fi_pingpong)")
     parser.add_argument("--json", default=None, help="write every timing to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole job")
+    net = parser.add_argument_group(
+        "simulated network", "one network namespace per process (needs root and iproute2)")
+    net.add_argument("--netns", action="store_true",
+                     help="run each process as its own host on a simulated network")
+    net.add_argument("--host-rate", metavar="RATE", help="each host's egress cap, e.g. 1gbit")
+    net.add_argument("--flow-rate", metavar="RATE",
+                     help="each host-to-host flow's cap, e.g. 250mbit")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--link-source", default="--link-gbps", help=argparse.SUPPRESS)
 
@@ -357,6 +364,17 @@ def _pingpong_gbps(provider: str) -> tuple[float | None, str]:
     return best, f"fi_pingpong -p '{provider}' -e rdm, best of 1/4/16 MiB, same host"
 
 
+def _shaped_gbps(args) -> tuple[float, str]:
+    """What one host can send to all others at once in the simulated network, GB/s."""
+    from herring_jax._src.netns import parse_rate
+    n = args.num_processes
+    host = parse_rate(args.host_rate)
+    flow = parse_rate(args.flow_rate) if args.flow_rate else host
+    egress = min(host, max(1, n - 1) * flow)
+    return egress / 8e9, (f"shaped: min(host {args.host_rate}, {n - 1} flows x "
+                          f"{args.flow_rate or args.host_rate})")
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark (or, with --worker, one worker). Returns an exit code."""
     if args.worker:  # started by a launcher other than this driver
@@ -370,8 +388,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"herring-jax bench: unknown peers {unknown}; known: {', '.join(PEERS)}",
               file=sys.stderr)
         return 2
-    link_gbps, link_source = ((args.link_gbps, "--link-gbps") if args.link_gbps
-                              else _pingpong_gbps(provider))
+    if (args.host_rate or args.flow_rate) and not args.netns:
+        print("herring-jax bench: --host-rate and --flow-rate need --netns", file=sys.stderr)
+        return 2
+    if args.link_gbps:
+        link_gbps, link_source = args.link_gbps, "--link-gbps"
+    elif args.netns and args.host_rate:
+        link_gbps, link_source = _shaped_gbps(args)
+    else:
+        link_gbps, link_source = _pingpong_gbps(provider)
     # Workers import the very package this driver runs from: its parent goes
     # first on PYTHONPATH and they start in an empty directory, since -m puts
     # the working directory ahead of everything.
@@ -388,6 +413,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"herring-jax bench: {args.num_processes} processes, provider "
           f"{env.get('HERRING_FI_PROVIDER') or '(default)'}, sizes {args.sizes_mib} MiB, "
           f"{args.iters} timed runs after {args.warmup} warm-up, peers {args.peers}", flush=True)
+    if args.netns:
+        print(f"network: one namespace per process on a bridge, host egress "
+              f"{args.host_rate or 'unlimited'}, each host-to-host flow "
+              f"{args.flow_rate or args.host_rate or 'unlimited'}", flush=True)
     if not link_gbps:
         print(f"link: {link_source}", flush=True)
     return _launch(args, worker, env)
@@ -396,7 +425,13 @@ def run(args: argparse.Namespace) -> int:
 def _launch(args, worker: list[str], env: dict) -> int:
     """Starts the workers under herring-jax launch and shows rank 0's output."""
     launcher = [sys.executable, "-m", "herring_jax.launch", "-n", str(args.num_processes),
-                "--timeout", str(args.timeout), "--", *worker]
+                "--timeout", str(args.timeout)]
+    if getattr(args, "netns", False):
+        launcher.append("--netns")
+        for flag, value in (("--host-rate", args.host_rate), ("--flow-rate", args.flow_rate)):
+            if value:
+                launcher += [flag, value]
+    launcher += ["--", *worker]
     others: deque[str] = deque(maxlen=100)  # other ranks: shown only on failure
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(launcher, env=env, cwd=tmp, stdout=subprocess.PIPE,

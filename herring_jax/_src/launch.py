@@ -3,8 +3,10 @@
 Usage (the two forms are the same)::
 
   python -m herring_jax.launch -n N [--devices-per-process D] [--coordinator-port P]
-                               [--timeout S] -- COMMAND [ARG ...]
+                               [--timeout S] [--netns [--host-rate R --flow-rate F]]
+                               -- COMMAND [ARG ...]
   herring-jax launch -n 4 --devices-per-process 2 -- python train.py --steps 100
+  herring-jax launch -n 4 --netns --host-rate 1gbit --flow-rate 250mbit -- python train.py
 
 Each child gets the launcher's environment plus HERRING_COORDINATOR_ADDRESS
 (127.0.0.1:P, P a free port by default), HERRING_NUM_PROCESSES,
@@ -12,6 +14,12 @@ HERRING_PROCESS_ID, HERRING_LOCAL_RANK and PYTHONUNBUFFERED=1; with
 --devices-per-process D also --xla_force_host_platform_device_count=D in
 XLA_FLAGS and JAX_PLATFORMS=cpu unless set. Output lines keep their stream and
 are prefixed with "[rank i] ".
+
+With --netns each process runs as its own "host": a network namespace on a
+bridge, rate-limited with --host-rate (each host's egress) and --flow-rate
+(each host-to-host flow), see herring_jax/_src/netns.py. The coordinator is
+then rank 0's address. Everything created is removed when the job ends, also
+on failure or Ctrl-C. Needs root and iproute2.
 
 The first child to fail stops the job: the others get SIGTERM, SIGKILL after
 HERRING_LAUNCH_GRACE_S seconds (default 10), and the launcher exits with that
@@ -73,6 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="coordinator port on 127.0.0.1 (default: a free one)")
     parser.add_argument("--timeout", type=_number(float, 0, strict=True), metavar="S",
                         help=f"stop every process after S seconds and exit {EXIT_TIMEOUT}")
+    net = parser.add_argument_group(
+        "simulated network", "one network namespace per process (needs root and iproute2)")
+    net.add_argument("--netns", action="store_true",
+                     help="run each process in its own namespace on a bridge, as one host")
+    net.add_argument("--host-rate", metavar="RATE",
+                     help="with --netns: each host's egress cap, e.g. 1gbit")
+    net.add_argument("--flow-rate", metavar="RATE",
+                     help="with --netns: each host-to-host flow's cap, e.g. 250mbit")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command every process runs, after '--'")
     # run() must report a missing command as a usage error of whichever parser
@@ -88,22 +104,23 @@ def free_port() -> int:
 
 
 def child_env(base: dict, rank: int, num_processes: int, port: int,
-              devices_per_process: int | None = None) -> dict:
+              devices_per_process: int | None = None, host: str = "127.0.0.1") -> dict:
     """Builds one child's environment.
 
     Args:
       base: the environment to extend (normally os.environ); not modified.
       rank: the child's process id, also its local rank.
       num_processes: the number of children.
-      port: the coordinator port on 127.0.0.1.
+      port: the coordinator port.
       devices_per_process: if set, the number of host-platform devices.
+      host: the coordinator's address (rank 0's host).
 
     Returns:
       A new dict with the HERRING_* variables (and XLA settings) added.
     """
     env = dict(base)
     env.update({
-        "HERRING_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "HERRING_COORDINATOR_ADDRESS": f"{host}:{port}",
         "HERRING_NUM_PROCESSES": str(num_processes),
         "HERRING_PROCESS_ID": str(rank),
         "HERRING_LOCAL_RANK": str(rank),
@@ -299,7 +316,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {message}", file=sys.stderr)
         return 2
     n = args.num_processes
-    port = args.coordinator_port or free_port()
+    netns = getattr(args, "netns", False)
+    if not netns and (getattr(args, "host_rate", None) or getattr(args, "flow_rate", None)):
+        print(f"{PROG}: error: --host-rate and --flow-rate need --netns", file=sys.stderr)
+        return 2
+    net = None
+    if netns:
+        from herring_jax._src.netns import SimulatedNetwork
+        try:
+            net = SimulatedNetwork(n, args.host_rate, args.flow_rate)
+        except ValueError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+    # In a fresh namespace every port is free.
+    port = args.coordinator_port or (29400 if net else free_port())
     job = _Job(_grace_s())
     # Handlers go in before any child exists, so a Ctrl-C during start-up
     # cannot leave children running; signal.signal only works on the main thread.
@@ -308,10 +338,19 @@ def run(args: argparse.Namespace) -> int:
         previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     message = failed_rank = None
     try:
+        if net is not None:
+            from herring_jax._src.netns import NetnsError
+            try:
+                net.create()
+            except NetnsError as e:
+                job.say(f"cannot build the simulated network: {e}")
+                return 2
+            job.say(f"simulated network: {net.describe()}")
         for rank in range(n):
             try:
-                job.start(rank, command, child_env(os.environ, rank, n, port,
-                                                   args.devices_per_process))
+                job.start(rank, net.wrap(rank, command) if net else command,
+                          child_env(os.environ, rank, n, port, args.devices_per_process,
+                                    net.address(0) if net else "127.0.0.1"))
             except OSError as e:
                 job.say(f"cannot start {command[0]!r}: {e}")
                 return 126 if isinstance(e, PermissionError) else 127
@@ -319,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
         return code
     finally:
         job.stop(message, failed_rank)
+        if net is not None:
+            net.destroy()  # after every process in it has ended
         for s, handler in previous.items():
             signal.signal(s, handler)
 

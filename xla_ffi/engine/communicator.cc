@@ -137,6 +137,8 @@ std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Sta
   std::unique_ptr<Communicator> comm(new Communicator(config));
   transport::TransportOptions options = config.transport;
   options.post_timeout_s = config.timeout_s;
+  // Every data message is one chunk and its header: all of them eager.
+  options.eager_bytes = config.chunk_bytes + sizeof(WireHeader);
   comm->transport_ = transport::CreateFabricTransport(options, status);
   if (!status->ok()) return nullptr;
   size_t max_payload = comm->transport_->MaxMessageBytes() - sizeof(WireHeader);
@@ -505,6 +507,10 @@ void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
     std::lock_guard<std::mutex> lock(broken_mu_);
     if (broken_.empty()) broken_ = why;
   }
+  // The communicator is unusable from here on: a post waiting for room in a
+  // queue (e.g. to a dead rank that this batch's failure did not name) must
+  // give up now, or the caller's thread stays in StartJob until the timeout.
+  transport_->StopWaiting();
   // Sent from a server thread: Fail also runs on the progress thread, which
   // must never wait on the transport's queues itself.
   if (tell_peers && connected_) Enqueue([this, why] { BroadcastAbort(why); });
@@ -730,8 +736,9 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
                                   MakeTag(MsgKind::kContribution, my_rank, batch->stream,
                                           job->req.slot, job->round, c),
                                   iov, len > 0 ? 2 : 1,
-                                  [this, job](const transport::Completion& done) {
-                                    SendDone(job, done);
+                                  [this, job, to = batch->group[i]](
+                                      const transport::Completion& done) {
+                                    SendDone(job, to, done);
                                   });
       if (!s.ok()) {
         batch->Complete(1, 1);
@@ -878,7 +885,9 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
     Status s = transport_->Send(
         batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->req.slot, job->round, c), iov,
         count > 0 ? 2 : 1,
-        [this, job](const transport::Completion& done) { SendDone(job, done); });
+        [this, job, to = batch->group[p]](const transport::Completion& done) {
+          SendDone(job, to, done);
+        });
     --unposted;
     if (!s.ok()) {
       Fail(batch, "sending to rank " + std::to_string(batch->group[p]) + ": " + s.message());
@@ -918,10 +927,11 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
   }
 }
 
-void Communicator::SendDone(Job* job, const transport::Completion& done) {
+void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& done) {
   Batch* batch = job->batch;
   if (!done.ok && !batch->Failed()) {
-    Fail(batch, "a send failed for " + job->Describe() + ": " + done.error);
+    Fail(batch, "sending to rank " + std::to_string(to_rank) + " failed for " + job->Describe() +
+                    ": " + done.error);
   }
   batch->Complete(1, 1);
 }

@@ -117,7 +117,7 @@ class Communicator {
   void OnContribution(Job* job, int peer_index, size_t chunk, const transport::Completion& c);
   void OnResult(Job* job, int part, size_t chunk, const transport::Completion& c);
   void ReduceChunk(Job* job, size_t chunk);
-  void SendDone(Job* job, const transport::Completion& c);
+  void SendDone(Job* job, int to_rank, const transport::Completion& c);
   // Fails the batch; the first failure of this process also breaks the
   // communicator and (with `tell_peers`) is broadcast to every other rank.
   void Fail(Batch* batch, const std::string& why, bool tell_peers = true);

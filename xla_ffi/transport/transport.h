@@ -61,6 +61,9 @@ struct TransportOptions {
   // How long a post may wait for room in the provider's queues (-FI_EAGAIN),
   // e.g. while a connection to an unreachable peer hangs.
   double post_timeout_s = 300.0;
+  // Messages up to this size should be sent eagerly rather than by
+  // rendezvous where the provider lets the transport choose (0: its default).
+  size_t eager_bytes = 0;
 };
 
 class Transport {
@@ -88,6 +91,12 @@ class Transport {
   // Declares `peer` unreachable: sends to it stop waiting for queue room
   // (including sends already waiting) and fail instead.
   virtual void SetPeerUnreachable(int peer) = 0;
+
+  // Posts stop waiting for queue room, to any peer, from now on (including
+  // posts already waiting): after a failure nothing is worth the wait, and a
+  // post to a dead peer that no watchdog has named yet must not hold its
+  // caller until the post timeout.
+  virtual void StopWaiting() = 0;
 
   // Posts a receive matching any sender's message whose tag equals `tag` on
   // the bits not set in `ignore`, scattered into `iov`. A `background`
