@@ -10,6 +10,8 @@ pkg-config --exists libfabric 2>/dev/null || apt_pkgs+=(libfabric-dev)
 command -v pkg-config >/dev/null || apt_pkgs+=(pkg-config)
 command -v fi_info >/dev/null || apt_pkgs+=(libfabric-bin)
 command -v ip >/dev/null || apt_pkgs+=(iproute2)
+# Open MPI: the mpi4py and mpi4jax peers of `herring-jax bench`.
+command -v mpirun >/dev/null || apt_pkgs+=(openmpi-bin libopenmpi-dev)
 if ((${#apt_pkgs[@]})); then
   echo "== apt-get install ${apt_pkgs[*]}"
   apt-get update -qq
@@ -20,6 +22,20 @@ echo "== pip install build and test dependencies"
 python3 -m pip install -q --disable-pip-version-check \
   "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11" "nanobind>=2" "scikit-build-core>=0.10" \
   flax optax orbax-checkpoint ml_dtypes scikit-learn pytest pytest-timeout 2>&1 | grep -v "^WARNING: " || true
+
+echo "== pip install the benchmark's peers (mpi4py, mpi4jax, torch) and matplotlib"
+# torch 2.13.0 is the CPU build these machines hold locally; mpi4jax builds
+# against the installed mpi4py and jax. It also builds a CUDA bridge whenever
+# nvcc is on PATH, which fails without CUDA's headers: an empty CUDA_ROOT
+# turns that part off.
+python3 -m pip install -q --disable-pip-version-check mpi4py "torch==2.13.0" matplotlib \
+  cython 2>&1 | grep -v "^WARNING: " || true
+if ! python3 -c "import mpi4jax" 2>/dev/null; then
+  no_cuda=$(mktemp -d)
+  CUDA_ROOT=$no_cuda CUDA_PATH=$no_cuda python3 -m pip install -q --disable-pip-version-check \
+    --no-build-isolation mpi4jax 2>&1 | grep -v "^WARNING: " || true
+  rmdir "$no_cuda"
+fi
 
 echo "== building herring_jax (CMake via scikit-build-core)"
 python3 -m pip install -q --disable-pip-version-check --no-build-isolation . 2>&1 \

@@ -9,26 +9,32 @@ same order, checks every result, and rank 0 gathers the timings through the
 jax.distributed key-value store and prints the table. Workers can also be
 started by any other launcher (SLURM, mpirun) with `--worker`.
 
-Peers measured now: herring (herring_jax.allreduce under jax.jit) and jax_psum
-(jax.lax.psum in shard_map over one device per process, i.e. JAX's gloo CPU
-collectives). A peer is a class in PEERS, so mpi4jax, mpi4py and torch can be
-added without touching the timing loop.
+Peers: herring (herring_jax.allreduce under jax.jit), jax_psum (jax.lax.psum
+in shard_map over one device per process, i.e. JAX's gloo CPU collectives),
+mpi4jax and mpi4py (Open MPI's Allreduce), torch_gloo (torch.distributed's
+gloo all_reduce, PyTorch DDP's CPU backend). A peer whose package or launcher
+is missing is reported as missing, with how to install it. With an MPI peer
+the workers are started by mpirun (every peer still runs in the same
+processes); otherwise by herring-jax launch. A peer is a class in PEERS.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util as importlib_util
 import json
 import os
 import platform
 import re
 import shutil
 import socket
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 
@@ -61,6 +67,9 @@ class _Peer:
 
     def prepare(self, local: np.ndarray) -> None:
         raise NotImplementedError
+
+    def reset(self) -> None:
+        """Untimed, before each run: restores the input of an in-place peer."""
 
     def run(self):
         import jax
@@ -120,7 +129,109 @@ class _JaxPsumPeer(_Peer):
         return np.asarray(out.addressable_shards[0].data)
 
 
-PEERS = {"herring": _HerringPeer, "jax_psum": _JaxPsumPeer}
+class _Mpi4jaxPeer(_Peer):
+    label = "mpi4jax.allreduce under jax.jit (Open MPI)"
+    needs = ("mpi4jax", "mpi4py")
+    install = ("apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py mpi4jax "
+               "(with nvcc on PATH but no CUDA headers: CUDA_ROOT=<empty dir>)")
+    mpi = True
+
+    def __init__(self, rank: int, n: int):
+        import jax
+        import mpi4jax
+        from mpi4py import MPI
+        super().__init__(rank, n)
+        _check_mpi_world(MPI, rank, n)
+        self._fn = jax.jit(lambda v: mpi4jax.allreduce(v, op=MPI.SUM, comm=MPI.COMM_WORLD))
+
+    def prepare(self, local: np.ndarray) -> None:
+        import jax.numpy as jnp
+        self._arg = jnp.asarray(local)
+
+
+class _Mpi4pyPeer(_Peer):
+    label = "mpi4py Comm.Allreduce of numpy buffers (Open MPI)"
+    needs = ("mpi4py",)
+    install = "apt-get install openmpi-bin libopenmpi-dev; pip install mpi4py"
+    mpi = True
+
+    def __init__(self, rank: int, n: int):
+        from mpi4py import MPI
+        super().__init__(rank, n)
+        _check_mpi_world(MPI, rank, n)
+        self._comm, self._sum = MPI.COMM_WORLD, MPI.SUM
+
+    def prepare(self, local: np.ndarray) -> None:
+        self._in, self._out = local, np.empty_like(local)
+
+    def run(self):
+        self._comm.Allreduce(self._in, self._out, op=self._sum)
+        return self._out
+
+
+class _TorchGlooPeer(_Peer):
+    label = "torch.distributed.all_reduce, gloo backend (PyTorch DDP on CPU)"
+    needs = ("torch",)
+    install = "pip install torch==2.13.0"
+
+    def __init__(self, rank: int, n: int):
+        import datetime as dt
+        import torch.distributed as dist
+        from herring_jax._src import jax_compat
+        super().__init__(rank, n)
+        # The rendezvous: a port free on rank 0's host, passed on through
+        # jax.distributed's key-value store; the host is the coordinator's.
+        client = jax_compat.distributed_client()
+        if rank == 0:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("0.0.0.0", 0))
+                client.key_value_set(f"{_KV_PREFIX}/torch_port", str(sock.getsockname()[1]))
+        port = client.blocking_key_value_get(f"{_KV_PREFIX}/torch_port", _KV_TIMEOUT_MS)
+        host = os.environ.get("HERRING_COORDINATOR_ADDRESS", "127.0.0.1:0").rsplit(":", 1)[0]
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
+                                world_size=n, timeout=dt.timedelta(seconds=600))
+        self._dist = dist
+
+    def prepare(self, local: np.ndarray) -> None:
+        import torch
+        self._local = local
+        self._tensor = torch.from_numpy(local.copy())
+
+    def reset(self) -> None:
+        # all_reduce works in place: each timed run starts from this rank's data.
+        np.copyto(self._tensor.numpy(), self._local)
+
+    def run(self):
+        self._dist.all_reduce(self._tensor)
+        return self._tensor
+
+    @staticmethod
+    def result(out) -> np.ndarray:
+        return out.numpy()
+
+
+def _check_mpi_world(MPI, rank: int, n: int) -> None:
+    world = MPI.COMM_WORLD
+    if world.Get_size() != n or world.Get_rank() != rank:
+        raise SystemExit(f"MPI rank {world.Get_rank()} of {world.Get_size()} is not jax "
+                         f"process {rank} of {n}: start the workers with mpirun")
+
+
+PEERS = {"herring": _HerringPeer, "jax_psum": _JaxPsumPeer, "mpi4jax": _Mpi4jaxPeer,
+         "mpi4py": _Mpi4pyPeer, "torch_gloo": _TorchGlooPeer}
+
+
+def missing_peers(names: list[str]) -> dict[str, str]:
+    """Peers among `names` that cannot run here, each with the reason and the fix."""
+    missing = {}
+    for name in names:
+        peer = PEERS[name]
+        absent = [m for m in getattr(peer, "needs", ()) if importlib_util.find_spec(m) is None]
+        if absent:
+            missing[name] = f"{', '.join(absent)} not installed ({peer.install})"
+        elif getattr(peer, "mpi", False) and shutil.which("mpirun") is None:
+            missing[name] = f"mpirun not found ({peer.install})"
+    return missing
 
 
 # -- worker ------------------------------------------------------------------
@@ -135,6 +246,7 @@ def _worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-gbps", type=float, default=None)
     p.add_argument("--link-source", default="--link-gbps")
     p.add_argument("--json", default=None)
+    p.add_argument("--missing", default="{}", help="JSON: peers that could not run, and why")
     return p
 
 
@@ -148,9 +260,11 @@ def _pattern(count: int, rank: int) -> np.ndarray:
 def _measure(peer, local, expected, iters: int, warmup: int) -> tuple[list[float], bool]:
     peer.prepare(local)
     for _ in range(warmup):  # the first call compiles
+        peer.reset()
         out = peer.run()
     times = []
     for _ in range(iters):
+        peer.reset()
         start = time.perf_counter()
         out = peer.run()
         times.append(time.perf_counter() - start)
@@ -176,6 +290,14 @@ def _worker(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
     sizes = [float(s) for s in args.sizes_mib.split(",") if s]
+    if "OMPI_COMM_WORLD_RANK" in os.environ:  # started by mpirun
+        os.environ.setdefault("HERRING_PROCESS_ID", os.environ["OMPI_COMM_WORLD_RANK"])
+        logs, mpi_rank = os.environ.get("HERRING_BENCH_LOGDIR"), os.environ["OMPI_COMM_WORLD_RANK"]
+        if logs and mpi_rank != "0":
+            fd = os.open(os.path.join(logs, f"rank{mpi_rank}.log"),
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
     for name in names:
         PEERS[name].configure()
     import jax
@@ -278,11 +400,15 @@ def _report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     for r in results:
         if not r["correct"]:
             print(f"WRONG RESULT: {r['peer']} {r['mib']:g} MiB on ranks {r['wrong_ranks']}")
+    missing = json.loads(getattr(args, "missing", "{}"))
+    for name, why in missing.items():
+        print(f"MISSING peer {name}: {why}")
     report = {
         "n": n, "sizes_mib": sizes, "peers": names, "iters": args.iters, "warmup": args.warmup,
         "provider": os.environ.get("HERRING_FI_PROVIDER") or "(default)", "transport": describe,
         "link_gbps": args.link_gbps, "link_source": args.link_source if args.link_gbps else None,
-        "bound_formula": _BOUND_FORMULA, "results": results,
+        "bound_formula": _BOUND_FORMULA, "results": results, "missing": missing,
+        "network": os.environ.get("HERRING_BENCH_NETWORK", "loopback"),
         "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": platform.python_version(),
         "host": platform.node(), "cpus": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -314,6 +440,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-gbps", type=float, default=None,
                         help="link bandwidth for the bound, GB/s (default: measure fi_pingpong)")
     parser.add_argument("--json", default=None, help="write every timing to this file")
+    parser.add_argument("--mpi-btl", default=None, metavar="LIST",
+                        help="Open MPI transports, e.g. tcp,self (default: Open MPI's choice, "
+                             "shared memory between local processes)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="draw bandwidth per size and peer into this PNG (matplotlib)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole job")
     net = parser.add_argument_group(
         "simulated network", "one network namespace per process (needs root and iproute2)")
@@ -371,7 +502,8 @@ def _shaped_gbps(args) -> tuple[float, str]:
     host = parse_rate(args.host_rate)
     flow = parse_rate(args.flow_rate) if args.flow_rate else host
     egress = min(host, max(1, n - 1) * flow)
-    return egress / 8e9, (f"shaped: min(host {args.host_rate}, {n - 1} flows x "
+    flows = f"{n - 1} flow{'' if n == 2 else 's'}"
+    return egress / 8e9, (f"shaped: min(host {args.host_rate}, {flows} x "
                           f"{args.flow_rate or args.host_rate})")
 
 
@@ -403,23 +535,73 @@ def run(args: argparse.Namespace) -> int:
     import herring_jax
     root = os.path.dirname(os.path.dirname(os.path.abspath(herring_jax.__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    worker = [sys.executable, "-m", "herring_jax.bench", "--worker", "--sizes-mib",
-              args.sizes_mib, "--iters", str(args.iters), "--warmup", str(args.warmup),
-              "--peers", args.peers]
-    if link_gbps:
-        worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}"]
-    if args.json:
-        worker += ["--json", os.path.abspath(args.json)]
-    print(f"herring-jax bench: {args.num_processes} processes, provider "
-          f"{env.get('HERRING_FI_PROVIDER') or '(default)'}, sizes {args.sizes_mib} MiB, "
-          f"{args.iters} timed runs after {args.warmup} warm-up, peers {args.peers}", flush=True)
+    names = [p for p in args.peers.split(",") if p]
+    missing = missing_peers(names)
     if args.netns:
-        print(f"network: one namespace per process on a bridge, host egress "
-              f"{args.host_rate or 'unlimited'}, each host-to-host flow "
-              f"{args.flow_rate or args.host_rate or 'unlimited'}", flush=True)
-    if not link_gbps:
-        print(f"link: {link_source}", flush=True)
-    return _launch(args, worker, env)
+        for name in names:
+            if getattr(PEERS[name], "mpi", False) and name not in missing:
+                # Open MPI 4.1's processes reach mpirun through PMIx over the
+                # loopback of mpirun's namespace, which a process in another
+                # namespace cannot reach (MPI_Init fails: "Unreachable").
+                missing[name] = ("not in --netns mode: mpirun cannot start processes in "
+                                 "separate network namespaces (PMIx connects over loopback)")
+    present = [p for p in names if p not in missing]
+    use_mpi = any(getattr(PEERS[p], "mpi", False) for p in present)
+    json_path = os.path.abspath(args.json) if args.json else None
+    with tempfile.TemporaryDirectory() as scratch:
+        if json_path is None and args.plot:
+            json_path = os.path.join(scratch, "bench.json")
+        worker = [sys.executable, "-m", "herring_jax.bench", "--worker", "--sizes-mib",
+                  args.sizes_mib, "--iters", str(args.iters), "--warmup", str(args.warmup),
+                  "--peers", ",".join(present), "--missing", json.dumps(missing)]
+        if link_gbps:
+            worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}"]
+        if json_path:
+            worker += ["--json", json_path]
+        network = "loopback"
+        if args.netns:
+            network = (f"simulated: one namespace per process on a bridge, host egress "
+                       f"{args.host_rate or 'unlimited'}, each host-to-host flow "
+                       f"{args.flow_rate or args.host_rate or 'unlimited'}")
+        if use_mpi:
+            network += f"; Open MPI btl {args.mpi_btl or 'default (shared memory here)'}"
+        env["HERRING_BENCH_NETWORK"] = network
+        print(f"herring-jax bench: {args.num_processes} processes, provider "
+              f"{env.get('HERRING_FI_PROVIDER') or '(default)'}, sizes {args.sizes_mib} MiB, "
+              f"{args.iters} timed runs after {args.warmup} warm-up, peers {','.join(present)}"
+              f", started by {'mpirun' if use_mpi else 'herring-jax launch'}", flush=True)
+        print(f"network: {network}", flush=True)
+        for name, why in missing.items():
+            print(f"missing peer {name}: {why}", flush=True)
+        if not link_gbps:
+            print(f"link: {link_source}", flush=True)
+        code = (_launch_mpi if use_mpi else _launch)(args, worker, env)
+        if code == 0 and args.plot and json_path:
+            _plot(json_path, args.plot)
+    return code
+
+
+def _launch_mpi(args, worker: list[str], env: dict) -> int:
+    """Starts the workers with mpirun (MPI peers need MPI's own launcher), on
+    loopback; Open MPI picks its transports itself unless --mpi-btl says."""
+    from herring_jax._src.launch import free_port
+    env = dict(env, HERRING_NUM_PROCESSES=str(args.num_processes), PYTHONUNBUFFERED="1",
+               HERRING_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}")
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+               "-n", str(args.num_processes)]
+    if args.mpi_btl:
+        command += ["--mca", "btl", args.mpi_btl]
+    # mpirun merges every rank's output: ranks other than 0 write theirs to
+    # files instead (shown if the run fails).
+    with tempfile.TemporaryDirectory() as logs:
+        env["HERRING_BENCH_LOGDIR"] = logs
+        code = _run_workers(command + worker, env, args.timeout, lambda line: line)
+        if code != 0:
+            for name in sorted(os.listdir(logs)):
+                with open(os.path.join(logs, name), errors="replace") as f:
+                    sys.stderr.write(f"--- {name} ---\n{f.read()[-4000:]}")
+    return code
 
 
 def _launch(args, worker: list[str], env: dict) -> int:
@@ -432,28 +614,79 @@ def _launch(args, worker: list[str], env: dict) -> int:
             if value:
                 launcher += [flag, value]
     launcher += ["--", *worker]
-    others: deque[str] = deque(maxlen=100)  # other ranks: shown only on failure
+    return _run_workers(launcher, env, None,
+                        lambda line: line[len("[rank 0] "):]
+                        if line.startswith("[rank 0] ") else None)
+
+
+def _run_workers(command: list[str], env: dict, timeout: float | None, rank0) -> int:
+    """Runs the workers' launcher, showing rank 0's lines (rank0(line) -> text
+    or None); the other lines are shown only on failure."""
+    others: deque[str] = deque(maxlen=100)
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(launcher, env=env, cwd=tmp, stdout=subprocess.PIPE,
-                                stderr=err, text=True)
+        proc = subprocess.Popen(command, env=env, cwd=tmp, stdout=subprocess.PIPE,
+                                stderr=err, text=True, start_new_session=True)
+        timer = None
+        if timeout:
+            timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+            timer.start()
         try:
             for line in proc.stdout:
+                text = rank0(line)
                 # gloo prints its connection chatter on stdout.
-                if line.startswith("[rank 0] ") and not line.startswith("[rank 0] [Gloo]"):
-                    sys.stdout.write(line[len("[rank 0] "):])
+                if text is not None and not text.startswith("[Gloo]"):
+                    sys.stdout.write(text if text.endswith("\n") else text + "\n")
                     sys.stdout.flush()
                 else:
                     others.append(line)
             code = proc.wait()
         except KeyboardInterrupt:
-            proc.terminate()  # the launcher stops every worker
+            os.killpg(proc.pid, signal.SIGTERM)  # the launcher stops every worker
             proc.wait()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         if code != 0:
             err.seek(0)
             sys.stderr.write("".join(others) + err.read()[-8000:])
             print(f"herring-jax bench: workers failed (exit {code})", file=sys.stderr)
     return code
+
+
+def _plot(json_path: str, png_path: str) -> None:
+    """Algorithmic bandwidth per size, one line per peer, and the bound."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plot: skipped, matplotlib is not installed (pip install matplotlib)")
+        return
+    with open(json_path) as f:
+        report = json.load(f)
+    n = report["n"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for peer in report["peers"]:
+        rows = sorted((r["mib"], r["mib"] * 2**20 / r["median_s"] / 1e9)
+                      for r in report["results"] if r["peer"] == peer)
+        ax.plot([m for m, _ in rows], [bw for _, bw in rows], marker="o", label=peer,
+                linewidth=2.5 if peer == "herring" else 1.5)
+    if report.get("link_gbps"):
+        sizes = sorted(report["sizes_mib"])
+        ax.plot(sizes, [report["link_gbps"] / (2 * (n - 1) / n)] * len(sizes), "k--",
+                label="bound (link / (2(n-1)/n))")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("buffer size, MiB (float32)")
+    ax.set_ylabel("algorithmic bandwidth, GB/s (bytes / median time)")
+    ax.set_title(f"all-reduce, {n} processes, {report.get('network', 'loopback')}"[:90],
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {png_path}")
 
 
 def main(argv: list[str] | None = None) -> int:
