@@ -26,6 +26,9 @@ struct Batch {
   std::vector<int> group;
   int64_t started_ns = 0;
   std::vector<std::unique_ptr<Job>> jobs;
+  // Every job's per-peer counters exist (StartJob ran for all): from then on
+  // other threads may read them.
+  std::atomic<bool> started{false};
 
   void AddInflight(size_t k) {
     std::lock_guard<std::mutex> lock(mu);
@@ -326,8 +329,14 @@ void Communicator::SendHeartbeats() {
   base.stream = kControlStream;
   OldestWait(&base);
   SealHeader(&base);
+  const int64_t now = NowNs();
+  const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
   for (int peer = 0; peer < config_.size; ++peer) {
-    if (peer == config_.rank || heartbeat_busy_[peer].exchange(true)) continue;
+    // A peer silent past the limit is presumed dead: a post to it can stall
+    // in the provider's connection attempts and delay the heartbeats to the
+    // live ones.
+    if (peer == config_.rank || (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
+    if (heartbeat_busy_[peer].exchange(true)) continue;
     // Only now, with no heartbeat to `peer` in flight, may its buffer change.
     heartbeat_out_[peer] = base;
     transport::IoVec iov[1] = {{&heartbeat_out_[peer], sizeof(WireHeader)}};
@@ -343,31 +352,41 @@ void Communicator::SendHeartbeats() {
 void Communicator::WatchPeers() {
   const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
   const int64_t now = NowNs();
+  auto silent_s = [&](int rank) { return (now - last_heard_[rank].load()) * 1e-9; };
   std::lock_guard<std::mutex> lock(active_mu_);
   for (Batch* batch : active_) {
     if (batch->Failed()) continue;
-    for (int rank : batch->group) {
-      if (rank == config_.rank) continue;
-      const double silent_s = (now - last_heard_[rank].load()) * 1e-9;
-      if (silent_s <= limit) continue;
-      declared_dead_.fetch_add(1);
-      const Job& job = *batch->jobs.front();
-      char silent[32];
-      std::snprintf(silent, sizeof(silent), "%.1f", silent_s);
-      Fail(batch, "rank " + std::to_string(rank) + " has sent nothing (no data, no " +
-                      "heartbeat) for " + silent + " s while rank " +
-                      std::to_string(config_.rank) + " waits for it in " + job.Describe() +
-                      (batch->jobs.size() > 1
-                           ? " and " + std::to_string(batch->jobs.size() - 1) + " more"
-                           : std::string()) +
-                      ": it died, hung or its host is unreachable. HERRING_PEER_TIMEOUT_S "
-                      "(at most HERRING_TIMEOUT_S) sets the limit.");
-      // After the batch has its reason: sends to the dead rank that wait for
-      // queue room give up now, so the caller's thread is not held in a post
-      // until HERRING_TIMEOUT_S.
-      transport_->SetPeerUnreachable(rank);
-      break;
+    // Blame a rank this batch still lacks data from first. Any other silent
+    // rank only holds it up through sends that cannot complete; and a live
+    // rank's heartbeats can be late while its heartbeat thread waits on a
+    // dead one's connection, so naming it first would name the wrong rank.
+    int dead = -1;
+    for (int rank : MissingRanks(*batch)) {
+      if (rank != config_.rank && silent_s(rank) > limit) {
+        dead = rank;
+        break;
+      }
     }
+    for (size_t i = 0; dead < 0 && i < batch->group.size(); ++i) {
+      const int rank = batch->group[i];
+      if (rank != config_.rank && silent_s(rank) > limit) dead = rank;
+    }
+    if (dead < 0) continue;
+    declared_dead_.fetch_add(1);
+    const Job& job = *batch->jobs.front();
+    char silent[32];
+    std::snprintf(silent, sizeof(silent), "%.1f", silent_s(dead));
+    Fail(batch, "rank " + std::to_string(dead) + " has sent nothing (no data, no " +
+                    "heartbeat) for " + silent + " s while rank " +
+                    std::to_string(config_.rank) + " waits for it in " + job.Describe() +
+                    (batch->jobs.size() > 1
+                         ? " and " + std::to_string(batch->jobs.size() - 1) + " more"
+                         : std::string()) +
+                    ": it died, hung or its host is unreachable. HERRING_PEER_TIMEOUT_S "
+                    "(at most HERRING_TIMEOUT_S) sets the limit.");
+    // After the batch has its reason: sends to the dead rank that wait for
+    // queue room give up now (Fail has also told every waiting post to).
+    transport_->SetPeerUnreachable(dead);
   }
 }
 
@@ -606,6 +625,7 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
       break;
     }
   }
+  if (status.ok()) batch->started = true;
 
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -648,10 +668,26 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   return Status::Error(error);
 }
 
+std::set<int> Communicator::MissingRanks(const Batch& batch) {
+  std::set<int> missing;
+  if (!batch.started.load()) return missing;
+  for (const auto& job : batch.jobs) {
+    for (int p = 0; p < job->n; ++p) {
+      if (p == job->me) continue;
+      if (job->contribs_from[p].load() < static_cast<int>(job->Chunks(job->me)) ||
+          job->results_from[p].load() < static_cast<int>(job->Chunks(p))) {
+        missing.insert(batch.group[p]);
+      }
+    }
+  }
+  return missing;
+}
+
 std::string Communicator::MissingReport(const Batch& batch) const {
   std::set<int> missing;
   std::string what, detail;
   for (const auto& job : batch.jobs) {
+    if (!job->contribs_from || !job->results_from) continue;  // never started
     bool incomplete = false;
     for (int p = 0; p < job->n; ++p) {
       if (p == job->me) continue;

@@ -124,6 +124,8 @@ class Communicator {
   void Enqueue(std::function<void()> task);
   void ServerLoop();
   std::string MissingReport(const Batch& batch) const;
+  // The ranks `batch` still lacks contributions or results from.
+  static std::set<int> MissingRanks(const Batch& batch);
   // What this rank waits for longest (empty if nothing); fills `h`'s wait
   // fields for a heartbeat when given.
   std::string OldestWait(WireHeader* h = nullptr);
