@@ -12,6 +12,10 @@ command -v fi_info >/dev/null || apt_pkgs+=(libfabric-bin)
 command -v ip >/dev/null || apt_pkgs+=(iproute2)
 # Open MPI: the mpi4py and mpi4jax peers of `herring-jax bench`.
 command -v mpirun >/dev/null || apt_pkgs+=(openmpi-bin libopenmpi-dev)
+# clang with libFuzzer and the sanitizers' runtime (tests/fuzz); the runtime
+# is only a recommendation of clang's, so it is named.
+command -v clang++ >/dev/null || apt_pkgs+=(clang)
+dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || apt_pkgs+=(libclang-rt-14-dev)
 if ((${#apt_pkgs[@]})); then
   echo "== apt-get install ${apt_pkgs[*]}"
   apt-get update -qq

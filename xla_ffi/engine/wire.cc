@@ -28,7 +28,7 @@ std::string Describe(DType dtype, uint64_t elems, ReduceOp op, uint64_t key) {
 bool CheckControlHeader(const WireHeader& h, size_t len, MsgKind kind, uint64_t token,
                         uint32_t sender, uint32_t ranks, std::string* why) {
   if (len < sizeof(WireHeader) || h.magic != kMagic || h.version != kWireVersion ||
-      h.checksum != HeaderChecksum(h)) {
+      h.checksum != HeaderChecksum(h) || h.reserved2 != 0) {
     *why = "malformed control message";
     return false;
   }
@@ -58,6 +58,10 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
   }
   if (h.checksum != HeaderChecksum(h)) {
     *why = "header checksum mismatch";
+    return HeaderVerdict::kMalformed;
+  }
+  if (h.reserved2 != 0) {
+    *why = "reserved header bytes are not zero";
     return HeaderVerdict::kMalformed;
   }
   if (!IsValidDType(h.dtype) || !IsValidOp(h.op) ||

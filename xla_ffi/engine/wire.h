@@ -76,7 +76,7 @@ struct WireHeader {
   uint8_t reserved[3];
   uint32_t contributors;  // devices summed into this message's data
   uint32_t checksum;      // of all bytes above
-  uint32_t reserved2;
+  uint32_t reserved2;     // zero: outside the checksum, so checked on its own
 };
 static_assert(sizeof(WireHeader) == 80, "wire header layout changed");
 
@@ -102,9 +102,12 @@ struct Expectation {
 
 enum class HeaderVerdict {
   kOk,
-  kMalformed,  // too short, bad magic/version/checksum/enum values: drop
-  kStranger,   // wrong token or wrong sender/stream/round: drop
-  kMismatch,   // a genuine peer reduced something different: fail the job
+  kMalformed,  // too short, bad magic/version/checksum/enum values, reserved
+               // bytes not zero: drop
+  kStranger,   // wrong token, or sender/stream/part/chunk contradicting the
+               // tag it matched on: drop
+  kMismatch,   // a genuine peer reduced something different (key, shape,
+               // dtype, op, or its round of this call site): fail the job
 };
 
 // Checks a received control message of `kind` (header, then `received_len` -

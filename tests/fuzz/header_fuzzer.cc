@@ -1,0 +1,487 @@
+// libFuzzer + AddressSanitizer/UBSan harness for the wire-header parser
+// (xla_ffi/engine/wire.{h,cc}): everything in there that looks at bytes that
+// came off the network.
+//
+// Build and run with tests/fuzz/run_fuzzer.sh; compiled together with
+// xla_ffi/engine/wire.cc and `-I xla_ffi`.
+//
+// Each input is split by FuzzedDataProvider into a choice of path and the
+// values that path needs, so the fuzzer controls the raw header bytes, the
+// received length and every expected value (Expectation, token, sender,
+// ranks). The paths:
+//
+//   kRawHeader    fuzzer-written header bytes (optionally with magic, version
+//                 and checksum repaired so that the field checks behind them
+//                 are reached), a received length below, at or above
+//                 sizeof(WireHeader), and an Expectation that is either
+//                 arbitrary or copied from the header with some fields
+//                 changed; checked by CheckHeader, CheckControlHeader and
+//                 CheckAbortHeader.
+//   kSealedHeader a valid header built and sealed with SealHeader, which must
+//                 be accepted; then one fuzzer-chosen byte is flipped (or one
+//                 expected field changed) and the verdict is checked.
+//   kTags         the tag helpers: TagSender on any 64-bit tag, and the
+//                 layout round-trip of MakeTag / MakeControlTag /
+//                 MakeHeartbeatTag.
+//
+// Every invariant below is one the code or its comments promise; a violation
+// calls __builtin_trap(), which libFuzzer reports as a crash and saves the
+// input. Memory errors are ASan's business: the header lives in an
+// exactly-sized heap buffer, and the bytes of a short message that were never
+// "received" are poisoned, so reading them is reported too.
+
+#include <fuzzer/FuzzedDataProvider.h>
+#include <sanitizer/asan_interface.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/dtype.h"
+#include "engine/wire.h"
+
+namespace {
+
+using herring::engine::CheckAbortHeader;
+using herring::engine::CheckControlHeader;
+using herring::engine::CheckHeader;
+using herring::engine::DType;
+using herring::engine::Expectation;
+using herring::engine::HeaderChecksum;
+using herring::engine::HeaderVerdict;
+using herring::engine::IsValidDType;
+using herring::engine::IsValidOp;
+using herring::engine::kControlStream;
+using herring::engine::kMagic;
+using herring::engine::kMaxRanks;
+using herring::engine::kSenderBits;
+using herring::engine::kWireVersion;
+using herring::engine::MakeControlTag;
+using herring::engine::MakeHeartbeatTag;
+using herring::engine::MakeTag;
+using herring::engine::MsgKind;
+using herring::engine::ReduceOp;
+using herring::engine::SealHeader;
+using herring::engine::TagSender;
+using herring::engine::WireHeader;
+
+constexpr size_t kHeaderSize = sizeof(WireHeader);
+
+// Aborts the run (libFuzzer saves the input as crash-*) when `cond` is false.
+#define FUZZ_CHECK(cond)           \
+  do {                             \
+    if (!(cond)) __builtin_trap(); \
+  } while (0)
+
+// A header-sized buffer as the transport hands it to the parser: exactly
+// sizeof(WireHeader) bytes on the heap (so ASan sees any read past its end),
+// aligned for WireHeader (operator new aligns to alignof(max_align_t)). When
+// the message was shorter than a header, only its first `received` bytes were
+// written; the rest are poisoned while the parser runs, since a parser that
+// looked at them would act on garbage.
+class HeaderBuffer {
+ public:
+  explicit HeaderBuffer(const uint8_t* bytes) : h_(new WireHeader) {
+    std::memcpy(h_.get(), bytes, kHeaderSize);
+  }
+  ~HeaderBuffer() { Unpoison(); }
+  HeaderBuffer(const HeaderBuffer&) = delete;
+  HeaderBuffer& operator=(const HeaderBuffer&) = delete;
+
+  // Poisons the bytes a message of `received_len` bytes did not write.
+  void PoisonUnreceived(size_t received_len) {
+    Unpoison();
+    if (received_len < kHeaderSize) {
+      poisoned_from_ = received_len;
+      ASAN_POISON_MEMORY_REGION(bytes() + received_len, kHeaderSize - received_len);
+    }
+  }
+  void Unpoison() {
+    if (poisoned_from_ < kHeaderSize) {
+      ASAN_UNPOISON_MEMORY_REGION(bytes() + poisoned_from_, kHeaderSize - poisoned_from_);
+      poisoned_from_ = kHeaderSize;
+    }
+  }
+
+  const WireHeader& header() const { return *h_; }
+  uint8_t* bytes() { return reinterpret_cast<uint8_t*>(h_.get()); }
+
+ private:
+  std::unique_ptr<WireHeader> h_;
+  size_t poisoned_from_ = kHeaderSize;
+};
+
+// What a header passing the integrity checks looks like: long enough, right
+// magic and version, checksum matching the covered bytes.
+bool Intact(const WireHeader& h, size_t len) {
+  return len >= kHeaderSize && h.magic == kMagic && h.version == kWireVersion &&
+         h.checksum == HeaderChecksum(h);
+}
+
+// Runs CheckHeader on `buf` and checks what every verdict promises. Returns the
+// verdict for path-specific checks.
+HeaderVerdict CheckHeaderChecked(HeaderBuffer& buf, size_t len, const Expectation& want) {
+  uint8_t before[kHeaderSize];
+  std::memcpy(before, buf.bytes(), kHeaderSize);
+
+  buf.PoisonUnreceived(len);
+  std::string why;
+  const HeaderVerdict v = CheckHeader(buf.bytes(), len, want, &why);
+  // Deterministic: the same message gets the same verdict and reason.
+  std::string why_again;
+  FUZZ_CHECK(CheckHeader(buf.bytes(), len, want, &why_again) == v);
+  buf.Unpoison();
+  FUZZ_CHECK(why_again == why);
+
+  // The header is const: the parser must not have written to it.
+  FUZZ_CHECK(std::memcmp(before, buf.bytes(), kHeaderSize) == 0);
+
+  const WireHeader& h = buf.header();
+  switch (v) {
+    case HeaderVerdict::kOk:
+      // Accepted: intact, valid enums, the payload length matches both what
+      // arrived and what was expected, and every field is the expected one.
+      FUZZ_CHECK(Intact(h, len));
+      FUZZ_CHECK(IsValidDType(h.dtype) && IsValidOp(h.op));
+      FUZZ_CHECK(h.payload_bytes == len - kHeaderSize);
+      FUZZ_CHECK(h.payload_bytes == want.payload_bytes);
+      FUZZ_CHECK(h.token == want.token);
+      FUZZ_CHECK(h.kind == static_cast<uint8_t>(want.kind));
+      FUZZ_CHECK(h.src_rank == want.src_rank && h.stream == want.stream);
+      FUZZ_CHECK(h.part == want.part && h.chunk == want.chunk);
+      FUZZ_CHECK(h.round == want.round && h.key == want.key);
+      FUZZ_CHECK(h.dtype == static_cast<uint8_t>(want.dtype));
+      FUZZ_CHECK(h.op == static_cast<uint8_t>(want.op));
+      FUZZ_CHECK(h.total_elems == want.total_elems);
+      break;
+    case HeaderVerdict::kMismatch:
+      // Fails the job, so only for "a genuine peer": intact, valid enums,
+      // consistent length, right token and the sender, stream, part, chunk and
+      // kind of the tag it was matched on.
+      FUZZ_CHECK(Intact(h, len));
+      FUZZ_CHECK(IsValidDType(h.dtype) && IsValidOp(h.op));
+      FUZZ_CHECK(h.payload_bytes == len - kHeaderSize);
+      FUZZ_CHECK(h.token == want.token);
+      FUZZ_CHECK(h.kind == static_cast<uint8_t>(want.kind));
+      FUZZ_CHECK(h.src_rank == want.src_rank && h.stream == want.stream);
+      FUZZ_CHECK(h.part == want.part && h.chunk == want.chunk);
+      FUZZ_CHECK(!why.empty());
+      break;
+    case HeaderVerdict::kStranger:
+    case HeaderVerdict::kMalformed:
+      FUZZ_CHECK(!why.empty());
+      break;
+    default:
+      FUZZ_CHECK(false);  // not a HeaderVerdict
+  }
+  // kMalformed covers "too short, bad magic/version/checksum/enum values".
+  if (!Intact(h, len) || !IsValidDType(h.dtype) || !IsValidOp(h.op)) {
+    FUZZ_CHECK(v == HeaderVerdict::kMalformed);
+  }
+  return v;
+}
+
+// Runs CheckControlHeader (and CheckAbortHeader) and checks what acceptance
+// promises. Returns whether the message was accepted.
+bool CheckControlChecked(HeaderBuffer& buf, size_t len, MsgKind kind, uint64_t token,
+                         uint32_t sender, uint32_t ranks) {
+  buf.PoisonUnreceived(len);
+  std::string why;
+  const bool ok = CheckControlHeader(buf.header(), len, kind, token, sender, ranks, &why);
+  std::string abort_why;
+  const bool abort_ok = CheckAbortHeader(buf.header(), len, token, sender, &abort_why);
+  buf.Unpoison();
+
+  const WireHeader& h = buf.header();
+  if (ok) {
+    FUZZ_CHECK(Intact(h, len));
+    FUZZ_CHECK(h.token == token);
+    FUZZ_CHECK(h.kind == static_cast<uint8_t>(kind));
+    FUZZ_CHECK(h.src_rank == sender);
+    FUZZ_CHECK(h.payload_bytes == len - kHeaderSize);
+  } else {
+    FUZZ_CHECK(!why.empty());
+  }
+  // A sender outside the job is never accepted.
+  if (sender >= ranks) FUZZ_CHECK(!ok);
+
+  // CheckAbortHeader: the same for an abort from any valid rank number.
+  if (abort_ok) {
+    FUZZ_CHECK(Intact(h, len));
+    FUZZ_CHECK(h.token == token);
+    FUZZ_CHECK(h.kind == static_cast<uint8_t>(MsgKind::kAbort));
+    FUZZ_CHECK(h.src_rank == sender && sender < static_cast<uint32_t>(kMaxRanks));
+    FUZZ_CHECK(h.payload_bytes == len - kHeaderSize);
+  } else {
+    FUZZ_CHECK(!abort_why.empty());
+  }
+  if (!Intact(h, len)) FUZZ_CHECK(!ok && !abort_ok);
+  return ok;
+}
+
+// An Expectation with every field chosen by the fuzzer (enum values included:
+// MsgKind, DType and ReduceOp have uint8_t underlying types, so any byte is a
+// valid value of the type even when it names no enumerator).
+Expectation ConsumeExpectation(FuzzedDataProvider& in) {
+  Expectation want;
+  want.kind = static_cast<MsgKind>(in.ConsumeIntegral<uint8_t>());
+  want.token = in.ConsumeIntegral<uint64_t>();
+  want.key = in.ConsumeIntegral<uint64_t>();
+  want.round = in.ConsumeIntegral<uint64_t>();
+  want.src_rank = in.ConsumeIntegral<uint32_t>();
+  want.stream = in.ConsumeIntegral<uint32_t>();
+  want.part = in.ConsumeIntegral<uint32_t>();
+  want.chunk = in.ConsumeIntegral<uint32_t>();
+  want.dtype = static_cast<DType>(in.ConsumeIntegral<uint8_t>());
+  want.op = static_cast<ReduceOp>(in.ConsumeIntegral<uint8_t>());
+  want.payload_bytes = in.ConsumeIntegral<uint64_t>();
+  want.total_elems = in.ConsumeIntegral<uint64_t>();
+  return want;
+}
+
+// The Expectation a header satisfies exactly.
+Expectation ExpectationOf(const WireHeader& h) {
+  Expectation want;
+  want.kind = static_cast<MsgKind>(h.kind);
+  want.token = h.token;
+  want.key = h.key;
+  want.round = h.round;
+  want.src_rank = h.src_rank;
+  want.stream = h.stream;
+  want.part = h.part;
+  want.chunk = h.chunk;
+  want.dtype = static_cast<DType>(h.dtype);
+  want.op = static_cast<ReduceOp>(h.op);
+  want.payload_bytes = h.payload_bytes;
+  want.total_elems = h.total_elems;
+  return want;
+}
+
+// The expected fields, for changing exactly one of them.
+enum class Field {
+  kToken, kKind, kSrcRank, kStream, kPart, kChunk,  // who sent it / which tag
+  kRound,                                           // how often the slot ran
+  kKey, kDType, kOp, kPayloadBytes, kTotalElems,    // what was reduced
+  kCount,
+};
+
+// Changes `field` of `want` to a different value (xor with a non-zero delta
+// of the field's width).
+void Perturb(Expectation* want, Field field, uint64_t delta) {
+  auto flip8 = [&](auto v) {
+    using E = decltype(v);
+    return static_cast<E>(static_cast<uint8_t>(v) ^ static_cast<uint8_t>(delta | 1));
+  };
+  const uint32_t d32 = static_cast<uint32_t>(delta) | 1;
+  const uint64_t d64 = delta | 1;
+  switch (field) {
+    case Field::kToken: want->token ^= d64; break;
+    case Field::kKind: want->kind = flip8(want->kind); break;
+    case Field::kSrcRank: want->src_rank ^= d32; break;
+    case Field::kStream: want->stream ^= d32; break;
+    case Field::kPart: want->part ^= d32; break;
+    case Field::kChunk: want->chunk ^= d32; break;
+    case Field::kRound: want->round ^= d64; break;
+    case Field::kKey: want->key ^= d64; break;
+    case Field::kDType: want->dtype = flip8(want->dtype); break;
+    case Field::kOp: want->op = flip8(want->op); break;
+    case Field::kPayloadBytes: want->payload_bytes ^= d64; break;
+    case Field::kTotalElems: want->total_elems ^= d64; break;
+    case Field::kCount: break;
+  }
+}
+
+// Path kRawHeader: whatever bytes arrive.
+void FuzzRawHeader(FuzzedDataProvider& in) {
+  // Decisions first (taken from the end of the input), then the header bytes
+  // (from the front), so the header bytes map directly onto the input.
+  const uint8_t repair = in.ConsumeIntegral<uint8_t>();
+  const int len_mode = in.ConsumeIntegralInRange<int>(0, 3);
+  const uint64_t len_value = in.ConsumeIntegral<uint64_t>();
+  const bool want_from_header = in.ConsumeBool();
+  const uint32_t perturb_mask = in.ConsumeIntegral<uint32_t>();  // fields to change
+  const uint64_t delta = in.ConsumeIntegral<uint64_t>();
+  const uint32_t ranks = in.ConsumeIntegral<uint32_t>();
+  const bool sender_from_header = in.ConsumeBool();
+  const uint32_t sender_value = in.ConsumeIntegral<uint32_t>();
+
+  uint8_t raw[kHeaderSize] = {};  // a short input leaves the tail zero
+  const std::vector<uint8_t> given = in.ConsumeBytes<uint8_t>(kHeaderSize);
+  if (!given.empty()) std::memcpy(raw, given.data(), given.size());
+  HeaderBuffer buf(raw);
+  // Optional repairs let the fuzzer get past the integrity checks (a 32-bit
+  // magic and checksum are hard to guess) to the field checks behind them.
+  auto* writable = reinterpret_cast<WireHeader*>(buf.bytes());
+  if (repair & 1) writable->magic = kMagic;
+  if (repair & 2) writable->version = kWireVersion;
+  if (repair & 4) SealHeader(writable);
+  const WireHeader& h = buf.header();
+
+  // Received length: short (0..79 bytes, header partly written), exactly what
+  // the header announces (wrapping if it announces more than size_t holds),
+  // around a header's size, or anything.
+  size_t len = 0;
+  switch (len_mode) {
+    case 0: len = len_value % kHeaderSize; break;
+    case 1: len = kHeaderSize + static_cast<size_t>(h.payload_bytes); break;
+    case 2: len = kHeaderSize - 8 + len_value % 24; break;
+    default: len = static_cast<size_t>(len_value); break;
+  }
+
+  Expectation want = want_from_header ? ExpectationOf(h) : ConsumeExpectation(in);
+  for (int f = 0; f < static_cast<int>(Field::kCount); ++f) {
+    if (perturb_mask & (1u << f)) Perturb(&want, static_cast<Field>(f), delta >> f);
+  }
+  CheckHeaderChecked(buf, len, want);
+
+  // The same bytes as a control message (an abort or a heartbeat) from the
+  // tag's sender, expected with the Expectation's kind and token.
+  const uint32_t sender = sender_from_header ? h.src_rank : sender_value;
+  CheckControlChecked(buf, len, want.kind, want.token, sender, ranks);
+}
+
+// Path kSealedHeader: a header as a peer sends it, then damaged.
+void FuzzSealedHeader(FuzzedDataProvider& in) {
+  WireHeader h;
+  std::memset(&h, 0, sizeof(h));
+  h.magic = kMagic;
+  h.version = kWireVersion;
+  h.kind = in.ConsumeIntegralInRange<uint8_t>(1, 3);  // the kinds CheckHeader takes
+  h.dtype = in.ConsumeIntegralInRange<uint8_t>(1, 6);
+  h.op = in.ConsumeIntegralInRange<uint8_t>(0, 1);
+  h.token = in.ConsumeIntegral<uint64_t>();
+  h.key = in.ConsumeIntegral<uint64_t>();
+  h.round = in.ConsumeIntegral<uint64_t>();
+  h.src_rank = in.ConsumeIntegral<uint32_t>();
+  h.stream = in.ConsumeIntegral<uint32_t>();
+  h.part = in.ConsumeIntegral<uint32_t>();
+  h.chunk = in.ConsumeIntegral<uint32_t>();
+  // Any length a message can have (header + payload must fit in a size_t).
+  h.payload_bytes = in.ConsumeIntegralInRange<uint64_t>(
+      0, std::numeric_limits<size_t>::max() - kHeaderSize);
+  h.total_elems = in.ConsumeIntegral<uint64_t>();
+  for (uint8_t& r : h.reserved) r = in.ConsumeIntegral<uint8_t>();
+  h.contributors = in.ConsumeIntegral<uint32_t>();
+  h.reserved2 = 0;  // as every sender leaves it (WireHeader{})
+  SealHeader(&h);
+  const size_t len = kHeaderSize + static_cast<size_t>(h.payload_bytes);
+  const Expectation want = ExpectationOf(h);
+
+  // The checksum is "of all bytes above" it: the checksum field itself and
+  // reserved2 do not enter it.
+  {
+    WireHeader other = h;
+    other.checksum = ~h.checksum;
+    other.reserved2 = ~h.reserved2;
+    FUZZ_CHECK(HeaderChecksum(other) == h.checksum);
+  }
+
+  // As sealed, it is accepted: as the message expected, and as a control
+  // message of its kind from its sender in a job that has that rank.
+  HeaderBuffer sealed(reinterpret_cast<const uint8_t*>(&h));
+  FUZZ_CHECK(CheckHeaderChecked(sealed, len, want) == HeaderVerdict::kOk);
+  if (h.src_rank < std::numeric_limits<uint32_t>::max()) {
+    FUZZ_CHECK(CheckControlChecked(sealed, len, static_cast<MsgKind>(h.kind), h.token,
+                                   h.src_rank, h.src_rank + 1));
+  }
+
+  const uint8_t action = in.ConsumeIntegralInRange<uint8_t>(0, 1);
+  if (action == 0) {
+    // One damaged byte. FNV-1a changes its result for any single changed
+    // byte (each step is a bijection of the running hash), so damage to the
+    // covered bytes or to the checksum is always caught; reserved2, outside
+    // the checksum, must be zero. Any damage is kMalformed, never accepted
+    // and never a job-failing kMismatch.
+    const size_t offset = in.ConsumeIntegralInRange<size_t>(0, kHeaderSize - 1);
+    const uint8_t flip = in.ConsumeIntegralInRange<uint8_t>(1, 255);
+    uint8_t damaged_bytes[kHeaderSize];
+    std::memcpy(damaged_bytes, &h, kHeaderSize);
+    damaged_bytes[offset] ^= flip;
+    HeaderBuffer damaged(damaged_bytes);
+    const HeaderVerdict v = CheckHeaderChecked(damaged, len, want);
+    FUZZ_CHECK(v == HeaderVerdict::kMalformed);
+    const bool control_ok =
+        CheckControlChecked(damaged, len, static_cast<MsgKind>(h.kind), h.token, h.src_rank,
+                            std::numeric_limits<uint32_t>::max());
+    FUZZ_CHECK(!control_ok);
+  } else {
+    // One expected field differs from the header: never accepted. Where the
+    // header comments say which kind of refusal it is, it must be that one:
+    // a wrong token or sender/stream is a stranger (drop), a different
+    // reduction from a genuine peer is a mismatch (fail the job).
+    const Field field = static_cast<Field>(
+        in.ConsumeIntegralInRange<int>(0, static_cast<int>(Field::kCount) - 1));
+    Expectation other = want;
+    Perturb(&other, field, in.ConsumeIntegral<uint64_t>());
+    const HeaderVerdict v = CheckHeaderChecked(sealed, len, other);
+    FUZZ_CHECK(v != HeaderVerdict::kOk);
+    switch (field) {
+      case Field::kToken:
+      case Field::kSrcRank:
+      case Field::kStream:
+        FUZZ_CHECK(v == HeaderVerdict::kStranger);
+        break;
+      case Field::kKey:
+      case Field::kDType:
+      case Field::kOp:
+      case Field::kPayloadBytes:
+      case Field::kTotalElems:
+        FUZZ_CHECK(v == HeaderVerdict::kMismatch);
+        break;
+      default:
+        break;  // kind, part, chunk, round: only "not accepted" is promised
+    }
+  }
+}
+
+// Path kTags: the matching tag. TagSender decodes a tag that arrived with a
+// message; the Make* helpers must lay fields out as wire.h documents.
+void FuzzTags(FuzzedDataProvider& in) {
+  const uint64_t any_tag = in.ConsumeIntegral<uint64_t>();
+  const uint32_t s = TagSender(any_tag);
+  FUZZ_CHECK(s < static_cast<uint32_t>(kMaxRanks));
+  FUZZ_CHECK(s == ((any_tag & kSenderBits) >> 50));
+
+  const MsgKind kind = static_cast<MsgKind>(in.ConsumeIntegral<uint8_t>());
+  const uint32_t src = in.ConsumeIntegral<uint32_t>();
+  const uint32_t stream = in.ConsumeIntegral<uint32_t>();
+  const uint64_t slot = in.ConsumeIntegral<uint64_t>();
+  const uint64_t round = in.ConsumeIntegral<uint64_t>();
+  const uint64_t chunk = in.ConsumeIntegral<uint64_t>();
+  const uint64_t tag = MakeTag(kind, src, stream, slot, round, chunk);
+  // Each field lands in its own bits, truncated to their width.
+  FUZZ_CHECK((tag >> 63) == (kind == MsgKind::kResult ? 1u : 0u));
+  FUZZ_CHECK(TagSender(tag) == (src & 0x1fff));
+  FUZZ_CHECK(((tag >> 44) & 0x3f) == (stream & 0x3f));
+  FUZZ_CHECK(((tag >> 30) & 0x3fff) == (slot & 0x3fff));
+  FUZZ_CHECK(((tag >> 14) & 0xffff) == (round & 0xffff));
+  FUZZ_CHECK((tag & 0x3fff) == (chunk & 0x3fff));
+
+  // Control tags: the sender's, in the control stream, aborts in slot 0 and
+  // heartbeats in slot 1, everything else zero; a reduction (streams 0 ..
+  // kMaxStreams - 2) never collides with one.
+  const uint64_t control = MakeControlTag(src);
+  const uint64_t heartbeat = MakeHeartbeatTag(src);
+  FUZZ_CHECK(TagSender(control) == (src & 0x1fff) && TagSender(heartbeat) == (src & 0x1fff));
+  FUZZ_CHECK(((control >> 44) & 0x3f) == kControlStream);
+  FUZZ_CHECK(((heartbeat >> 44) & 0x3f) == kControlStream);
+  FUZZ_CHECK((control & ~kSenderBits) == (uint64_t{kControlStream} << 44));
+  FUZZ_CHECK((heartbeat & ~kSenderBits) == ((uint64_t{kControlStream} << 44) | (1ull << 30)));
+  if ((stream & 0x3f) != kControlStream) FUZZ_CHECK(tag != control && tag != heartbeat);
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  switch (in.ConsumeIntegralInRange<int>(0, 2)) {
+    case 0: FuzzRawHeader(in); break;
+    case 1: FuzzSealedHeader(in); break;
+    default: FuzzTags(in); break;
+  }
+  return 0;
+}
