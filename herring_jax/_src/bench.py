@@ -679,8 +679,9 @@ def _plot(json_path: str, png_path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("buffer size, MiB (float32)")
     ax.set_ylabel("algorithmic bandwidth, GB/s (bytes / median time)")
-    ax.set_title(f"all-reduce, {n} processes, {report.get('network', 'loopback')}"[:90],
-                 fontsize=9)
+    import textwrap
+    ax.set_title(textwrap.fill(f"all-reduce, {n} processes, {report.get('network', 'loopback')}",
+                               95), fontsize=8)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
