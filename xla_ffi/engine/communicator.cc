@@ -656,15 +656,15 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   // the transport has let go of every buffer before returning.
   transport_->CancelAll();
   lock.lock();
-  bool drained = batch->cv.wait_for(lock, std::chrono::seconds(5),
-                                    [&] { return batch->inflight == 0; });
+  batch->cv.wait_for(lock, std::chrono::seconds(5), [&] { return batch->inflight == 0; });
   lock.unlock();
-  if (!drained) {
-    // Operations to a dead peer may never complete; their callbacks still
-    // reference the batch, so it is deliberately leaked (the communicator
-    // is unusable from here on anyway).
-    batch.release();
-  }
+  // A failed batch is never freed, drained or not: operations to a dead peer
+  // may never complete, and once (chaos test, before StopWaiting existed)
+  // every survivor crashed in OnContribution on a freed job after a drained
+  // batch was freed, i.e. a completion arrived that the count did not
+  // expect. The communicator is unusable from here on, so the leak is
+  // bounded: one batch per communicator.
+  batch.release();
   return Status::Error(error);
 }
 
