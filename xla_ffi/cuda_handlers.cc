@@ -75,14 +75,15 @@ ffi::Error CudaError(const std::string& where, const char* what, cudaError_t err
   return ffi::Error::Internal(where + what + " failed: " + cudaGetErrorString(err));
 }
 
-ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                             ffi::RemainingRets rets, int64_t comm_handle, int64_t op,
-                             int64_t key, int64_t slot, ffi::Span<const int64_t> local_devices,
+ffi::Error CudaAllReduceImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
+                             ffi::RemainingArgs args, ffi::RemainingRets rets,
+                             int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
+                             int64_t site, ffi::Span<const int64_t> local_devices,
                              ffi::Span<const int64_t> device_streams,
                              ffi::Span<const int64_t> stream_ranks,
                              ffi::Span<const int64_t> stream_offsets) {
   return NoThrow("herring allreduce (CUDA)", [&]() -> ffi::Error {
-    CallAttrs attrs{comm_handle,   op,           key,          slot,
+    CallAttrs attrs{comm_handle,   op,             key,          slot,          site,
                     local_devices, device_streams, stream_ranks, stream_offsets};
     DecodedCall call;
     ffi::Error error = DecodeCall(args, rets, attrs, &call);
@@ -113,7 +114,7 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, int32_t device, ffi::Remaining
     cudaError_t err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) return CudaError(where, "cudaStreamSynchronize", err);
 
-    error = ReduceCall(device, attrs, call);
+    error = ReduceCall(run_id.run_id, device, attrs, call);
     if (error.failure()) return error;
 
     for (size_t k = 0; k < n; ++k) {
@@ -137,6 +138,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     HerringAllReduceCuda, CudaAllReduceImpl,
     BindAllReduceAttrs(ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                           .Ctx<ffi::RunId>()          // this execution, same on every device
                            .Ctx<ffi::DeviceOrdinal>()  // global id of the calling device
                            .RemainingArgs()            // device buffers to reduce
                            .RemainingRets()));         // reduced device buffers

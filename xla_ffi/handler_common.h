@@ -26,6 +26,7 @@ struct CallAttrs {
   int64_t op;
   int64_t key;
   int64_t slot;
+  int64_t site;
   ffi::Span<const int64_t> local_devices;
   ffi::Span<const int64_t> device_streams;
   ffi::Span<const int64_t> stream_ranks;
@@ -49,6 +50,7 @@ auto BindAllReduceAttrs(Binding binding) {
       .template Attr<int64_t>("op")                     // 0 sum, 1 mean
       .template Attr<int64_t>("key")                    // description hash, checked on the wire
       .template Attr<int64_t>("slot")                   // call site id, same on every process
+      .template Attr<int64_t>("site")                   // call site id, unique in this process
       .template Attr<ffi::Span<const int64_t>>("local_devices")    // this process's devices
       .template Attr<ffi::Span<const int64_t>>("device_streams")   // group of each of them
       .template Attr<ffi::Span<const int64_t>>("stream_ranks")     // processes of each group,
@@ -74,7 +76,9 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
 
 // Reduces `call.arrival` (host memory) with the other local devices of the
 // same group and across processes; the result lands in `call.arrival.out`.
-ffi::Error ReduceCall(int32_t device, const CallAttrs& attrs, DecodedCall& call);
+// `run_id` is XLA's id of the execution: with `attrs.site` it names the
+// meeting of the local devices (see engine/local_rendezvous.h).
+ffi::Error ReduceCall(int64_t run_id, int32_t device, const CallAttrs& attrs, DecodedCall& call);
 
 }  // namespace herring
 

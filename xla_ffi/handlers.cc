@@ -136,7 +136,7 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
   return ffi::Error::Success();
 }
 
-ffi::Error ReduceCall(int32_t device, const CallAttrs& attrs, DecodedCall& call) {
+ffi::Error ReduceCall(int64_t run_id, int32_t device, const CallAttrs& attrs, DecodedCall& call) {
   const std::string& where = call.where;
   const auto& local_devices = attrs.local_devices;
   const auto& device_streams = attrs.device_streams;
@@ -178,11 +178,10 @@ ffi::Error ReduceCall(int32_t device, const CallAttrs& attrs, DecodedCall& call)
   if (local_count == 1) {
     status = work({call.arrival});
   } else {
-    // Matched by call site, not arrival order: XLA may start a device's
-    // independent calls in any order.
-    status = Rendezvous().Arrive(GroupKey(stream, ranks) + std::to_string(attrs.slot) + ":" +
-                                     std::to_string(attrs.key),
-                                 position, local_count, call.arrival,
+    // Matched by execution and call site, never by arrival order: XLA may
+    // start a device's independent calls in any order.
+    engine::MeetingKey meeting{run_id, attrs.site, GroupKey(stream, ranks)};
+    status = Rendezvous().Arrive(meeting, position, local_count, call.arrival,
                                  call.comm->config().timeout_s + 10.0, work);
   }
   if (!status.ok()) return ffi::Error(ffi::ErrorCode::kInternal, where + status.message());
@@ -191,19 +190,20 @@ ffi::Error ReduceCall(int32_t device, const CallAttrs& attrs, DecodedCall& call)
 
 namespace {
 
-ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                         int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
+ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, int64_t comm_handle, int64_t op, int64_t key,
+                         int64_t slot, int64_t site,
                          ffi::Span<const int64_t> local_devices,
                          ffi::Span<const int64_t> device_streams,
                          ffi::Span<const int64_t> stream_ranks,
                          ffi::Span<const int64_t> stream_offsets) {
   return NoThrow("herring allreduce", [&] {
-    CallAttrs attrs{comm_handle,   op,           key,          slot,
+    CallAttrs attrs{comm_handle,   op,             key,          slot,          site,
                     local_devices, device_streams, stream_ranks, stream_offsets};
     DecodedCall call;
     ffi::Error error = DecodeCall(args, rets, attrs, &call);
     if (error.failure()) return error;
-    return ReduceCall(device, attrs, call);
+    return ReduceCall(run_id.run_id, device, attrs, call);
   });
 }
 
@@ -212,6 +212,7 @@ ffi::Error AllReduceImpl(int32_t device, ffi::RemainingArgs args, ffi::Remaining
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     HerringAllReduce, AllReduceImpl,
     BindAllReduceAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()          // this execution, same on every device
                            .Ctx<ffi::DeviceOrdinal>()  // global id of the calling device
                            .RemainingArgs()            // buffers to reduce
                            .RemainingRets()));         // reduced buffers, same types

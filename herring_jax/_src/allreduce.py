@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import struct
 from typing import Any
 
@@ -198,6 +199,11 @@ def _next_slot(ctx, width: int) -> int:
     return jax_compat.take_module_counter(ctx, "herring_jax.slot", width)
 
 
+# Call-site ids unique in this process: the local devices of one execution
+# meet on (XLA's run id, site), which no other computation can share.
+_SITES = itertools.count(1)
+
+
 def _lowering(ctx, *args, op, axes):
     state = runtime.state()
     local, streams, ranks, offsets = _layout(ctx, axes)
@@ -209,6 +215,7 @@ def _lowering(ctx, *args, op, axes):
         op=np.int64(OPS[op]),
         key=np.int64(_key(op, ctx.avals_in)),
         slot=np.int64(slot),
+        site=np.int64(next(_SITES)),
         local_devices=i64(local),
         device_streams=i64(streams),
         stream_ranks=i64(ranks),
