@@ -24,15 +24,31 @@ using engine::ReduceOp;
 
 namespace {
 
-DType FromXla(ffi::DataType t) {
+// The engine's element type for an XLA type, and how many engine elements
+// one XLA element is: complex numbers are reduced as pairs of their real
+// type (a sum or mean of complex numbers is that of their parts).
+struct EngineType {
+  DType dtype;
+  size_t per_element;
+};
+
+EngineType FromXla(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::F32: return DType::kFloat32;
-    case ffi::DataType::F64: return DType::kFloat64;
-    case ffi::DataType::BF16: return DType::kBFloat16;
-    case ffi::DataType::F16: return DType::kFloat16;
-    case ffi::DataType::S32: return DType::kInt32;
-    case ffi::DataType::S64: return DType::kInt64;
-    default: return DType::kInvalid;
+    case ffi::DataType::F32: return {DType::kFloat32, 1};
+    case ffi::DataType::F64: return {DType::kFloat64, 1};
+    case ffi::DataType::BF16: return {DType::kBFloat16, 1};
+    case ffi::DataType::F16: return {DType::kFloat16, 1};
+    case ffi::DataType::S8: return {DType::kInt8, 1};
+    case ffi::DataType::S16: return {DType::kInt16, 1};
+    case ffi::DataType::S32: return {DType::kInt32, 1};
+    case ffi::DataType::S64: return {DType::kInt64, 1};
+    case ffi::DataType::U8: return {DType::kUInt8, 1};
+    case ffi::DataType::U16: return {DType::kUInt16, 1};
+    case ffi::DataType::U32: return {DType::kUInt32, 1};
+    case ffi::DataType::U64: return {DType::kUInt64, 1};
+    case ffi::DataType::C64: return {DType::kFloat32, 2};
+    case ffi::DataType::C128: return {DType::kFloat64, 2};
+    default: return {DType::kInvalid, 0};
   }
 }
 
@@ -117,19 +133,19 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
     auto out = rets.get<ffi::AnyBuffer>(k);
     if (in.has_error()) return in.error();
     if (out.has_error()) return out.error();
-    DType dtype = FromXla(in->element_type());
-    if (dtype == DType::kInvalid) {
+    const EngineType type = FromXla(in->element_type());
+    if (type.dtype == DType::kInvalid) {
       return ffi::Error::InvalidArgument(
           where + "unsupported element type for operand " + std::to_string(k) +
-          "; supported: float32, float64, bfloat16, float16, int32, int64");
+          "; supported: float16/32/64, bfloat16, complex64/128, (u)int8/16/32/64");
     }
     if ((*out)->element_type() != in->element_type() ||
         (*out)->element_count() != in->element_count()) {
       return ffi::Error::InvalidArgument(where + "result " + std::to_string(k) +
                                          " does not match its operand");
     }
-    call->dtypes.push_back(dtype);
-    call->counts.push_back(in->element_count());
+    call->dtypes.push_back(type.dtype);
+    call->counts.push_back(in->element_count() * type.per_element);
     call->arrival.in.push_back(in->untyped_data());
     call->arrival.out.push_back((*out)->untyped_data());
   }

@@ -1,8 +1,18 @@
 """herring_jax.allreduce: the sharded parameter-server reduction as a primitive.
 
 Order of this module (as for every collective): public function (validate,
-bind) -> abstract eval -> lowering -> jvp / transpose -> batching ->
-registration.
+bind) -> abstract eval -> eager impl -> lowering -> jvp / transpose ->
+batching -> registration.
+
+The primitive `herring_allreduce` takes any number of arrays and these
+parameters:
+  op         "sum" or "mean" (the mean divides on the server).
+  axes       None: across processes (allreduce). A tuple of mesh axis names:
+             across those axes of the enclosing shard_map or pmap (psum/pmean).
+  groups     lax's axis_index_groups (a tuple of tuples), or None.
+  transpose  axes=None only: the transpose of an allreduce, which under the
+             mpi4jax convention is the identity (1/N for a mean), no traffic.
+  one_per_process  only one device per process may take part (broadcast).
 """
 
 from __future__ import annotations
@@ -16,31 +26,41 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, mlir
 
 from herring_jax._src import jax_compat
+from herring_jax._src import layout
 from herring_jax._src import runtime
-from herring_jax._src.errors import HerringError, herring_errors
+from herring_jax._src.errors import herring_errors
 
-SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "int32", "int64")
+# What the engine reduces natively; complex numbers travel as pairs of their
+# real type, bool is converted to int32 first (as lax.psum does).
+SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "complex64", "complex128",
+                    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 OPS = {"sum": 0, "mean": 1}
 
 
-def _check_op(op: str) -> None:
+def check_op(op: str) -> None:
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; herring_jax supports op='sum' or op='mean'")
 
 
-def _check_leaf(index: int, x: Any, op: str) -> None:
+def prepare_leaf(index: int, x: Any) -> Any:
+    """The leaf as the engine reduces it: an array, bool converted to int32."""
+    x = jax.numpy.asarray(x)
     dtype = np.dtype(x.dtype)
+    if dtype == np.bool_:
+        return x.astype(np.int32)
     if dtype.name not in SUPPORTED_DTYPES:
         raise TypeError(
             f"leaf {index} has dtype {dtype.name}, which herring_jax cannot reduce; supported "
-            f"dtypes: {', '.join(SUPPORTED_DTYPES)}. Cast it first, e.g. x.astype(jnp.float32).")
-    if op == "mean" and not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-        raise TypeError(
-            f"leaf {index} has integer dtype {dtype.name}; op='mean' needs a floating dtype "
-            "(use op='sum' and divide, or cast to float first)")
+            f"dtypes: bool, {', '.join(SUPPORTED_DTYPES)}. Cast it first, e.g. "
+            "x.astype(jnp.float32).")
+    return x
+
+
+def is_floating(x) -> bool:
+    return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
 
 
 def allreduce(tree: Any, op: str = "sum") -> Any:
@@ -48,26 +68,33 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
 
     Every process must call it with the same tree structure, shapes and dtypes,
     in the same order relative to its other reductions. Works inside and
-    outside ``jax.jit``. Inside ``shard_map`` over several local devices the
-    devices of a process are summed first and one copy per process crosses the
-    network (hierarchical reduction).
+    outside ``jax.jit``, and under ``jax.grad``, ``jvp``, ``vjp``, ``vmap`` and
+    ``linear_transpose`` either way. Inside a computation over several local
+    devices the devices of a process are summed first and one copy per process
+    crosses the network (hierarchical reduction).
 
     Leaves are summed in rank order by the server that owns each part, so every
     rank gets bitwise the same result, run after run; float16 and bfloat16
-    accumulate in float32. NaN and inf propagate as in numpy's sum. Zero-size
-    leaves are returned unchanged; an empty tree is returned as is.
+    accumulate in float32. NaN and inf propagate as in numpy's sum. bool leaves
+    are summed as int32 (as lax.psum does); zero-size leaves are returned
+    unchanged; an empty tree is returned as is.
+
+    Differentiation follows mpi4jax: the result is one value replicated on every
+    process, so the transpose (the gradient) of a sum is the identity on the
+    cotangent, with no communication (1/N for a mean over N devices). A
+    gradient is therefore never scaled by the number of processes.
 
     Args:
-      tree: a pytree of arrays with dtypes float32, float64, bfloat16, float16,
-        int32 or int64.
+      tree: a pytree of arrays (float16/32/64, bfloat16, complex64/128,
+        (u)int8/16/32/64, bool).
       op: ``"sum"`` or ``"mean"`` (mean divides by the number of contributing
-        devices on the server; floating dtypes only).
+        devices on the server; floating and complex dtypes only).
 
     Returns:
       A pytree of the same structure with the reduced arrays.
 
     Raises:
-      ValueError: unknown op. TypeError: unsupported dtype.
+      ValueError: unknown op. TypeError: unsupported dtype, or mean of integers.
       HerringError: not initialized, a peer failed or timed out, or processes
         issued mismatched reductions.
 
@@ -77,48 +104,53 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
       >>> herring_jax.allreduce({"w": jnp.ones(3)})            # doctest: +SKIP
       {'w': Array([4., 4., 4.], dtype=float32)}   # with 4 processes
     """
-    _check_op(op)
+    check_op(op)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
-    leaves = [x if hasattr(x, "dtype") else np.asarray(x) for x in leaves]
-    for i, x in enumerate(leaves):
-        _check_leaf(i, x, op)
+    leaves = [prepare_leaf(i, x) for i, x in enumerate(leaves)]
+    if op == "mean":
+        for i, x in enumerate(leaves):
+            if not is_floating(x):
+                raise TypeError(
+                    f"leaf {i} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
+                    "floating dtype (use op='sum' and divide, or cast to float first)")
     runtime.state()  # fail early, with the helpful message, before tracing
-    reduce_idx = [i for i, x in enumerate(leaves) if np.size(x) > 0]
-    outs = list(leaves)
-    if reduce_idx:
-        args = tuple(leaves[i] for i in reduce_idx)
-        if any(isinstance(x, jax.core.Tracer) for x in args):
-            # Under a trace, bind directly: a nested jit would be lowered once
-            # and shared by every call with the same shapes, merging their
-            # call sites (see _next_slot).
-            reduced = allreduce_p.bind(*args, op=op, axes=None)
-        else:
-            # Eager: wait for the result, so that a failed reduction raises
-            # HerringError here rather than later from some other array.
-            with herring_errors():
-                reduced = jax.block_until_ready(_allreduce_jit(args, op=op))
-        for i, r in zip(reduce_idx, reduced):
-            outs[i] = r
+    outs = bind(leaves, op=op, axes=None)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-@functools.partial(jax.jit, static_argnames=("op",))
-def _allreduce_jit(leaves, *, op):
-    return tuple(allreduce_p.bind(*leaves, op=op, axes=None))
+def bind(leaves, *, op, axes, groups=None, one_per_process=False):
+    return allreduce_p.bind(*leaves, op=op, axes=axes, groups=groups, transpose=False,
+                            one_per_process=one_per_process)
 
 
 # -- abstract eval -----------------------------------------------------------
-# axes=None: across all processes (allreduce). A tuple of mesh axis names:
-# across those axes of the enclosing shard_map (psum/pmean); the result is
-# then the same on every device of those axes, as for lax.psum.
+# Across processes the result has the operand's type. Across mesh axes it is
+# the same on every device of those axes: no longer varying (or unreduced)
+# over them, as for lax.psum.
 
-def _abstract_eval(*avals, op, axes):
-    del op
+def _abstract_eval(*avals, op, axes, groups, transpose, one_per_process):
+    del op, groups, transpose, one_per_process
     if axes is None:
         return list(avals)
-    return [jax_compat.drop_varying_axes(a, axes) for a in avals]
+    jax_compat.check_axis_names(axes, "herring_jax.psum")
+    return [jax_compat.drop_reduced_axes(a, axes) for a in avals]
+
+
+# -- eager impl ---------------------------------------------------------------
+# Outside jit the primitive runs as its own small jitted computation (one per
+# parameter set, cached), and waits: a failed reduction raises HerringError
+# here rather than later from some other array.
+
+@functools.lru_cache(maxsize=None)
+def _eager(**params):
+    return jax.jit(lambda *xs: allreduce_p.bind(*xs, **params))
+
+
+def _impl(*args, **params):
+    with herring_errors():
+        return jax.block_until_ready(_eager(**params)(*args))
 
 
 # -- lowering ----------------------------------------------------------------
@@ -128,60 +160,6 @@ def _key(op: str, avals) -> int:
     text = op + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
-
-
-# The handler's "whichever device runs this" for single-device computations.
-_ANY_DEVICE = -1
-# Groups per call: the wire tag has 6 bits for the group, and the last value
-# is the engine's control stream.
-_MAX_STREAMS = 63
-
-
-def _layout(ctx, axes):
-    """How this process takes part: its devices, each device's group (stream),
-    and each group's processes.
-
-    Returns (local_devices, device_streams, stream_ranks, stream_offsets).
-    """
-    me = jax.process_index()
-    if axes is None:
-        devices = jax_compat.computation_devices(ctx)
-        if devices is None:
-            raise HerringError("herring_jax cannot lower without a concrete device assignment")
-        if devices == [None]:
-            local = [_ANY_DEVICE]
-        else:
-            local = [d.id for d in devices if d.process_index == me]
-        if not local:
-            raise HerringError(f"process {me} has no device in this computation")
-        return local, [0] * len(local), list(range(jax.process_count())), [0, jax.process_count()]
-
-    mesh = jax_compat.manual_mesh(ctx)
-    if mesh is None:
-        raise HerringError(
-            f"herring_jax.psum over axes {axes} must be called inside jax.shard_map (or pmap)")
-    names = list(mesh.axis_names)
-    missing = [a for a in axes if a not in names]
-    if missing:
-        raise NameError(f"unbound axis name(s) {missing}; the mesh has axes {names}")
-    others = [i for i, n in enumerate(names) if n not in axes]
-    # Devices that share their coordinates on the other axes reduce together.
-    # Groups are numbered in coordinate order: the same on every process.
-    groups: dict[tuple, list] = {}
-    for idx in np.ndindex(*mesh.devices.shape):
-        groups.setdefault(tuple(idx[i] for i in others), []).append(mesh.devices[idx])
-    keys = sorted(groups)
-    if len(keys) > _MAX_STREAMS:
-        raise NotImplementedError(
-            f"herring_jax reduces at most {_MAX_STREAMS} groups in one call; this psum over "
-            f"{axes} forms {len(keys)}")
-    stream_of = {d.id: s for s, k in enumerate(keys) for d in groups[k]}
-    local = [d.id for d in mesh.devices.flat if d.process_index == me]
-    ranks, offsets = [], [0]
-    for k in keys:
-        ranks += sorted({d.process_index for d in groups[k]})
-        offsets.append(len(ranks))
-    return local, [stream_of[d] for d in local], ranks, offsets
 
 
 def _next_slot(ctx, width: int) -> int:
@@ -204,54 +182,119 @@ def _next_slot(ctx, width: int) -> int:
 _SITES = itertools.count(1)
 
 
-def _lowering(ctx, *args, op, axes):
+def _lower_transposed(ctx, *args, op, axes, groups, transpose, one_per_process):
+    """The transpose of an allreduce: the identity, or 1/N for a mean."""
+    del axes, groups, transpose, one_per_process
+    n = layout.contributors(ctx)
+    if op == "sum":
+        return list(args)
+    return mlir.lower_fun(lambda *xs: [x / np.asarray(n, x.dtype) for x in xs],
+                          multiple_results=True)(ctx, *args)
+
+
+def _lowering(ctx, *args, op, axes, groups, transpose, one_per_process):
+    if transpose:
+        return _lower_transposed(ctx, *args, op=op, axes=axes, groups=groups,
+                                 transpose=transpose, one_per_process=one_per_process)
+    # Zero-size operands need no reduction: the handler sees only the others.
+    nonempty = [i for i, a in enumerate(ctx.avals_in) if np.prod(a.shape) > 0]
+    outs = [mlir.ir_constant(np.zeros(a.shape, a.dtype)) for a in ctx.avals_out]
+    if not nonempty:
+        return outs
     state = runtime.state()
-    local, streams, ranks, offsets = _layout(ctx, axes)
-    slot = _next_slot(ctx, len(args))
+    plan = layout.plan(ctx, axes, groups, one_per_process)
+    avals_in = [ctx.avals_in[i] for i in nonempty]
+    slot = _next_slot(ctx, len(nonempty))
     i64 = functools.partial(np.asarray, dtype=np.int64)
-    return jax.ffi.ffi_lowering("herring_allreduce", has_side_effect=True)(
-        ctx, *args,
+    sub_ctx = ctx.replace(avals_in=avals_in, avals_out=[ctx.avals_out[i] for i in nonempty])
+    results = jax.ffi.ffi_lowering("herring_allreduce", has_side_effect=True)(
+        sub_ctx, *[args[i] for i in nonempty],
         comm=np.int64(state.handle),
         op=np.int64(OPS[op]),
-        key=np.int64(_key(op, ctx.avals_in)),
+        key=np.int64(_key(op, avals_in)),
         slot=np.int64(slot),
         site=np.int64(next(_SITES)),
-        local_devices=i64(local),
-        device_streams=i64(streams),
-        stream_ranks=i64(ranks),
-        stream_offsets=i64(offsets))
+        local_devices=i64(plan.local_devices),
+        device_streams=i64(plan.device_streams),
+        stream_ranks=i64(plan.stream_ranks),
+        stream_offsets=i64(plan.stream_offsets))
+    for i, r in zip(nonempty, results):
+        outs[i] = r
+    return outs
 
 
 # -- differentiation ---------------------------------------------------------
-# A sum (or mean) is linear. Its transpose follows lax.psum: across processes
-# (axes=None) and in shard_map without varying-axis checks it is the same
-# reduction of the cotangents; where shard_map tracks varying axes, the
-# result was invariant and the transpose only marks the cotangent varying
-# again (lax's pvary), with no communication.
+# A sum (or mean) is linear: the JVP reduces the non-zero tangents with the
+# same parameters, in one call. Transposes:
+# - across processes (axes=None), mpi4jax's convention: the result is one
+#   replicated value, so the transpose is the identity (1/N for a mean), and
+#   the transpose of that is the allreduce again;
+# - across mesh axes, lax.psum's: where shard_map tracks varying axes the
+#   result was invariant and the transpose only marks the cotangent varying
+#   again (pvary; preduced for an unreduced operand), with no communication;
+#   without those checks (check_vma=False, pmap) it is the same reduction.
 
-def _jvp(primals, tangents, *, op, axes):
-    outs = allreduce_p.bind(*primals, op=op, axes=axes)
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return outs, allreduce_p.bind(*tangents, op=op, axes=axes)
+def _jvp(primals, tangents, **params):
+    outs = allreduce_p.bind(*primals, **params)
+    nonzero = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    tangents_out = [jax_compat.zero_tangent(o) for o in outs]
+    if nonzero:
+        reduced = allreduce_p.bind(*[tangents[i] for i in nonzero], **params)
+        for i, t in zip(nonzero, reduced):
+            tangents_out[i] = t
+    return outs, tangents_out
 
 
-def _transpose(cts, *args, op, axes):
-    cts = [ad.instantiate_zeros(ct) for ct in cts]
-    if axes is not None and all(jax_compat.is_varying(a.aval, axes) for a in args):
-        outs = [jax_compat.pvary(ct, axes) for ct in cts]
-        if op == "mean":
-            size = jax_compat.axes_size(axes)
-            outs = [ct / size for ct in outs]
-        return outs
-    return allreduce_p.bind(*cts, op=op, axes=axes)
+def _transpose(cts, *args, op, axes, groups, transpose, one_per_process):
+    params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
+                  one_per_process=one_per_process)
+    outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
+    if axes is None:
+        todo = [i for i, o in enumerate(outs) if o is None]
+        params["transpose"] = not transpose
+    else:
+        todo = []
+        for i, (ct, a) in enumerate(zip(cts, args)):
+            if outs[i] is not None:
+                continue
+            if jax_compat.is_unreduced(a.aval, axes):
+                outs[i] = jax_compat.preduced(ct, axes)
+            elif jax_compat.is_varying(a.aval, axes):
+                ct = jax_compat.pvary(ct, axes)
+                outs[i] = ct / layout.group_size(axes, groups) if op == "mean" else ct
+            else:
+                todo.append(i)
+    if todo:
+        for i, r in zip(todo, allreduce_p.bind(*[cts[i] for i in todo], **params)):
+            outs[i] = r
+    return outs
 
 
 # -- batching ----------------------------------------------------------------
-# The reduction is element-wise across processes and devices, so a batch
-# dimension (of a vmap over an unnamed axis) is just more elements.
+# vmap over an axis the reduction does not name: the batch is just more
+# elements. vmap(..., axis_name=n) with n among the reduced axes: as lax, the
+# batch is reduced in place (an unbatched operand counts axis_size times) and
+# the rest of the axes go to the engine; the result is no longer batched.
 
-def _batch(args, dims, *, op, axes):
-    return allreduce_p.bind(*args, op=op, axes=axes), dims
+def _batch(axis_data, args, dims, *, op, axes, groups, transpose, one_per_process):
+    params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
+                  one_per_process=one_per_process)
+    if axes is None or axis_data.name not in axes:
+        return allreduce_p.bind(*args, **params), list(dims)
+    if groups is not None:
+        raise NotImplementedError(
+            "axis_index_groups is not supported for an axis bound by jax.vmap (nor by lax)")
+    size = axis_data.size
+    local = []
+    for x, d in zip(args, dims):
+        if d is jax_compat.not_mapped:
+            local.append(x * np.asarray(size, x.dtype) if op == "sum" else x)
+        else:
+            s = jax.lax.reduce_sum(x, (d,))
+            local.append(s / np.asarray(size, x.dtype) if op == "mean" else s)
+    rest = tuple(a for a in axes if a != axis_data.name)
+    outs = allreduce_p.bind(*local, **{**params, "axes": rest}) if rest else local
+    return outs, [jax_compat.not_mapped] * len(outs)
 
 
 # -- registration ------------------------------------------------------------
@@ -259,8 +302,9 @@ def _batch(args, dims, *, op, axes):
 allreduce_p = jex_core.Primitive("herring_allreduce")
 allreduce_p.multiple_results = True
 allreduce_p.def_abstract_eval(_abstract_eval)
+allreduce_p.def_impl(_impl)
 for _platform in ("cpu", "cuda"):
     mlir.register_lowering(allreduce_p, _lowering, platform=_platform, cacheable=False)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose
-batching.primitive_batchers[allreduce_p] = _batch
+jax_compat.register_named_batcher(allreduce_p, _batch)

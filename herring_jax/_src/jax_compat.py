@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import jax
 
+from jax._src import ad_util as _ad_util
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import sharding_impls as _sharding_impls
+from jax._src.interpreters import batching as _batching
+from jax._src.lax import parallel as _parallel
 
 _MIN_JAX = (0, 10)
 if tuple(int(p) for p in jax.__version__.split(".")[:2]) < _MIN_JAX:
@@ -62,16 +66,70 @@ def _varying(aval) -> frozenset:
     return frozenset(getattr(mat, "varying", ()) or ())
 
 
-def drop_varying_axes(aval, axes):
-    varying = _varying(aval)
-    if not varying.intersection(axes):
+def _unreduced(aval) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    return frozenset(getattr(mat, "unreduced", ()) or ())
+
+
+def drop_reduced_axes(aval, axes):
+    """The aval of a psum result: no longer varying (nor unreduced) over `axes`."""
+    varying, unreduced = _varying(aval), _unreduced(aval)
+    if not (varying | unreduced).intersection(axes):
         return aval
-    keep = frozenset(a for a in varying if a not in axes)
-    return aval.update(manual_axis_type=aval.mat.update(varying=keep))
+    return aval.update(manual_axis_type=aval.mat.update(
+        varying=frozenset(a for a in varying if a not in axes),
+        unreduced=frozenset(a for a in unreduced if a not in axes)))
 
 
 def is_varying(aval, axes) -> bool:
     return bool(_varying(aval).intersection(axes))
+
+
+def is_unreduced(aval, axes) -> bool:
+    return bool(_unreduced(aval).intersection(axes))
+
+
+def axis_state(aval, axes) -> str:
+    """'varying', 'unreduced', 'reduced' or 'invarying' over `axes`, with lax's
+    ValueError when the axes disagree."""
+    return _parallel._get_from(aval, tuple(axes), "herring_jax.psum")
+
+
+def check_vma_enabled() -> bool:
+    """Whether the shard_map being traced checks varying axes (check_vma=True)."""
+    return bool(_config._check_vma.value)
+
+
+def auto_pcast_enabled() -> bool:
+    return bool(_config.auto_pcast.value)
+
+
+def check_axis_names(axes, api_name: str) -> None:
+    """Raises lax's NameError for an axis name no enclosing transform binds."""
+    _parallel._check_axis_names(tuple(axes), api_name)
+
+
+def skip_one_sized_axes(axes) -> tuple:
+    """Drops size-1 mesh axes where jax's config says lax.psum does."""
+    return tuple(_parallel._maybe_skip_one_sized_axes(tuple(axes)))
+
+
+def preduced(x, axes):
+    return _parallel.preduced(x, tuple(axes))
+
+
+# vmap: jax's batching rules that see the vmapped axis's name and size.
+not_mapped = None  # the batch dimension of an unbatched value
+
+
+def zero_tangent(primal):
+    """A symbolic zero tangent for `primal` (ad.Zero of its tangent type)."""
+    return _ad_util.p2tz(primal)
+
+
+def register_named_batcher(primitive, rule) -> None:
+    """rule(axis_data, vals, dims, **params); axis_data has .name and .size."""
+    _batching.fancy_primitive_batchers[primitive] = rule
 
 
 def pvary(x, axes):

@@ -1,8 +1,15 @@
 """herring_jax.psum / pmean: drop-ins for jax.lax.psum / pmean inside
-jax.shard_map (and pmap), reduced by the Herring engine.
+jax.shard_map (with or without check_vma) and jax.pmap, reduced by the
+Herring engine; axes bound by jax.vmap(..., axis_name=...) are reduced in
+place, as lax does.
 
 Devices of one process that belong to the same group are summed inside the
 process first; one copy per process crosses processes.
+
+Where lax and herring differ, by design: sums are taken in a fixed order
+(local devices, then processes in rank order), so floating results are
+bitwise reproducible but may differ from XLA's own all-reduce in the last
+bits; a pmean of floating values divides on the server.
 """
 
 from __future__ import annotations
@@ -10,42 +17,110 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from herring_jax._src import allreduce as _allreduce
+from herring_jax._src import jax_compat
+from herring_jax._src import layout
 
 
 def _axes(axis_name) -> tuple:
-    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    if not axes:
-        raise ValueError("axis_name must name at least one mesh axis")
-    return axes
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _groups(axis_index_groups):
+    """lax's checks and canonical form of axis_index_groups."""
+    if axis_index_groups is None:
+        return None
+    groups = tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+    covered = sorted(i for g in groups for i in g)
+    if covered != list(range(len(covered))):
+        raise ValueError("axis_index_groups must cover all indices exactly once")
+    return groups
 
 
 def _reduce(x: Any, axis_name, op: str, axis_index_groups) -> Any:
-    if axis_index_groups is not None:
-        raise NotImplementedError("herring_jax.psum does not support axis_index_groups")
-    axes = _axes(axis_name)
+    axes = jax_compat.skip_one_sized_axes(_axes(axis_name))
+    groups = _groups(axis_index_groups)
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if not leaves:
         return x
-    leaves = [jax.numpy.asarray(v) for v in leaves]
-    for i, v in enumerate(leaves):
-        _allreduce._check_leaf(i, v, op)
-    outs = _allreduce.allreduce_p.bind(*leaves, op=op, axes=axes)
+    if axes and any(isinstance(a, int) for a in axes):
+        raise TypeError(f"herring_jax.psum reduces named axes only, got {axes}; for "
+                        "positional axes use jnp.sum")
+    leaves = [_allreduce.prepare_leaf(i, v) for i, v in enumerate(leaves)]
+    # lax.pmean is psum / n. The engine averages floating values of a real
+    # reduction on the server; everything else is divided here, which gives
+    # integers a floating mean, as in lax.
+    if not axes:
+        outs, divide, n = leaves, [True] * len(leaves), 1
+    elif not any(isinstance(v, jax.core.Tracer) for v in leaves):
+        # Constants (e.g. psum(1, 'i') for the axis size): every device holds
+        # the same value, so the sum is the value times the group size.
+        jax_compat.check_axis_names(axes, "herring_jax.psum")
+        n = layout.group_size(axes, groups)
+        outs = [v * n for v in leaves]
+        divide = [True] * len(leaves)
+    else:
+        outs = _bind(leaves, axes, groups, op)
+        divide = [not _allreduce.is_floating(v) for v in leaves]
+        n = layout.group_size(axes, groups) if op == "mean" and any(divide) else 1
+    if op == "mean":
+        outs = [o / n if d else o for o, d in zip(outs, divide)]
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def psum(x: Any, axis_name, *, axis_index_groups=None) -> Any:
-    """Sums a pytree over the named mesh axes, like ``jax.lax.psum``.
+def _bind(leaves, axes, groups, op):
+    if jax_compat.check_vma_enabled():
+        if groups is not None:
+            raise NotImplementedError(
+                "axis_index_groups needs jax.shard_map(..., check_vma=False) or jax.pmap, as "
+                "for jax.lax.psum")
+        prepared = []
+        for v in leaves:
+            aval = jax.typeof(v)
+            state = jax_compat.axis_state(aval, axes)
+            if state == "reduced":
+                raise ValueError(f"herring_jax.psum cannot accept args which are reduced. Got "
+                                 f"{aval.str_short(True)} and axes={set(axes)}")
+            if state == "invarying" and jax_compat.auto_pcast_enabled():
+                # As lax: a value the same on every device of the axes is
+                # first marked varying, so the sum counts it once per device.
+                v = jax_compat.pvary(v, axes)
+            elif state == "invarying":
+                raise ValueError(
+                    f"psum is a variant->invariant collective: the axes {axes} must be among "
+                    f"the input's varying axes ({aval.str_short(True)})")
+            prepared.append(v)
+        leaves = prepared
+    # Integers are averaged after the sum (see _reduce).
+    ops = ["sum" if op == "mean" and not _allreduce.is_floating(v) else op for v in leaves]
+    outs = [None] * len(leaves)
+    for this_op in sorted(set(ops)):
+        idx = [i for i, o in enumerate(ops) if o == this_op]
+        for i, r in zip(idx, _allreduce.bind([leaves[i] for i in idx], op=this_op, axes=axes,
+                                             groups=groups)):
+            outs[i] = r
+    return outs
 
-    Use inside ``jax.shard_map`` (or ``jax.pmap``). ``axis_name`` is one mesh
-    axis name or a tuple of them; on a 2-D mesh ('data', 'model'),
-    ``psum(x, 'data')`` reduces only among devices with the same 'model'
-    coordinate. Differentiable and batchable like lax.psum.
+
+def psum(x: Any, axis_name, *, axis_index_groups=None) -> Any:
+    """Sums a pytree over the named axes, like ``jax.lax.psum``.
+
+    Use inside ``jax.shard_map`` (with or without ``check_vma``) or
+    ``jax.pmap``; an axis bound by ``jax.vmap(..., axis_name=...)`` is summed in
+    place. ``axis_name`` is one axis name or a tuple of them; on a 2-D mesh
+    ('data', 'model'), ``psum(x, 'data')`` reduces only among devices with the
+    same 'model' coordinate. ``axis_index_groups`` splits the axis as in lax
+    (not with ``check_vma=True``, nor over a vmapped axis, as in lax).
+    Differentiable and batchable like lax.psum, with lax's transposes in both
+    varying-axis modes. bool is summed as int32, as in lax.
 
     Args:
-      x: a pytree of arrays (float32, float64, bfloat16, float16, int32, int64).
-      axis_name: a mesh axis name or a tuple of names.
+      x: a pytree of arrays (float16/32/64, bfloat16, complex64/128,
+        (u)int8/16/32/64, bool).
+      axis_name: an axis name or a tuple of names.
+      axis_index_groups: optional list of lists of axis indices.
 
     Returns:
       The pytree of sums, the same on every device of the reduced axes.
@@ -59,9 +134,9 @@ def psum(x: Any, axis_name, *, axis_index_groups=None) -> Any:
 
 
 def pmean(x: Any, axis_name, *, axis_index_groups=None) -> Any:
-    """Averages a pytree over the named mesh axes, like ``jax.lax.pmean``.
+    """Averages a pytree over the named axes, like ``jax.lax.pmean``.
 
-    The division by the number of devices happens on the server, off the
-    accelerator. Floating dtypes only.
+    Floating values are divided on the server, off the accelerator; integers
+    give a floating mean, as ``jax.lax.pmean`` does.
     """
     return _reduce(x, axis_name, "mean", axis_index_groups)

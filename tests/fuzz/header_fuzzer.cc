@@ -351,7 +351,7 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   h.magic = kMagic;
   h.version = kWireVersion;
   h.kind = in.ConsumeIntegralInRange<uint8_t>(1, 3);  // the kinds CheckHeader takes
-  h.dtype = in.ConsumeIntegralInRange<uint8_t>(1, 6);
+  h.dtype = in.ConsumeIntegralInRange<uint8_t>(1, 12);
   h.op = in.ConsumeIntegralInRange<uint8_t>(0, 1);
   h.token = in.ConsumeIntegral<uint64_t>();
   h.key = in.ConsumeIntegral<uint64_t>();

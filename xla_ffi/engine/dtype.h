@@ -16,7 +16,16 @@ enum class DType : uint8_t {
   kFloat16 = 4,
   kInt32 = 5,
   kInt64 = 6,
+  kInt8 = 7,
+  kInt16 = 8,
+  kUInt8 = 9,
+  kUInt16 = 10,
+  kUInt32 = 11,
+  kUInt64 = 12,
 };
+
+// Complex numbers travel as pairs of their real type and bool as int32 (as
+// lax.psum converts it); neither needs a type of its own.
 
 enum class ReduceOp : uint8_t {
   kSum = 0,
@@ -31,6 +40,12 @@ inline size_t ElementSize(DType t) {
     case DType::kFloat16: return 2;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kInt8: return 1;
+    case DType::kInt16: return 2;
+    case DType::kUInt8: return 1;
+    case DType::kUInt16: return 2;
+    case DType::kUInt32: return 4;
+    case DType::kUInt64: return 8;
     default: return 0;
   }
 }
@@ -43,6 +58,12 @@ inline const char* DTypeName(DType t) {
     case DType::kFloat16: return "float16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kInt8: return "int8";
+    case DType::kInt16: return "int16";
+    case DType::kUInt8: return "uint8";
+    case DType::kUInt16: return "uint16";
+    case DType::kUInt32: return "uint32";
+    case DType::kUInt64: return "uint64";
     default: return "invalid";
   }
 }
@@ -51,7 +72,7 @@ inline const char* ReduceOpName(ReduceOp op) {
   return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMean ? "mean" : "invalid";
 }
 
-inline bool IsValidDType(uint8_t v) { return v >= 1 && v <= 6; }
+inline bool IsValidDType(uint8_t v) { return v >= 1 && v <= 12; }
 inline bool IsValidOp(uint8_t v) { return v <= 1; }
 
 }  // namespace herring::engine

@@ -187,6 +187,24 @@ void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t n, size_
     case DType::kInt64:
       ReduceInt<uint64_t, int64_t>(dst, srcs, n, count, divisor, div);
       break;
+    case DType::kInt8:
+      ReduceInt<uint8_t, int8_t>(dst, srcs, n, count, divisor, div);
+      break;
+    case DType::kInt16:
+      ReduceInt<uint16_t, int16_t>(dst, srcs, n, count, divisor, div);
+      break;
+    case DType::kUInt8:
+      ReduceInt<uint8_t, uint8_t>(dst, srcs, n, count, divisor, div);
+      break;
+    case DType::kUInt16:
+      ReduceInt<uint16_t, uint16_t>(dst, srcs, n, count, divisor, div);
+      break;
+    case DType::kUInt32:
+      ReduceInt<uint32_t, uint32_t>(dst, srcs, n, count, divisor, div);
+      break;
+    case DType::kUInt64:
+      ReduceInt<uint64_t, uint64_t>(dst, srcs, n, count, divisor, div);
+      break;
     default:
       break;
   }
