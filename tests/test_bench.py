@@ -27,10 +27,10 @@ def test_bench_smoke(tmp_path):
 
 
 def test_missing_peer_is_reported_not_dropped(tmp_path, monkeypatch):
-    from herring_jax._src import bench
-    monkeypatch.setattr(bench.importlib_util, "find_spec",
+    from herring_jax._src.bench import peers
+    monkeypatch.setattr(peers.importlib_util, "find_spec",
                         lambda name: None if name == "torch" else object())
-    assert bench.missing_peers(["herring", "torch_gloo"]) == {
+    assert peers.missing_peers(["herring", "torch_gloo"]) == {
         "torch_gloo": "torch not installed (pip install torch==2.13.0)"}
 
 
