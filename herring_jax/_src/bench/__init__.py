@@ -6,7 +6,7 @@
 The driver (driver.py) starts n worker processes through herring-jax launch
 (workers.py), or through mpirun when an MPI peer runs (mpirun.py); each worker
 (worker.py) times every peer on the same float32 buffers in the same order,
-checks every result, and rank 0 gathers the timings through the
+checks the result of every run, and rank 0 gathers the timings through the
 jax.distributed key-value store and prints the table (report.py); plot.py
 draws it. Workers can also be started by any other launcher (SLURM, mpirun)
 with `--worker`.

@@ -1,5 +1,5 @@
-"""Rank 0's report of `herring-jax bench`: the table, the wrong results and
-the JSON file."""
+"""Rank 0's report of `herring-jax bench`: the table, the wrong results (every
+run of every peer on every rank), and the JSON file."""
 
 from __future__ import annotations
 
@@ -30,10 +30,27 @@ def summarize(names, sizes, per_rank) -> list[dict]:
             # Iteration k as the job saw it (its slowest rank).
             "times_s": [max(col) for col in zip(*times)],
             "times_by_rank_s": times,
+            # Every run (warm-up and timed) of this size and peer, on every rank.
             "correct": all(r["correct"] for r in ranks),
             "wrong_ranks": [k for k, r in enumerate(ranks) if not r["correct"]],
         })
     return results
+
+
+def wrong_line(peer: str, mib: float, rank: int, wrong: dict) -> str:
+    """One wrong run, named: peer, size, run and rank."""
+    return (f"WRONG RESULT: peer {peer}, {mib:g} MiB, {wrong['run']}, rank {rank}: "
+            f"{wrong['what']}")
+
+
+def wrong_lines(per_rank) -> list[str]:
+    """A line for every wrong run in every rank's records, in the order they ran."""
+    lines = []
+    for i in range(len(per_rank[0]) if per_rank else 0):
+        for rank, records in enumerate(per_rank):
+            r = records[i]
+            lines += [wrong_line(r["peer"], r["mib"], rank, w) for w in r.get("wrong_runs", ())]
+    return lines
 
 
 def bound_s(nbytes: float, n: int, link_gbps: float | None) -> float | None:
@@ -82,9 +99,12 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
         print("!: faster than the bound: the link figure is below what the transport carries "
               "(fi_pingpong has one message in flight and shares the CPU), so this bound is "
               "no bound")
-    for r in results:
-        if not r["correct"]:
-            print(f"WRONG RESULT: {r['peer']} {r['mib']:g} MiB on ranks {r['wrong_ranks']}")
+    wrong = wrong_lines(per_rank)
+    for line in wrong:
+        print(line)
+    if wrong:
+        print(f"{len(wrong)} run{'s' if len(wrong) > 1 else ''} gave a wrong result: the timings "
+              f"of those peers and sizes mean nothing", flush=True)
     missing = json.loads(getattr(args, "missing", "{}"))
     for name, why in missing.items():
         print(f"MISSING peer {name}: {why}")

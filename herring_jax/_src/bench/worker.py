@@ -1,5 +1,5 @@
 """The worker of `herring-jax bench`: runs in each process, times every peer
-on the same buffers in the same order, checks the results, and
+on the same buffers in the same order, checks the result of every run, and
 rank 0 gathers everything and reports it (report.py)."""
 
 from __future__ import annotations
@@ -38,19 +38,51 @@ def pattern(count: int, rank: int) -> np.ndarray:
     return ((np.arange(count, dtype=np.int64) % 251 + 1) * (rank + 1)).astype(np.float32)
 
 
-def measure(peer, local, expected, iters: int, warmup: int) -> tuple[list[float], bool]:
+def mismatch(got: np.ndarray, expected: np.ndarray) -> str | None:
+    """None if got == expected exactly, else what is wrong, briefly."""
+    got = np.asarray(got)
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return f"got {got.dtype}{list(got.shape)}, expected {expected.dtype}{list(expected.shape)}"
+    got, expected = got.reshape(-1), expected.reshape(-1)
+    bad = np.flatnonzero(got != expected)  # NaN != NaN: a NaN is wrong too
+    if bad.size == 0:
+        return None
+    i = bad[0]
+    return (f"{bad.size} of {expected.size} values wrong, the first at [{i}]: got {got[i]}, "
+            f"expected {expected[i]}")
+
+
+def measure(peer, local, expected, iters: int, warmup: int) -> tuple[list[float], list[dict]]:
+    """Runs peer `warmup` times, then `iters` timed times; checks every run.
+
+    A wrong result in any run counts, not only in the last: a reduction that
+    is right once and wrong the next time (a reused buffer, a race) is the
+    kind of bug a benchmark runs into first.
+
+    Returns:
+      (the seconds of each timed run, one {"run": "timed run 2 of 10",
+      "what": ...} per run whose result was wrong).
+    """
     peer.prepare(local)
-    for _ in range(warmup):  # the first call compiles
+    wrong = []
+
+    def check(out, run: str) -> None:
+        # Before the next run: in-place peers overwrite their output.
+        what = mismatch(peer.result(out), expected)
+        if what is not None:
+            wrong.append({"run": run, "what": what})
+
+    for k in range(warmup):  # the first call compiles
         peer.reset()
-        out = peer.run()
+        check(peer.run(), f"warm-up run {k + 1} of {warmup}")
     times = []
-    for _ in range(iters):
+    for k in range(iters):
         peer.reset()
         start = time.perf_counter()
         out = peer.run()
         times.append(time.perf_counter() - start)
-    correct = bool(np.array_equal(peer.result(out), expected))
-    return times, correct
+        check(out, f"timed run {k + 1} of {iters}")  # after the clock stopped
+    return times, wrong
 
 
 def worker_main(argv: list[str] | None = None) -> int:
@@ -60,7 +92,7 @@ def worker_main(argv: list[str] | None = None) -> int:
       argv: worker arguments (default sys.argv[1:]); see worker_parser.
 
     Returns:
-      0, or 3 on rank 0 when any rank got a wrong sum.
+      0, or 3 on rank 0 when any run of any peer on any rank got a wrong sum.
     """
     return run_worker(worker_parser().parse_args(sys.argv[1:] if argv is None else argv))
 
@@ -99,8 +131,12 @@ def run_worker(args: argparse.Namespace) -> int:
         local = pattern(count, rank)
         expected = pattern(count, 0) * np.float32(n * (n + 1) // 2)
         for name, peer in peers.items():
-            times, correct = measure(peer, local, expected, args.iters, args.warmup)
-            records.append({"mib": mib, "peer": name, "times": times, "correct": correct})
+            times, wrong = measure(peer, local, expected, args.iters, args.warmup)
+            for w in wrong:  # at once too, in case the job never gets to its report
+                print(f"rank {rank}: {report.wrong_line(name, mib, rank, w)}", file=sys.stderr,
+                      flush=True)
+            records.append({"mib": mib, "peer": name, "times": times, "correct": not wrong,
+                            "wrong_runs": wrong})
         del local, expected
     # Gathered through jax.distributed's key-value store rather than an
     # all-reduce, so the figures do not depend on the code under test.
