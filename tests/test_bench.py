@@ -5,6 +5,9 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 
 def test_bench_smoke(tmp_path):
     out = tmp_path / "bench.json"
@@ -27,11 +30,64 @@ def test_bench_smoke(tmp_path):
 
 
 def test_missing_peer_is_reported_not_dropped(tmp_path, monkeypatch):
-    from herring_jax._src import bench
-    monkeypatch.setattr(bench.importlib_util, "find_spec",
+    from herring_jax._src.bench import peers
+    monkeypatch.setattr(peers.importlib_util, "find_spec",
                         lambda name: None if name == "torch" else object())
-    assert bench.missing_peers(["herring", "torch_gloo"]) == {
+    assert peers.missing_peers(["herring", "torch_gloo"]) == {
         "torch_gloo": "torch not installed (pip install torch==2.13.0)"}
+
+
+class _FlakyPeer:
+    """Sums in place into one reused buffer, like mpi4py's and torch's peers,
+    and gets run number `bad` (counting warm-ups) wrong at one value."""
+
+    def __init__(self, bad):
+        self.bad, self.calls = bad, 0
+
+    def prepare(self, local):
+        self.out = np.empty_like(local)
+
+    def reset(self):
+        self.out.fill(-1)  # an in-place peer's next run overwrites the last result
+
+    def run(self):
+        self.calls += 1
+        np.copyto(self.out, self.expected)
+        if self.calls == self.bad:
+            self.out[5] += 1
+        return self.out
+
+    @staticmethod
+    def result(out):
+        return out
+
+
+@pytest.mark.parametrize("bad, run", [(3, "timed run 2 of 3"), (1, "warm-up run 1 of 1")])
+def test_every_run_is_checked_not_only_the_last(bad, run):
+    from herring_jax._src.bench.worker import measure, pattern
+    local = pattern(1000, 1)
+    peer = _FlakyPeer(bad)
+    peer.expected = pattern(1000, 0) * np.float32(3)
+    times, wrong = measure(peer, local, peer.expected, iters=3, warmup=1)
+    assert len(times) == 3 and peer.calls == 4
+    assert wrong == [{"run": run, "what": "1 of 1000 values wrong, the first at [5]: "
+                                           "got 19.0, expected 18.0"}]
+
+
+def test_a_wrong_run_fails_the_report_naming_run_size_peer_and_rank():
+    from herring_jax._src.bench import report
+    ok = {"times": [1.0, 2.0], "correct": True, "wrong_runs": []}
+    bad = dict(ok, correct=False, wrong_runs=[{"run": "timed run 2 of 2", "what": "x"}])
+    per_rank = [[dict(ok, mib=1.0, peer="herring"), dict(ok, mib=1.0, peer="mpi4py")],
+                [dict(ok, mib=1.0, peer="herring"), dict(bad, mib=1.0, peer="mpi4py")]]
+    results = report.summarize(["herring", "mpi4py"], [1.0], per_rank)
+    assert [r["correct"] for r in results] == [True, False]
+    assert results[1]["wrong_ranks"] == [1]
+    # The JSON keeps its keys: the detail goes to the printed lines.
+    assert set(results[0]) == {"mib", "peer", "median_s", "min_s", "times_s",
+                               "times_by_rank_s", "correct", "wrong_ranks"}
+    assert report.wrong_lines(per_rank) == [
+        "WRONG RESULT: peer mpi4py, 1 MiB, timed run 2 of 2, rank 1: x"]
 
 
 def test_bench_netns_smoke(tmp_path):

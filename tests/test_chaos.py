@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from herring_jax._src.launch import child_env, free_port
 from herring_jax._src.netns import SimulatedNetwork
 
@@ -33,6 +35,12 @@ WORKER = Path(__file__).resolve().parent / "workers" / "chaos_worker.py"
 LONG = os.environ.get("HERRING_LONG_TESTS") == "1"
 PEER_TIMEOUT_S = 3.0
 SLACK_S = 40.0  # 4 processes on 2 shared cores
+KILLS, PARTITIONS = (20, 5) if LONG else (3, 1)
+# What one trial may take at most: 4 processes starting on 2 shared cores,
+# then each of the 3 survivors (and the cut-off victim) within the deadline
+# _trial gives it. The long runs' pytest timeout (tests/conftest.py) is the
+# sum over their trials.
+TRIAL_MAX_S = 120 + 4 * (PEER_TIMEOUT_S + SLACK_S)
 
 
 def _trial(rng: random.Random, net: SimulatedNetwork | None = None) -> tuple[int, list[float]]:
@@ -118,9 +126,10 @@ def _context(victim: int, outs: dict[int, str], stacks: dict[int, str]) -> str:
         for r, out in sorted(outs.items()))
 
 
+@pytest.mark.long_timeout(KILLS * TRIAL_MAX_S)
 def test_killed_peer_fails_every_survivor_with_herring_error():
     rng = random.Random(1234)
-    trials = 20 if LONG else 3
+    trials = KILLS
     all_detect = []
     for t in range(trials):
         victim, detect = _trial(rng)
@@ -132,11 +141,12 @@ def test_killed_peer_fails_every_survivor_with_herring_error():
           f"{statistics.median(all_detect):.1f}/{max(all_detect):.1f} s, wrong results 0")
 
 
+@pytest.mark.long_timeout(PARTITIONS * TRIAL_MAX_S)
 def test_partitioned_host_fails_every_other_host_with_herring_error():
     """Issue 5's partition: 4 hosts in the simulated network; one host's
     link goes down (the process lives on, unreachable)."""
     rng = random.Random(4321)
-    trials = 5 if LONG else 1
+    trials = PARTITIONS
     all_detect = []
     for t in range(trials):
         with SimulatedNetwork(4) as net:

@@ -149,7 +149,8 @@ def test_timeout_stops_everything_with_124():
     assert "timed out after 1 s" in p.stderr
 
 
-def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_to_the_launcher_stops_every_process(tmp_path, sig):
     proc = subprocess.Popen(
         _launch_cmd(["-n", "2", "--", sys.executable, "-c",
                      _child(tmp_path, "time.sleep(60)", spawn=True)]),
@@ -159,13 +160,47 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
         while not all((tmp_path / str(r)).exists() for r in range(2)):
             assert time.monotonic() < end and proc.poll() is None, proc.poll()
             time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
-    assert proc.returncode == 143, err
-    assert "got SIGTERM; stopping all 2 processes" in err
+    assert proc.returncode == 128 + sig, err
+    assert f"got {sig.name}; stopping all 2 processes" in err
     assert all(_gone(pid) for pid in _recorded_pids(tmp_path, 2))
+
+
+def _ours(pid, marker):
+    """True if pid still runs a process whose command line holds marker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return marker.encode() in f.read()
+    except OSError:
+        return False
+
+
+def test_ranks_die_with_a_sigkilled_launcher(tmp_path):
+    # SIGKILL leaves the launcher no chance to stop its ranks, which lead
+    # their own sessions: only their parent-death signal can end them.
+    proc = subprocess.Popen(
+        _launch_cmd(["-n", "2", "--", sys.executable, "-c",
+                     _child(tmp_path, "time.sleep(120)")]),
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=_CWD)
+    try:
+        end = time.monotonic() + 30
+        while not all((tmp_path / str(r)).exists() for r in range(2)):
+            assert time.monotonic() < end and proc.poll() is None, proc.poll()
+            time.sleep(0.05)
+        pids = _recorded_pids(tmp_path, 2)
+    finally:
+        proc.kill()
+        proc.wait()
+    try:
+        assert all(_gone(pid, within=10) for pid in pids), [
+            open(f"/proc/{p}/stat").read() for p in pids if not _gone(p, within=0)]
+    finally:
+        for pid in pids:  # no orphan outlives a failed test either
+            if _ours(pid, str(tmp_path)):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_missing_command_is_a_usage_error():

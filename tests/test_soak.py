@@ -8,15 +8,22 @@ CI runs 300 buffers over 8 sizes per dtype; HERRING_LONG_TESTS=1 runs the full
 
 import os
 
+import pytest
+
 from multiproc import assert_all_ok, launch
 
 LONG = os.environ.get("HERRING_LONG_TESTS") == "1"
+# The launcher's deadline for the whole job in the long run; pytest's
+# (tests/conftest.py) is a minute later, so the launcher's own report of a
+# timeout comes first.
+LONG_LAUNCH_TIMEOUT_S = 7200
 
 
+@pytest.mark.long_timeout(LONG_LAUNCH_TIMEOUT_S + 60)
 def test_soak_every_result_bitwise_and_memory_flat():
     buffers, sizes = (10_000, 24) if LONG else (300, 8)
     run = launch("soak_worker.py", ["--buffers", str(buffers), "--sizes", str(sizes)],
-                 nproc=4, timeout=7200 if LONG else 900)
+                 nproc=4, timeout=LONG_LAUNCH_TIMEOUT_S if LONG else 900)
     digests = assert_all_ok(run, expected_cases=1)
     assert len(digests["soak"]) == 1, digests  # every rank got rank 0's checked results
     for rank, [result] in sorted(run.results.items()):

@@ -24,14 +24,20 @@ on failure or Ctrl-C. Needs root and iproute2.
 The first child to fail stops the job: the others get SIGTERM, SIGKILL after
 HERRING_LAUNCH_GRACE_S seconds (default 10), and the launcher exits with that
 child's code (128 + N for a death by signal N). --timeout expiry exits 124;
-SIGINT or SIGTERM to the launcher exits 130 or 143. Each child leads its own
-process group and whole groups are killed, so nothing a rank started outlives
-the job. Standard library only: the launcher never imports jax.
+SIGINT, SIGTERM or SIGHUP to the launcher stops every child the same way and
+exits 130, 143 or 129. Each child leads its own process group and whole
+groups are killed, so nothing a rank started outlives the job. A launcher
+killed outright (SIGKILL, e.g. by a test harness's timeout) cannot do that:
+on Linux each child gets SIGKILL as its parent-death signal, so the ranks die
+with it (a rank's own children then live on unless the rank gives them a
+parent-death signal too). Standard library only: the launcher never imports
+jax.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import queue
 import re
@@ -52,6 +58,42 @@ _POLL_S = 0.05
 # A reader can only hang past the kill if something left the child's process
 # group and still holds the pipe; do not let that hang the launcher too.
 _READER_JOIN_S = 2.0
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _die_with_launcher():
+    """Returns a Popen preexec_fn that makes the child die with this process, or None.
+
+    The children lead their own sessions, so nothing reaches them when the
+    launcher is SIGKILLed; PR_SET_PDEATHSIG (Linux) has the kernel send
+    them SIGKILL then. It survives exec and is set after fork, so a
+    launcher that died in between is caught by comparing getppid() with its
+    pid. The kernel sends it when the thread that started the child ends:
+    run() starts and stops every child on one thread.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    # Everything is looked up here, in the parent: between fork and exec the
+    # child must not import or take locks another thread may hold.
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    launcher, sigkill = os.getpid(), int(signal.SIGKILL)
+    getppid, kill, getpid = os.getppid, os.kill, os.getpid
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if getppid() != launcher:  # the launcher died before prctl
+            kill(getpid(), sigkill)
+
+    return preexec
 
 
 def _number(cast, low, strict: bool = False):
@@ -175,6 +217,7 @@ class _Job:
         self.readers: dict[int, list[threading.Thread]] = {}
         self.waiters: list[threading.Thread] = []
         self.signals: list[int] = []
+        self.preexec = _die_with_launcher()
 
     def say(self, message: str) -> None:
         """Writes one launcher line to stderr without splitting a child's line."""
@@ -206,7 +249,8 @@ class _Job:
     def start(self, rank: int, command: list[str], env: dict) -> None:
         """Starts one child in its own session, with its reader and waiter threads."""
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=self.preexec)
         self.procs.append(proc)
         prefix = f"[rank {rank}] "
         self.readers[rank] = [
@@ -335,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
     # cannot leave children running; signal.signal only works on the main thread.
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, job.on_signal) for s in _STOP_SIGNALS}
     message = failed_rank = None
     try:
         if net is not None:

@@ -1,0 +1,138 @@
+"""The driver of `herring-jax bench`: its options, the link figure, and the
+start of the workers (herring-jax launch, or mpirun for the MPI peers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+from herring_jax._src.bench.link import pingpong_gbps, shaped_gbps
+from herring_jax._src.bench.peers import PEERS, missing_peers
+
+DESCRIPTION = "herring-jax bench: herring_jax's all-reduce against its peers, in one run."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The driver's options (shared with `herring-jax bench`)."""
+    parser.add_argument("-n", "--num-processes", type=int, default=4)
+    parser.add_argument("--sizes-mib", default="1,16,64",
+                        help="comma-separated buffer sizes in MiB (float32)")
+    parser.add_argument("--iters", type=int, default=10, help="timed runs per size and peer")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (compile)")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help=f"comma-separated subset of {', '.join(PEERS)}")
+    parser.add_argument("--provider", default=None,
+                        help="libfabric provider for herring (sets HERRING_FI_PROVIDER)")
+    parser.add_argument("--link-gbps", type=float, default=None,
+                        help="link bandwidth for the bound, GB/s (default: measure fi_pingpong)")
+    parser.add_argument("--json", default=None, help="write every timing to this file")
+    parser.add_argument("--mpi-btl", default=None, metavar="LIST",
+                        help="Open MPI transports, e.g. tcp,self (default: Open MPI's choice, "
+                             "shared memory between local processes)")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="draw bandwidth per size and peer into this PNG (matplotlib)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the whole job")
+    net = parser.add_argument_group(
+        "simulated network", "one network namespace per process (needs root and iproute2)")
+    net.add_argument("--netns", action="store_true",
+                     help="run each process as its own host on a simulated network")
+    net.add_argument("--host-rate", metavar="RATE", help="each host's egress cap, e.g. 1gbit")
+    net.add_argument("--flow-rate", metavar="RATE",
+                     help="each host-to-host flow's cap, e.g. 250mbit")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--link-source", default="--link-gbps", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the benchmark (or, with --worker, one worker). Returns an exit code."""
+    if args.worker:  # started by a launcher other than this driver
+        from herring_jax._src.bench.worker import run_worker
+        return run_worker(args)
+    env = dict(os.environ)
+    if args.provider:
+        env["HERRING_FI_PROVIDER"] = args.provider
+    provider = env.get("HERRING_FI_PROVIDER") or "tcp;ofi_rxm"
+    unknown = [p for p in args.peers.split(",") if p and p not in PEERS]
+    if unknown:
+        print(f"herring-jax bench: unknown peers {unknown}; known: {', '.join(PEERS)}",
+              file=sys.stderr)
+        return 2
+    if (args.host_rate or args.flow_rate) and not args.netns:
+        print("herring-jax bench: --host-rate and --flow-rate need --netns", file=sys.stderr)
+        return 2
+    if args.link_gbps:
+        link_gbps, link_source = args.link_gbps, "--link-gbps"
+    elif args.netns and args.host_rate:
+        link_gbps, link_source = shaped_gbps(args)
+    else:
+        link_gbps, link_source = pingpong_gbps(provider)
+    # Workers import the very package this driver runs from: its parent goes
+    # first on PYTHONPATH and they start in an empty directory, since -m puts
+    # the working directory ahead of everything.
+    import herring_jax
+    root = os.path.dirname(os.path.dirname(os.path.abspath(herring_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    names = [p for p in args.peers.split(",") if p]
+    missing = missing_peers(names)
+    if args.netns:
+        for name in names:
+            if PEERS[name].mpi and name not in missing:
+                # Open MPI 4.1's processes reach mpirun through PMIx over the
+                # loopback of mpirun's namespace, which a process in another
+                # namespace cannot reach (MPI_Init fails: "Unreachable").
+                missing[name] = ("not in --netns mode: mpirun cannot start processes in "
+                                 "separate network namespaces (PMIx connects over loopback)")
+    present = [p for p in names if p not in missing]
+    use_mpi = any(PEERS[p].mpi for p in present)
+    json_path = os.path.abspath(args.json) if args.json else None
+    with tempfile.TemporaryDirectory() as scratch:
+        if json_path is None and args.plot:
+            json_path = os.path.join(scratch, "bench.json")
+        worker = [sys.executable, "-m", "herring_jax.bench", "--worker", "--sizes-mib",
+                  args.sizes_mib, "--iters", str(args.iters), "--warmup", str(args.warmup),
+                  "--peers", ",".join(present), "--missing", json.dumps(missing)]
+        if link_gbps:
+            worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}"]
+        if json_path:
+            worker += ["--json", json_path]
+        network = "loopback"
+        if args.netns:
+            network = (f"simulated: one namespace per process on a bridge, host egress "
+                       f"{args.host_rate or 'unlimited'}, each host-to-host flow "
+                       f"{args.flow_rate or args.host_rate or 'unlimited'}")
+        if use_mpi:
+            network += f"; Open MPI btl {args.mpi_btl or 'default (shared memory here)'}"
+        env["HERRING_BENCH_NETWORK"] = network
+        print(f"herring-jax bench: {args.num_processes} processes, provider "
+              f"{env.get('HERRING_FI_PROVIDER') or '(default)'}, sizes {args.sizes_mib} MiB, "
+              f"{args.iters} timed runs after {args.warmup} warm-up, peers {','.join(present)}"
+              f", started by {'mpirun' if use_mpi else 'herring-jax launch'}", flush=True)
+        print(f"network: {network}", flush=True)
+        for name, why in missing.items():
+            print(f"missing peer {name}: {why}", flush=True)
+        if not link_gbps:
+            print(f"link: {link_source}", flush=True)
+        if use_mpi:
+            from herring_jax._src.bench.mpirun import launch_mpi
+            code = launch_mpi(args, worker, env)
+        else:
+            from herring_jax._src.bench.workers import launch
+            code = launch(args, worker, env)
+        if code == 0 and args.plot and json_path:
+            from herring_jax._src.bench.plot import plot
+            plot(json_path, args.plot)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m herring_jax.bench`: the driver, or a worker with --worker."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--worker" in argv:
+        from herring_jax._src.bench.worker import worker_main
+        return worker_main(argv)
+    parser = argparse.ArgumentParser(prog="herring-jax bench", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

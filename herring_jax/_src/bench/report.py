@@ -1,0 +1,129 @@
+"""Rank 0's report of `herring-jax bench`: the table, the wrong results (every
+run of every peer on every rank), and the JSON file."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+
+from herring_jax._src.bench.peers import PEERS
+
+BOUND_FORMULA = "bound = 2(n-1)/n * bytes / link"
+
+
+def summarize(names, sizes, per_rank) -> list[dict]:
+    """One JSON result per (size, peer) from every rank's records."""
+    results = []
+    for i, (mib, peer) in enumerate((m, p) for m in sizes for p in names):
+        ranks = [records[i] for records in per_rank]
+        assert all(r["mib"] == mib and r["peer"] == peer for r in ranks)
+        times = [r["times"] for r in ranks]
+        results.append({
+            "mib": mib, "peer": peer,
+            # Each rank's median and minimum, then the slowest rank: a
+            # collective is done when its last process is.
+            "median_s": max(statistics.median(t) for t in times),
+            "min_s": max(min(t) for t in times),
+            # Iteration k as the job saw it (its slowest rank).
+            "times_s": [max(col) for col in zip(*times)],
+            "times_by_rank_s": times,
+            # Every run (warm-up and timed) of this size and peer, on every rank.
+            "correct": all(r["correct"] for r in ranks),
+            "wrong_ranks": [k for k, r in enumerate(ranks) if not r["correct"]],
+        })
+    return results
+
+
+def wrong_line(peer: str, mib: float, rank: int, wrong: dict) -> str:
+    """One wrong run, named: peer, size, run and rank."""
+    return (f"WRONG RESULT: peer {peer}, {mib:g} MiB, {wrong['run']}, rank {rank}: "
+            f"{wrong['what']}")
+
+
+def wrong_lines(per_rank) -> list[str]:
+    """A line for every wrong run in every rank's records, in the order they ran."""
+    lines = []
+    for i in range(len(per_rank[0]) if per_rank else 0):
+        for rank, records in enumerate(per_rank):
+            r = records[i]
+            lines += [wrong_line(r["peer"], r["mib"], rank, w) for w in r.get("wrong_runs", ())]
+    return lines
+
+
+def bound_s(nbytes: float, n: int, link_gbps: float | None) -> float | None:
+    """The least time the algorithm needs on the link, or None without a link figure."""
+    # Each process sends (n-1)/n of the buffer to the other servers and gets
+    # (n-1)/n back as sums; its server does the mirror image, so each link
+    # direction carries 2(n-1)/n * bytes at least.
+    if not link_gbps or n < 2:
+        return None
+    return 2 * (n - 1) / n * nbytes / (link_gbps * 1e9)
+
+
+def table(results, n, link_gbps) -> str:
+    by = {(r["mib"], r["peer"]): r for r in results}
+    rows = [f"{'size MiB':>8} {'peer':>9} {'median ms':>10} {'min ms':>8} {'algbw GB/s':>10} "
+            f"{'busbw GB/s':>10} {'herring x':>10} {'bound ms':>9} {'ok':>3}"]
+    for r in results:
+        nbytes = r["mib"] * 2**20
+        algbw = nbytes / r["median_s"] / 1e9
+        herring = by.get((r["mib"], "herring"))
+        speedup = f"{r['median_s'] / herring['median_s']:.2f}" if herring else "-"
+        bound = bound_s(nbytes, n, link_gbps)
+        # "!" marks a run faster than the bound: then the link figure is not
+        # what the transport can carry, and the bound is no bound.
+        bound_text = "-" if bound is None else (
+            f"{bound * 1e3:.1f}" + ("!" if r["median_s"] < bound else ""))
+        rows.append(f"{r['mib']:>8g} {r['peer']:>9} {r['median_s'] * 1e3:>10.1f} "
+                    f"{r['min_s'] * 1e3:>8.1f} {algbw:>10.3f} {algbw * 2 * (n - 1) / n:>10.3f} "
+                    f"{speedup:>10} {bound_text:>9} {'yes' if r['correct'] else 'NO':>3}")
+    return "\n".join(rows)
+
+
+def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
+    """Prints the table and every wrong run, writes --json; returns the report."""
+    results = summarize(names, sizes, per_rank)
+    link = (f"{args.link_gbps:.2f} GB/s from {args.link_source}" if args.link_gbps
+            else "not given (pass --link-gbps)")
+    print(f"transport: {describe}")
+    print("peers: " + "; ".join(f"{name} = {PEERS[name].label}" for name in names))
+    print("time: median (and min) of each rank's timed runs, slowest rank; algbw = bytes / median; "
+          "busbw = algbw * 2(n-1)/n; herring x = peer median / herring median (>1: herring "
+          "faster)")
+    print(f"{BOUND_FORMULA}, link = {link}")
+    print(table(results, n, args.link_gbps), flush=True)
+    if any(r["median_s"] < (bound_s(r["mib"] * 2**20, n, args.link_gbps) or 0) for r in results):
+        print("!: faster than the bound: the link figure is below what the transport carries "
+              "(fi_pingpong has one message in flight and shares the CPU), so this bound is "
+              "no bound")
+    wrong = wrong_lines(per_rank)
+    for line in wrong:
+        print(line)
+    if wrong:
+        print(f"{len(wrong)} run{'s' if len(wrong) > 1 else ''} gave a wrong result: the timings "
+              f"of those peers and sizes mean nothing", flush=True)
+    missing = json.loads(getattr(args, "missing", "{}"))
+    for name, why in missing.items():
+        print(f"MISSING peer {name}: {why}")
+    result = {
+        "n": n, "sizes_mib": sizes, "peers": names, "iters": args.iters, "warmup": args.warmup,
+        "provider": os.environ.get("HERRING_FI_PROVIDER") or "(default)", "transport": describe,
+        "link_gbps": args.link_gbps, "link_source": args.link_source if args.link_gbps else None,
+        "bound_formula": BOUND_FORMULA, "results": results, "missing": missing,
+        "network": os.environ.get("HERRING_BENCH_NETWORK", "loopback"),
+        "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": platform.python_version(),
+        "host": platform.node(), "cpus": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _jaxlib_version() -> str:
+    import jaxlib
+    return getattr(jaxlib, "__version__", "?")

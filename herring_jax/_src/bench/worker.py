@@ -1,0 +1,152 @@
+"""The worker of `herring-jax bench`: runs in each process, times every peer
+on the same buffers in the same order, checks the result of every run, and
+rank 0 gathers everything and reports it (report.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from herring_jax._src.bench.peers import PEERS
+from herring_jax._src.bench.peers.base import KV_PREFIX, KV_TIMEOUT_MS
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="herring-jax bench --worker")
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--sizes-mib", default="1,16,64")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--peers", default="herring,jax_psum")
+    p.add_argument("--link-gbps", type=float, default=None)
+    p.add_argument("--link-source", default="--link-gbps")
+    p.add_argument("--json", default=None)
+    p.add_argument("--missing", default="{}", help="JSON: peers that could not run, and why")
+    return p
+
+
+def pattern(count: int, rank: int) -> np.ndarray:
+    """Process `rank`'s buffer of `count` float32 values."""
+    # Small integers: every partial sum is exact in float32 whatever the
+    # summation order, so the check can demand equality; the ramp catches
+    # parts written to the wrong place, which a constant fill would not.
+    return ((np.arange(count, dtype=np.int64) % 251 + 1) * (rank + 1)).astype(np.float32)
+
+
+def mismatch(got: np.ndarray, expected: np.ndarray) -> str | None:
+    """None if got == expected exactly, else what is wrong, briefly."""
+    got = np.asarray(got)
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return f"got {got.dtype}{list(got.shape)}, expected {expected.dtype}{list(expected.shape)}"
+    got, expected = got.reshape(-1), expected.reshape(-1)
+    bad = np.flatnonzero(got != expected)  # NaN != NaN: a NaN is wrong too
+    if bad.size == 0:
+        return None
+    i = bad[0]
+    return (f"{bad.size} of {expected.size} values wrong, the first at [{i}]: got {got[i]}, "
+            f"expected {expected[i]}")
+
+
+def measure(peer, local, expected, iters: int, warmup: int) -> tuple[list[float], list[dict]]:
+    """Runs peer `warmup` times, then `iters` timed times; checks every run.
+
+    A wrong result in any run counts, not only in the last: a reduction that
+    is right once and wrong the next time (a reused buffer, a race) is the
+    kind of bug a benchmark runs into first.
+
+    Returns:
+      (the seconds of each timed run, one {"run": "timed run 2 of 10",
+      "what": ...} per run whose result was wrong).
+    """
+    peer.prepare(local)
+    wrong = []
+
+    def check(out, run: str) -> None:
+        # Before the next run: in-place peers overwrite their output.
+        what = mismatch(peer.result(out), expected)
+        if what is not None:
+            wrong.append({"run": run, "what": what})
+
+    for k in range(warmup):  # the first call compiles
+        peer.reset()
+        check(peer.run(), f"warm-up run {k + 1} of {warmup}")
+    times = []
+    for k in range(iters):
+        peer.reset()
+        start = time.perf_counter()
+        out = peer.run()
+        times.append(time.perf_counter() - start)
+        check(out, f"timed run {k + 1} of {iters}")  # after the clock stopped
+    return times, wrong
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    """Runs in each process: times every peer, rank 0 prints and saves.
+
+    Args:
+      argv: worker arguments (default sys.argv[1:]); see worker_parser.
+
+    Returns:
+      0, or 3 on rank 0 when any run of any peer on any rank got a wrong sum.
+    """
+    return run_worker(worker_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """worker_main with parsed arguments."""
+    from herring_jax._src.bench import report
+
+    names = [p for p in args.peers.split(",") if p]
+    unknown = [p for p in names if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown peers {unknown}; known: {', '.join(PEERS)}")
+    sizes = [float(s) for s in args.sizes_mib.split(",") if s]
+    if "OMPI_COMM_WORLD_RANK" in os.environ:  # started by mpirun
+        os.environ.setdefault("HERRING_PROCESS_ID", os.environ["OMPI_COMM_WORLD_RANK"])
+        logs, mpi_rank = os.environ.get("HERRING_BENCH_LOGDIR"), os.environ["OMPI_COMM_WORLD_RANK"]
+        if logs and mpi_rank != "0":
+            fd = os.open(os.path.join(logs, f"rank{mpi_rank}.log"),
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+    for name in names:
+        PEERS[name].configure()
+    import jax
+    import herring_jax
+    from herring_jax._src import jax_compat
+
+    herring_jax.initialize()
+    rank, n = herring_jax.process_index(), herring_jax.process_count()
+    peers = {name: PEERS[name](rank, n) for name in names}
+    records = []
+    # Same sizes and peers in the same order on every rank: both libraries
+    # need collectives issued in one order everywhere.
+    for mib in sizes:
+        count = int(mib * 2**20) // 4
+        local = pattern(count, rank)
+        expected = pattern(count, 0) * np.float32(n * (n + 1) // 2)
+        for name, peer in peers.items():
+            times, wrong = measure(peer, local, expected, args.iters, args.warmup)
+            for w in wrong:  # at once too, in case the job never gets to its report
+                print(f"rank {rank}: {report.wrong_line(name, mib, rank, w)}", file=sys.stderr,
+                      flush=True)
+            records.append({"mib": mib, "peer": name, "times": times, "correct": not wrong,
+                            "wrong_runs": wrong})
+        del local, expected
+    # Gathered through jax.distributed's key-value store rather than an
+    # all-reduce, so the figures do not depend on the code under test.
+    client = jax_compat.distributed_client()
+    client.key_value_set(f"{KV_PREFIX}/{rank}", json.dumps(records))
+    code = 0
+    if rank == 0:
+        per_rank = [json.loads(client.blocking_key_value_get(f"{KV_PREFIX}/{r}", KV_TIMEOUT_MS))
+                    for r in range(n)]
+        result = report.report(args, n, sizes, names, per_rank, herring_jax.describe(), jax)
+        code = 0 if all(r["correct"] for r in result["results"]) else 3
+    herring_jax.shutdown()
+    return code
