@@ -49,6 +49,9 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups) -> Any:
         raise TypeError(f"herring_jax.psum reduces named axes only, got {axes}; for "
                         "positional axes use jnp.sum")
     leaves = [_allreduce.prepare_leaf(i, v) for i, v in enumerate(leaves)]
+    if axes:
+        # lax's NameError, while tracing, for an axis nothing binds.
+        jax_compat.check_axis_names(axes, "herring_jax.psum")
     # lax.pmean is psum / n. The engine averages floating values of a real
     # reduction on the server; everything else is divided here, which gives
     # integers a floating mean, as in lax.
@@ -57,7 +60,6 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups) -> Any:
     elif not any(isinstance(v, jax.core.Tracer) for v in leaves):
         # Constants (e.g. psum(1, 'i') for the axis size): every device holds
         # the same value, so the sum is the value times the group size.
-        jax_compat.check_axis_names(axes, "herring_jax.psum")
         n = layout.group_size(axes, groups)
         outs = [v * n for v in leaves]
         divide = [True] * len(leaves)
