@@ -19,6 +19,7 @@ from herring_jax._src.runtime import stats as stats
 from herring_jax._src.runtime import process_count as process_count
 from herring_jax._src.runtime import process_index as process_index
 from herring_jax._src.allreduce import allreduce as allreduce
+from herring_jax._src.broadcast import broadcast as broadcast
 from herring_jax._src.psum import pmean as pmean
 from herring_jax._src.psum import psum as psum
 from herring_jax._src.optax_transform import AllReduceGradientsState as AllReduceGradientsState

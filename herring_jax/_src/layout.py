@@ -62,19 +62,21 @@ def group_size(axes, groups) -> int:
 def _across_processes(ctx, one_per_process: bool) -> Plan:
     me = jax.process_index()
     devices = jax_compat.computation_devices(ctx)
-    if devices is None:
-        raise HerringError("herring_jax cannot lower without a concrete device assignment")
+    local = None
     if devices == [None]:
         local = [ANY_DEVICE]
-    else:
+    elif devices is not None:
         local = [d.id for d in devices if d.process_index == me]
-    if not local:
-        raise HerringError(f"process {me} has no device in this computation")
-    if one_per_process and len(local) > 1:
+    if one_per_process and (local is None or len(local) > 1):
+        # (None: jax lowers a multi-device computation without its assignment.)
         raise ValueError(
             f"herring_jax.broadcast runs on one device per process, but this computation "
-            f"spans {len(local)} devices of process {me}: call it outside jit, or in a jit "
+            f"spans several devices of process {me}: call it outside jit, or in a jit "
             "whose inputs live on one device")
+    if local is None:
+        raise HerringError("herring_jax cannot lower without a concrete device assignment")
+    if not local:
+        raise HerringError(f"process {me} has no device in this computation")
     n = jax.process_count()
     return Plan(local, [0] * len(local), list(range(n)), [0, n])
 

@@ -1,0 +1,99 @@
+"""herring_jax.broadcast: every process gets the root process's values, as
+Horovod's broadcast_parameters (ranks that initialise or restore differently
+start from the same parameters).
+
+It is a reduction in disguise, so it uses the same balanced parameter-server
+path: the root contributes its values, every other process zeros, and the
+engine sums. Floating values travel as unsigned integers of the same width,
+so the sum is exact whatever the bits (-0.0, NaN payloads, subnormals): every
+process gets bitwise the root's value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from herring_jax._src import allreduce as _allreduce
+from herring_jax._src import runtime
+
+_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _parts(x):
+    """The leaf as integer arrays whose sum over processes is exact."""
+    if x.dtype == jnp.bool_:
+        return [x.astype(jnp.uint8)]
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return _parts(jnp.real(x)) + _parts(jnp.imag(x))
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return [jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])]
+    return [x]
+
+
+def _join(x, parts):
+    """Inverse of _parts for a leaf like `x`."""
+    if x.dtype == jnp.bool_:
+        return parts[0].astype(jnp.bool_)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        real_dtype = jnp.real(x).dtype
+        re = jax.lax.bitcast_convert_type(parts[0], real_dtype)
+        im = jax.lax.bitcast_convert_type(parts[1], real_dtype)
+        return jax.lax.complex(re, im)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(parts[0], x.dtype)
+    return parts[0]
+
+
+def broadcast(tree: Any, root: int = 0) -> Any:
+    """Returns the root process's value of every leaf, on every process.
+
+    Every process must call it with the same tree structure, shapes and dtypes.
+    Works inside and outside ``jax.jit`` on process-local values (one device
+    per process in the computation). Every dtype herring_jax reduces, and
+    bool; results are bitwise the root's. Not differentiable (use it on
+    parameters and state, not inside a loss).
+
+    Args:
+      tree: a pytree of arrays.
+      root: the rank whose values everyone receives.
+
+    Returns:
+      The pytree, with the root's values on every process.
+
+    Raises:
+      ValueError: root is not a rank of this job, or the computation spans
+        several devices of one process.
+
+    Examples:
+      >>> params = model.init(jax.random.key(herring_jax.process_index()), x)  # doctest: +SKIP
+      >>> params = herring_jax.broadcast(params, root=0)   # doctest: +SKIP
+    """
+    n = runtime.process_count()
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
+        raise ValueError(f"root must be a rank of this job, 0 <= root < {n}; got {root!r}")
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not leaves:
+        return tree
+    leaves = [jnp.asarray(x) for x in leaves]
+    for i, x in enumerate(leaves):
+        if x.dtype != jnp.bool_:
+            _allreduce.prepare_leaf(i, x)  # the dtype check and its message
+    # Root's bits times 1, everyone else's times 0: the same program on every
+    # process but for one constant. (Zeros that ignore the input would let jax
+    # lower a different computation off the root, e.g. on other devices.)
+    is_root = int(runtime.process_index() == root)
+    parts, counts = [], []
+    for x in leaves:
+        p = _parts(jax.lax.stop_gradient(x))
+        parts += [v * np.asarray(is_root, v.dtype) for v in p]
+        counts.append(len(p))
+    summed = _allreduce.bind(parts, op="sum", axes=None, one_per_process=True)
+    outs, at = [], 0
+    for x, k in zip(leaves, counts):
+        outs.append(_join(x, summed[at:at + k]))
+        at += k
+    return jax.tree_util.tree_unflatten(treedef, outs)
