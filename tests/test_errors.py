@@ -4,7 +4,7 @@ import pytest
 
 from multiproc import assert_all_ok, launch
 
-CASES = ["before-initialize", "bad-dtype", "bad-dtype-uint8", "bad-op", "int-mean",
+CASES = ["before-initialize", "bad-dtype", "bad-dtype-in-psum", "bad-op", "int-mean",
          "bad-op-in-jit", "reinitialize-different", "reinitialize-same", "empty-tree",
          "zero-size-leaf", "non-finite", "scalar", "shutdown-twice"]
 

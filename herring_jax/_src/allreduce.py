@@ -108,6 +108,9 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
+    # Before anything that starts the XLA backend (jax.distributed must come
+    # first): fail with the helpful message.
+    runtime.state()
     leaves = [prepare_leaf(i, x) for i, x in enumerate(leaves)]
     if op == "mean":
         for i, x in enumerate(leaves):
@@ -115,7 +118,6 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
                 raise TypeError(
                     f"leaf {i} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
                     "floating dtype (use op='sum' and divide, or cast to float first)")
-    runtime.state()  # fail early, with the helpful message, before tracing
     outs = bind(leaves, op=op, axes=None)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
@@ -192,7 +194,7 @@ def _lower_transposed(ctx, *args, op, axes, groups, transpose, one_per_process):
                           multiple_results=True)(ctx, *args)
 
 
-def _lowering(ctx, *args, op, axes, groups, transpose, one_per_process):
+def _lowering(ctx, *args, platform, op, axes, groups, transpose, one_per_process):
     if transpose:
         return _lower_transposed(ctx, *args, op=op, axes=axes, groups=groups,
                                  transpose=transpose, one_per_process=one_per_process)
@@ -202,7 +204,7 @@ def _lowering(ctx, *args, op, axes, groups, transpose, one_per_process):
     if not nonempty:
         return outs
     state = runtime.state()
-    plan = layout.plan(ctx, axes, groups, one_per_process)
+    plan = layout.plan(ctx, axes, groups, one_per_process, platform)
     avals_in = [ctx.avals_in[i] for i in nonempty]
     slot = _next_slot(ctx, len(nonempty))
     i64 = functools.partial(np.asarray, dtype=np.int64)
@@ -304,7 +306,8 @@ allreduce_p.multiple_results = True
 allreduce_p.def_abstract_eval(_abstract_eval)
 allreduce_p.def_impl(_impl)
 for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(allreduce_p, _lowering, platform=_platform, cacheable=False)
+    mlir.register_lowering(allreduce_p, functools.partial(_lowering, platform=_platform),
+                           platform=_platform, cacheable=False)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_transposes[allreduce_p] = _transpose
 jax_compat.register_named_batcher(allreduce_p, _batch)

@@ -72,6 +72,7 @@ def broadcast(tree: Any, root: int = 0) -> Any:
       >>> params = model.init(jax.random.key(herring_jax.process_index()), x)  # doctest: +SKIP
       >>> params = herring_jax.broadcast(params, root=0)   # doctest: +SKIP
     """
+    runtime.state()  # the helpful message before initialize(), before any JAX call
     n = runtime.process_count()
     if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
         raise ValueError(f"root must be a rank of this job, 0 <= root < {n}; got {root!r}")

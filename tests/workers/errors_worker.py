@@ -36,10 +36,11 @@ def main() -> int:
            lambda: herring_jax.allreduce(np.ones(3, np.float32)), "initialize")
     herring_jax.initialize()
     n = herring_jax.process_count()
-    expect("bad-dtype", TypeError, lambda: herring_jax.allreduce(jnp.ones(3, jnp.complex64)),
-           "complex64", "float32", "bfloat16")
-    expect("bad-dtype-uint8", TypeError, lambda: herring_jax.allreduce(jnp.ones(3, jnp.uint8)),
-           "uint8", "supported")
+    expect("bad-dtype", TypeError,
+           lambda: herring_jax.allreduce(jnp.ones(3, jnp.float8_e4m3fn)),
+           "float8_e4m3fn", "float32", "bfloat16", "complex64", "uint8")
+    expect("bad-dtype-in-psum", TypeError, lambda: herring_jax.psum(
+        jnp.ones(3, jnp.float8_e5m2), "i"), "float8_e5m2", "supported")
     expect("bad-op", ValueError, lambda: herring_jax.allreduce(jnp.ones(3), op="max"),
            "'max'", "sum", "mean")
     expect("int-mean", TypeError, lambda: herring_jax.allreduce(jnp.ones(3, jnp.int32), op="mean"),
