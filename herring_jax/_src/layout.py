@@ -18,9 +18,10 @@ from herring_jax._src.errors import HerringError
 
 # The handler's "whichever device runs this" for single-device computations.
 ANY_DEVICE = -1
-# Streams per call: the wire tag has 6 bits for it, and the last value is the
-# engine's control stream. Only groups that share a process need different
-# streams, so this bounds the groups one process takes part in, not the total.
+# Streams per call that can reach the wire: the tag has 6 bits for it, and the
+# last value is the engine's control stream. Only groups that share a process
+# need different streams, and groups inside one process never travel, so this
+# bounds the process-spanning groups one process takes part in, not the total.
 MAX_STREAMS = 63
 
 
@@ -32,16 +33,28 @@ class Plan:
     stream_offsets: list[int]  # where each stream's processes start; one more at the end
 
 
-def plan(ctx, axes, groups, one_per_process: bool) -> Plan:
+def device_number(platform: str):
+    """How the handler on `platform` names the device it runs on (XLA's
+    DeviceOrdinal): on XLA:CPU the global device id (measured: 0, 1, 2048,
+    2049 for two processes of two devices); on XLA:CUDA the process-local
+    ordinal, which PJRT's GPU client takes from the local device it runs the
+    executable on, i.e. jax's Device.local_hardware_id."""
+    if platform == "cuda":
+        return lambda d: d.local_hardware_id
+    return lambda d: d.id
+
+
+def plan(ctx, axes, groups, one_per_process: bool, platform: str = "cpu") -> Plan:
     """The plan of a call being lowered: across processes (axes None) or across
     the named mesh axes, optionally split by lax's axis_index_groups."""
+    number = device_number(platform)
     if axes is None:
-        return _across_processes(ctx, one_per_process)
+        return _across_processes(ctx, one_per_process, number)
     mesh = jax_compat.manual_mesh(ctx)
     if mesh is None:
         raise NameError(f"herring_jax.psum over axes {axes} must be called inside "
                         "jax.shard_map (or jax.pmap); outside, use herring_jax.allreduce")
-    return _across_axes(mesh, tuple(axes), groups)
+    return _across_axes(mesh, tuple(axes), groups, number)
 
 
 def contributors(ctx) -> int:
@@ -59,14 +72,14 @@ def group_size(axes, groups) -> int:
     return jax_compat.axes_size(axes)
 
 
-def _across_processes(ctx, one_per_process: bool) -> Plan:
+def _across_processes(ctx, one_per_process: bool, number) -> Plan:
     me = jax.process_index()
     devices = jax_compat.computation_devices(ctx)
     local = None
     if devices == [None]:
         local = [ANY_DEVICE]
     elif devices is not None:
-        local = [d.id for d in devices if d.process_index == me]
+        local = [number(d) for d in devices if d.process_index == me]
     if one_per_process and (local is None or len(local) > 1):
         # (None: jax lowers a multi-device computation without its assignment.)
         raise ValueError(
@@ -81,7 +94,7 @@ def _across_processes(ctx, one_per_process: bool) -> Plan:
     return Plan(local, [0] * len(local), list(range(n)), [0, n])
 
 
-def _across_axes(mesh, axes: tuple, groups) -> Plan:
+def _across_axes(mesh, axes: tuple, groups, number) -> Plan:
     me = jax.process_index()
     names = list(mesh.axis_names)
     missing = [a for a in axes if a not in names]
@@ -105,8 +118,10 @@ def _across_axes(mesh, axes: tuple, groups) -> Plan:
     keys = sorted(members)
     procs = [sorted({d.process_index for d in members[k]}) for k in keys]
     streams = _color(procs)
-    stream_of = {d.id: streams[g] for g, k in enumerate(keys) for d in members[k]}
-    local = [d.id for d in mesh.devices.flat if d.process_index == me]
+    # (Device numbers are unique within this process only, on CUDA.)
+    stream_of = {number(d): streams[g] for g, k in enumerate(keys) for d in members[k]
+                 if d.process_index == me}
+    local = [number(d) for d in mesh.devices.flat if d.process_index == me]
     # Per stream, the processes of the group of that stream this process is in.
     mine = {}
     for g, k in enumerate(keys):
@@ -130,17 +145,21 @@ def _index_group(groups, index: int, size: int) -> int:
 
 def _color(procs: list[list[int]]) -> list[int]:
     """Stream numbers such that groups sharing a process differ (greedy, in
-    group order: the same on every process)."""
+    group order: the same on every process). Groups that cross processes are
+    numbered first: only they travel, and the wire has room for MAX_STREAMS."""
     taken: dict[int, set[int]] = {}  # process -> streams its groups use
-    streams = []
-    for ranks in procs:
+    streams = [0] * len(procs)
+    order = sorted(range(len(procs)), key=lambda g: (len(procs[g]) == 1, g))
+    for g in order:
+        ranks = procs[g]
         used = set().union(*(taken.get(r, set()) for r in ranks))
         s = next(i for i in range(len(procs) + 1) if i not in used)
-        if s >= MAX_STREAMS:
+        if s >= MAX_STREAMS and len(ranks) > 1:
             raise NotImplementedError(
-                f"herring_jax reduces at most {MAX_STREAMS} groups per process in one call; "
-                f"this call puts process {ranks[0]} in more")
+                f"herring_jax reduces at most {MAX_STREAMS} groups that span processes per "
+                f"process in one call; this call puts process {ranks[0]} in more (groups "
+                "inside one process are not limited)")
         for r in ranks:
             taken.setdefault(r, set()).add(s)
-        streams.append(s)
+        streams[g] = s
     return streams
