@@ -9,11 +9,13 @@
 #include <string>
 #include <vector>
 
+#include "engine/async_runner.h"
 #include "engine/buffer_pool.h"
 #include "engine/communicator.h"
 #include "engine/local_rendezvous.h"
 #include "engine/memory_hints.h"
 #include "engine/reduce_kernels.h"
+#include "engine/timeline.h"
 #include "engine/registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -206,21 +208,75 @@ ffi::Error ReduceCall(int64_t run_id, int32_t device, const CallAttrs& attrs, De
 
 namespace {
 
-ffi::Error AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets, int64_t comm_handle, int64_t op, int64_t key,
-                         int64_t slot, int64_t site,
-                         ffi::Span<const int64_t> local_devices,
-                         ffi::Span<const int64_t> device_streams,
-                         ffi::Span<const int64_t> stream_ranks,
-                         ffi::Span<const int64_t> stream_offsets) {
-  return NoThrow("herring allreduce", [&] {
-    CallAttrs attrs{comm_handle,   op,             key,          slot,          site,
-                    local_devices, device_streams, stream_ranks, stream_offsets};
-    DecodedCall call;
-    ffi::Error error = DecodeCall(args, rets, attrs, &call);
-    if (error.failure()) return error;
-    return ReduceCall(run_id.run_id, device, attrs, call);
+// What a reduction needs after the handler has returned: XLA's attribute
+// spans are only guaranteed during the call, so the task keeps copies.
+struct AsyncCall {
+  int64_t run_id = 0;
+  int32_t device = 0;
+  int64_t comm = 0, op = 0, key = 0, slot = 0, site = 0;
+  std::vector<int64_t> local_devices, device_streams, stream_ranks, stream_offsets;
+  DecodedCall call;
+
+  CallAttrs Attrs() const {
+    return CallAttrs{comm, op, key, slot, site, local_devices, device_streams, stream_ranks,
+                     stream_offsets};
+  }
+};
+
+// Asynchronous: the handler decodes the call, hands the blocking part (the
+// meeting of the local devices, the reduction across processes) to herring's
+// own threads and returns a future at once, so XLA keeps computing (the rest
+// of the backward pass) while the bytes move; whatever reads the result waits
+// for the future. XLA keeps the operand and result buffers until then.
+ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets, int64_t comm_handle, int64_t op, int64_t key,
+                          int64_t slot, int64_t site,
+                          ffi::Span<const int64_t> local_devices,
+                          ffi::Span<const int64_t> device_streams,
+                          ffi::Span<const int64_t> stream_ranks,
+                          ffi::Span<const int64_t> stream_offsets) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  ffi::Error error = NoThrow("herring allreduce", [&]() -> ffi::Error {
+    auto task = std::make_shared<AsyncCall>();
+    task->run_id = run_id.run_id;
+    task->device = device;
+    task->comm = comm_handle;
+    task->op = op;
+    task->key = key;
+    task->slot = slot;
+    task->site = site;
+    task->local_devices.assign(local_devices.begin(), local_devices.end());
+    task->device_streams.assign(device_streams.begin(), device_streams.end());
+    task->stream_ranks.assign(stream_ranks.begin(), stream_ranks.end());
+    task->stream_offsets.assign(stream_offsets.begin(), stream_offsets.end());
+    ffi::Error decoded = DecodeCall(args, rets, task->Attrs(), &task->call);
+    if (decoded.failure()) return decoded;
+    engine::TimelineEvent event;
+    event.slot = slot;
+    event.device = device;
+    for (size_t k = 0; k < task->call.counts.size(); ++k) {
+      event.bytes += task->call.counts[k] * engine::ElementSize(task->call.dtypes[k]);
+    }
+    event.issued_ns = engine::Timeline::NowNs();
+    engine::AsyncRunner::Get().Run([task, promise, event]() mutable {
+      event.begun_ns = engine::Timeline::NowNs();
+      ffi::Error done = NoThrow("herring allreduce", [&] {
+        return ReduceCall(task->run_id, task->device, task->Attrs(), task->call);
+      });
+      event.ended_ns = engine::Timeline::NowNs();
+      event.ok = !done.failure();
+      engine::Timeline::Get().Record(event);
+      if (done.failure()) {
+        promise.SetError(std::move(done));
+      } else {
+        promise.SetAvailable();
+      }
+    });
+    return ffi::Error::Success();
   });
+  if (error.failure()) promise.SetError(std::move(error));
+  return future;
 }
 
 }  // namespace

@@ -1,0 +1,69 @@
+// Threads of herring's own on which reductions wait, so that XLA's threads
+// never do: the handler hands the blocking part of a reduction to Run() and
+// returns at once with a future, and XLA goes on computing.
+//
+// One thread per task in flight: a reduction blocks until every process has
+// contributed, and processes may start their reductions in different orders,
+// so a fixed number of threads could deadlock (each process's threads all
+// waiting for reductions the other has queued behind them). Idle threads are
+// reused and leave after a while.
+#ifndef HERRING_ENGINE_ASYNC_RUNNER_H_
+#define HERRING_ENGINE_ASYNC_RUNNER_H_
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace herring::engine {
+
+class AsyncRunner {
+ public:
+  // The process's runner; never destroyed (tasks may outlive static teardown).
+  static AsyncRunner& Get() {
+    static auto* runner = new AsyncRunner();
+    return *runner;
+  }
+
+  void Run(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks_.push_back(std::move(task));
+    if (idle_ > 0) {
+      cv_.notify_one();
+      --idle_;  // spoken for: the next task starts a thread of its own
+      return;
+    }
+    std::thread([this] { Loop(); }).detach();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      while (!tasks_.empty()) {
+        std::function<void()> task = std::move(tasks_.front());
+        tasks_.pop_front();
+        lock.unlock();
+        task();
+        lock.lock();
+      }
+      ++idle_;
+      if (!cv_.wait_for(lock, kIdleExit, [&] { return !tasks_.empty(); })) {
+        --idle_;
+        return;
+      }
+    }
+  }
+
+  static constexpr std::chrono::seconds kIdleExit{30};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  int idle_ = 0;  // threads waiting for a task, not yet spoken for
+};
+
+}  // namespace herring::engine
+
+#endif  // HERRING_ENGINE_ASYNC_RUNNER_H_
