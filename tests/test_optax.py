@@ -44,8 +44,11 @@ def test_fusion_round_trip(seed, n_leaves, fusion_bytes):
         assert all(np.dtype(leaves[i].dtype) == b.dtype for i in b.leaves)
         nbytes = sum(b.sizes) * b.dtype.itemsize
         assert nbytes <= fusion_bytes or len(b.leaves) == 1
-    # Backward order: the first bucket starts with the last non-empty leaf.
-    assert buckets[0].leaves[0] == max(placed)
+    # Backward order (no dataflow order outside jit): leaves are visited last
+    # first, and buckets come in the order they become ready (their last leaf).
+    assert all(b.leaves == tuple(sorted(b.leaves, reverse=True)) for b in buckets)
+    ready_at = [min(b.leaves) for b in buckets]
+    assert ready_at == sorted(ready_at, reverse=True)
     out = jax.tree_util.tree_unflatten(
         treedef, fusion.unpack(fusion.pack(leaves, buckets), buckets, leaves))
     for x, y in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(out)):
@@ -60,3 +63,38 @@ def test_allreduce_gradients_is_an_optax_transformation():
     assert isinstance(jax.jit(tx.init)({"w": jnp.ones(3)}), herring_jax.AllReduceGradientsState)
     with pytest.raises(ValueError, match="fusion_bytes"):
         herring_jax.allreduce_gradients(fusion_bytes=0)
+
+
+def test_buckets_follow_the_backward_pass_not_pytree_order():
+    """Inside jit, leaves are bucketed in the order the traced backward pass
+    produces their gradients: Dense_11 first, Dense_0 last, although pytree
+    order (sorted keys) puts Dense_10 and Dense_11 before Dense_2."""
+    from herring_jax._src import fusion, jax_compat
+    names = [f"Dense_{i}" for i in range(12)]
+    params = {n: {"kernel": jnp.ones((8, 8)) * 0.1, "bias": jnp.zeros(8)} for n in names}
+
+    def loss(p, x):
+        for n in names:  # forward in numeric order
+            x = jnp.tanh(x @ p[n]["kernel"] + p[n]["bias"])
+        return x.sum()
+
+    seen = {}
+
+    @jax.jit
+    def grads(p, x):
+        g = jax.grad(loss)(p, x)
+        leaves, treedef = jax.tree_util.tree_flatten(g)
+        ready = jax_compat.production_order(leaves)
+        seen["buckets"] = fusion.plan(leaves, 1, 1, ready=ready)  # one leaf per bucket
+        seen["paths"] = [jax.tree_util.keystr(k) for k, _ in
+                         jax.tree_util.tree_flatten_with_path(g)[0]]
+        return g
+
+    grads(params, jnp.ones((4, 8)))
+    order = [seen["paths"][b.leaves[0]] for b in seen["buckets"]]
+    layers = []
+    for path in order:
+        layer = int(path.split("Dense_")[1].split("'")[0])
+        if not layers or layers[-1] != layer:
+            layers.append(layer)
+    assert layers == list(reversed(range(12))), order

@@ -10,6 +10,7 @@
 
 #include "engine/communicator.h"
 #include "engine/registry.h"
+#include "engine/timeline.h"
 #include "handlers.h"
 
 namespace nb = nanobind;
@@ -107,6 +108,22 @@ NB_MODULE(_herring_ffi, m) {
     d["peers_declared_dead"] = s.peers_declared_dead;
     return d;
   });
+
+  m.def("take_timeline", []() {
+    nb::list out;
+    for (const engine::TimelineEvent& e : engine::Timeline::Get().Take()) {
+      nb::dict d;
+      d["slot"] = e.slot;
+      d["device"] = e.device;
+      d["bytes"] = e.bytes;
+      d["issued_ns"] = e.issued_ns;
+      d["begun_ns"] = e.begun_ns;
+      d["ended_ns"] = e.ended_ns;
+      d["ok"] = e.ok;
+      out.append(d);
+    }
+    return out;
+  }, "The reductions recorded since the last call (CLOCK_MONOTONIC ns), oldest first.");
 
   m.def("destroy", [](int64_t handle) {
     nb::gil_scoped_release release;

@@ -3,7 +3,28 @@
 //
 // Each device buffer is copied on XLA's stream into pinned host staging
 // memory, reduced by the same engine as on the CPU (local devices first,
-// then across processes), and copied back. Staging buffers come from a pool
+// then across processes), and copied back.
+//
+// Overlap on XLA:CUDA (not built yet; no GPU has been available to test it).
+// On XLA:CPU the handler returns an ffi::Future and the engine finishes the
+// reduction on its own threads (handlers.cc): XLA's executor keeps running
+// the rest of the backward pass meanwhile (measured). On XLA:CUDA a custom
+// call is complete once its work is enqueued on XLA's stream, so the same
+// idea needs two calls, placed apart in the stream's order:
+//   start: enqueue the device-to-host copy into pinned staging on XLA's
+//          stream, record an event, hand the rest to herring's threads
+//          (wait for the event there, reduce) and return at once; its result
+//          is a small token buffer;
+//   done:  (token, operands) -> results: enqueue on XLA's stream a wait for a
+//          pinned host flag that herring's thread sets when the sum is in the
+//          staging buffer (cuStreamWaitValue32 on the flag's device alias),
+//          then the host-to-device copy into XLA's result. Neither call blocks
+//          the host thread, and the GPU runs every kernel enqueued between
+//          them while the bytes move. The done must take the operands so
+//          that XLA keeps them alive, and must be placed where the optimizer
+//          first reads the result.
+// This handler is the synchronous form of that pair: it copies, waits on the
+// host for the reduction, and copies back. Staging buffers come from a pool
 // and are reused from call to call. Registering device memory with the
 // provider (FI_HMEM, which EFA supports) would skip the staging copies; that
 // belongs in the transport and needs no change to the engine.

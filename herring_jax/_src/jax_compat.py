@@ -13,6 +13,7 @@ from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import sharding_impls as _sharding_impls
 from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import parallel as _parallel
 
 _MIN_JAX = (0, 10)
@@ -146,3 +147,25 @@ def manual_mesh(ctx):
     if isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
         return axis_ctx.mesh
     return None
+
+
+# -- where values are produced in the program being traced --------------------
+
+def production_order(values) -> list[int] | None:
+    """For values traced by jit (one trace), the position in the traced program
+    of the equation that produced each (inputs and constants: -1), i.e. the
+    order in which XLA's dataflow can have them ready. None when the values are
+    not all tracers of one jaxpr trace (eager, or mixed traces)."""
+    traces = {id(getattr(v, "_trace", None)) for v in values}
+    if len(traces) != 1 or not all(isinstance(v, _pe.DynamicJaxprTracer) for v in values):
+        return None
+    frame = getattr(values[0]._trace, "frame", None)
+    eqns = getattr(frame, "tracing_eqns", None)
+    if eqns is None:
+        return None
+    index = {}
+    for i, e in enumerate(eqns):
+        e = e() if callable(e) and not isinstance(e, _pe.TracingEqn) else e
+        if e is not None:
+            index[id(e)] = i
+    return [index.get(id(getattr(v, "parent", None)), -1) for v in values]

@@ -6,13 +6,34 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import numpy as np
 import optax
 
 from herring_jax._src import fusion
+from herring_jax._src import jax_compat
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.psum import pmean, psum
 
-DEFAULT_FUSION_BYTES = 25 * 2**20
+DEFAULT_FIRST_BUCKET_BYTES = 2**20
+# With fusion_bytes=None, buffers of about a sixteenth of the gradients of a
+# dtype, kept between 1 MiB and 25 MiB (PyTorch DDP's bucket size): a small
+# model gets enough buffers for its reductions to overlap the backward pass
+# (2 simulated hosts, 8 MiB MLP: hidden fraction 0.53 with 1 MiB buffers, 0.32
+# with 2 MiB, below 0 with one 25 MiB buffer), a large one no more calls than
+# needed.
+AUTO_BUCKETS = 16
+MIN_FUSION_BYTES = 2**20
+MAX_FUSION_BYTES = 25 * 2**20
+
+
+def auto_fusion_bytes(leaves) -> int:
+    """fusion_bytes for fusion_bytes=None: see AUTO_BUCKETS."""
+    per_dtype: dict = {}
+    for x in leaves:
+        nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        per_dtype[np.dtype(x.dtype)] = per_dtype.get(np.dtype(x.dtype), 0) + nbytes
+    largest = max(per_dtype.values(), default=0)
+    return int(min(MAX_FUSION_BYTES, max(MIN_FUSION_BYTES, largest // AUTO_BUCKETS)))
 
 
 class AllReduceGradientsState(NamedTuple):
@@ -20,13 +41,18 @@ class AllReduceGradientsState(NamedTuple):
 
 
 def allreduce_gradients(axis_name=None, *, average: bool = True,
-                        fusion_bytes: int = DEFAULT_FUSION_BYTES
+                        fusion_bytes: int | None = None,
+                        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
                         ) -> optax.GradientTransformation:
     """Reduces gradients across data-parallel workers with Herring.
 
     Put it first in an ``optax.chain``. Gradients are packed into fusion
-    buffers of at most ``fusion_bytes`` per dtype, last parameters first, one
-    reduction (one custom call) per buffer, then unpacked.
+    buffers per dtype in the order the backward pass produces them (read from
+    the traced program inside jit), one reduction (one asynchronous custom
+    call) per buffer, then unpacked. Inside the jitted training step each
+    buffer's reduction starts as soon as its gradients exist and runs while
+    the rest of the backward pass is computed; the optimizer waits only where
+    it reads the result.
 
     Args:
       axis_name: None reduces process-local gradients across processes (one
@@ -37,7 +63,11 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         jax already sums them over the mesh in the backward pass, and the
         mean here no longer divides that sum.
       average: mean (True) or sum (False) of the gradients.
-      fusion_bytes: the most bytes in one fusion buffer (default 25 MiB).
+      fusion_bytes: the most bytes in one fusion buffer. None (default): about a
+        sixteenth of the gradients of each dtype, between 1 MiB and 25 MiB, so
+        that small models get enough buffers to overlap.
+      first_bucket_bytes: the most bytes in the first buffer of each dtype
+        (default 1 MiB), so that the first reduction starts early.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -47,8 +77,9 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
       >>> opt_state = tx.init(params)                                 # doctest: +SKIP
       >>> updates, opt_state = tx.update(grads, opt_state, params)    # doctest: +SKIP
     """
-    if fusion_bytes <= 0:
-        raise ValueError(f"fusion_bytes must be positive, got {fusion_bytes}")
+    if (fusion_bytes is not None and fusion_bytes <= 0) or first_bucket_bytes <= 0:
+        raise ValueError("fusion_bytes and first_bucket_bytes must be positive, got "
+                         f"{fusion_bytes} and {first_bucket_bytes}")
     op = "mean" if average else "sum"
 
     def reduce(buffer):
@@ -63,7 +94,9 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree_util.tree_flatten(updates)
-        buckets = fusion.plan(leaves, fusion_bytes)
+        size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
+        buckets = fusion.plan(leaves, size, first_bucket_bytes,
+                              ready=jax_compat.production_order(leaves))
         reduced = [reduce(b) for b in fusion.pack(leaves, buckets)]
         return jax.tree_util.tree_unflatten(treedef, fusion.unpack(reduced, buckets, leaves)), state
 

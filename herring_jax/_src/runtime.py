@@ -215,6 +215,13 @@ def stats() -> dict:
     return dict(_ext.stats(state().handle))
 
 
+def take_timeline() -> list[dict]:
+    """This process's reductions since the last call, oldest first: slot,
+    device, bytes and the CLOCK_MONOTONIC nanoseconds (time.monotonic_ns) at
+    which XLA issued each, herring's thread took it up, and it ended."""
+    return list(_ext.take_timeline())
+
+
 def process_count() -> int:
     return jax.process_count()
 

@@ -14,6 +14,11 @@ and prints each run's median step time with two efficiencies:
              not lost to gradient reduction. Where the processes share fewer
              cores than they need (this project's 2-core CI machine), compute
              alone cannot scale and `comm` is the figure to read.
+
+With --overlap it instead runs herring_jax/_src/overlap_worker.py on N
+processes: compute alone, reduction alone and the standard step of an MLP,
+the hidden fraction, a bitwise check against the reduction done outside the
+step, and (--plot) a timeline PNG of the last steps on every rank.
 """
 
 from __future__ import annotations
@@ -43,7 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra options for herring-jax launch, e.g. '--netns'")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
-    parser.add_argument("script_args", nargs="*", help="extra options for the script (after --)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="measure how much reduction the training step hides (see above)")
+    parser.add_argument("--plot", default=None, help="--overlap: timeline PNG to write")
+    parser.add_argument("script_args", nargs="*",
+                        help="extra options for the script or, with --overlap, the overlap "
+                             "worker (--layers, --width, --batch, --steps, --pin, ...)")
 
 
 def _run_one(args, n: int, reducer: str) -> dict:
@@ -66,8 +76,55 @@ def _run_one(args, n: int, reducer: str) -> dict:
             "median_step_ms": float(m.group(4))}
 
 
+def run_overlap(args: argparse.Namespace) -> int:
+    """--overlap: one job on N processes; prints the figures, writes JSON and PNG."""
+    from herring_jax._src import overlap_plot
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "timeline")
+        cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(args.num_processes),
+               "--timeout", str(int(args.timeout)), *args.launch_args.split(), "--",
+               sys.executable, "-m", "herring_jax._src.overlap_worker", "--timeline", prefix,
+               *args.script_args]
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+        print(f"herring-jax train-bench --overlap: {' '.join(cmd[2:])}", flush=True)
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                              timeout=args.timeout + 60, check=False)
+        lines = [ln.split("OVERLAP_RESULT ", 1)[1] for ln in proc.stdout.splitlines()
+                 if "OVERLAP_RESULT " in ln]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stdout[-3000:] + proc.stderr[-3000:]).strip()
+            print(f"herring-jax train-bench --overlap failed (exit {proc.returncode}):\n{tail}",
+                  file=sys.stderr)
+            return 1
+        results = sorted((json.loads(x) for x in lines), key=lambda r: r["rank"])
+        for r in results:
+            print(f"  rank {r['rank']}: compute {r['compute_ms']:.1f} ms (forward "
+                  f"{r['forward_ms']:.1f}), reduction {r['reduction_ms']:.1f} ms, step "
+                  f"{r['step_ms']:.1f} ms, hidden fraction {r['hidden_fraction']:.2f} (bound "
+                  f"{r['hidden_fraction_bound']:.2f}), {r['reductions_per_step']:.0f} reductions "
+                  f"per step, bitwise equal to unoverlapped: "
+                  f"{r['bitwise_equal_to_unoverlapped']}")
+        worst = min(r["hidden_fraction"] for r in results)
+        print(f"hidden fraction (worst rank): {worst:.2f}  [(compute + reduction - step) / "
+              "min(compute, reduction), medians]")
+        if args.plot:
+            title = (f"{args.num_processes} processes {args.launch_args} "
+                     f"{' '.join(args.script_args)}: hidden fraction {worst:.2f}")
+            if overlap_plot.plot(prefix, args.plot, title):
+                print(f"timeline: {args.plot}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"launch_args": args.launch_args, "worker_args": args.script_args,
+                           "cpus": os.cpu_count(), "results": results,
+                           "timeline": overlap_plot.load(prefix)}, f)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs every (process count, reducer) pair and prints the table."""
+    if args.overlap:
+        return run_overlap(args)
     reducers = [r for r in args.reducers.split(",") if r]
     unknown = [r for r in reducers if r not in REDUCERS]
     if unknown or not reducers:

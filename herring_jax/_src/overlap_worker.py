@@ -1,0 +1,161 @@
+"""One rank of `herring-jax train-bench --overlap`: how much of the gradient
+reduction the standard training step hides behind its backward pass.
+
+The step is written the standard way: ``jax.value_and_grad`` and
+``tx.update`` with ``optax.chain(herring_jax.allreduce_gradients(),
+optax.sgd(...))`` in one ``jax.jit``. Measured in the same job, medians:
+  compute    the same step without the reduction (optax.sgd alone)
+  reduction  allreduce_gradients of the same gradients, alone
+  step       the standard step
+  hidden     (compute + reduction - step) / min(compute, reduction):
+             1 when the shorter of the two is hidden entirely, 0 when the
+             step costs their sum.
+  bound      the hidden fraction of the best step this model allows: a
+             step's reductions need that step's gradients, so none can start
+             before the forward pass ends, and the step takes at least
+             max(compute, forward + reduction).
+It also checks that a step's reduced gradients are bitwise its local
+gradients reduced outside the step, and writes every rank's
+timeline (step boundaries from Python, each reduction's issue / start / end
+from the engine) as JSON lines for the plot.
+
+Run under `herring-jax launch`; prints `OVERLAP_RESULT {json}` on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=8, help="Dense layers of the MLP")
+    p.add_argument("--width", type=int, default=512, help="width of every layer")
+    p.add_argument("--batch", type=int, default=1024, help="examples per process per step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps of each kind")
+    p.add_argument("--fusion-mib", type=float, default=None, help="fusion buffer size (MiB)")
+    p.add_argument("--pin", action="store_true", help="pin each process to core rank %% CPUs")
+    p.add_argument("--timeline", default=None, help="write this rank's timeline to PATH.rankR")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.pin:
+        rank = int(os.environ.get("HERRING_PROCESS_ID", "0"))
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import herring_jax
+    from herring_jax._src import runtime
+
+    herring_jax.initialize()
+    me = herring_jax.process_index()
+    key = jax.random.key(0)
+    params = []
+    for i in range(args.layers):
+        key, k = jax.random.split(key)
+        params.append({"w": jax.random.normal(k, (args.width, args.width)) / args.width ** 0.5,
+                       "b": jnp.zeros(args.width)})
+    rng = np.random.default_rng(me)
+    x = jnp.asarray(rng.normal(size=(args.batch, args.width)).astype(np.float32))
+    y = jnp.asarray(rng.normal(size=(args.batch, args.width)).astype(np.float32))
+
+    def loss_fn(p, x, y):
+        h = x
+        for layer in p:
+            h = jnp.tanh(h @ layer["w"] + layer["b"])
+        return jnp.mean((h - y) ** 2)
+
+    kwargs = {} if args.fusion_mib is None else {"fusion_bytes": int(args.fusion_mib * 2**20)}
+    reducer = herring_jax.allreduce_gradients(**kwargs)
+    sgd = optax.sgd(1e-2)
+    tx = optax.chain(reducer, sgd)
+
+    @jax.jit
+    def step(p, s, x, y):  # the standard way
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    @jax.jit
+    def checked_step(p, s, x, y):  # the same, also returning what it reduced
+        _, g = jax.value_and_grad(loss_fn)(p, x, y)
+        reduced, _ = reducer.update(g, reducer.init(g))
+        u, s = sgd.update(reduced, s, p)
+        return optax.apply_updates(p, u), s, g, reduced
+
+    @jax.jit
+    def compute_only(p, s, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        u, s = sgd.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    grads_of = jax.jit(jax.grad(loss_fn))
+    forward = jax.jit(loss_fn)
+    reduce_only = jax.jit(lambda g: reducer.update(g, reducer.init(g))[0])
+
+    def timed(fn, n):
+        times = []
+        for _ in range(n):
+            t0 = time.monotonic_ns()
+            jax.block_until_ready(fn())
+            times.append((time.monotonic_ns() - t0) / 1e6)
+        return times
+
+    state, sgd_state = tx.init(params), sgd.init(params)
+    g0 = grads_of(params, x, y)
+    # Warm up (compile) every function, then time each kind in turn.
+    jax.block_until_ready((step(params, state, x, y), compute_only(params, sgd_state, x, y),
+                           reduce_only(g0), forward(params, x, y)))
+    t_forward = timed(lambda: forward(params, x, y), args.steps)
+    t_compute = timed(lambda: compute_only(params, sgd_state, x, y), args.steps)
+    t_reduce = timed(lambda: reduce_only(g0), args.steps)
+    runtime.take_timeline()  # forget the warm-up and the reduction-alone runs
+    steps_log, p, s = [], params, state
+    for _ in range(args.steps):
+        t0 = time.monotonic_ns()
+        p, s, _ = jax.block_until_ready(step(p, s, x, y))
+        steps_log.append((t0, time.monotonic_ns()))
+    events = runtime.take_timeline()
+    t_step = [(b - a) / 1e6 for a, b in steps_log]
+
+    # A step's reduced gradients are bitwise its local gradients reduced
+    # outside the step (the same buffers, one call each).
+    _, _, g, reduced = checked_step(params, sgd_state, x, y)
+    same = all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(reduced), jax.tree.leaves(reduce_only(g))))
+
+    if args.timeline:
+        with open(f"{args.timeline}.rank{me}", "w") as f:
+            for a, b in steps_log:
+                f.write(json.dumps({"kind": "step", "start_ns": a, "end_ns": b}) + "\n")
+            for e in events:
+                f.write(json.dumps({"kind": "reduction", **e}) + "\n")
+
+    compute, reduction, stepped, fwd = (statistics.median(t)
+                                        for t in (t_compute, t_reduce, t_step, t_forward))
+    hidden = (compute + reduction - stepped) / min(compute, reduction)
+    bound = (compute + reduction - max(compute, fwd + reduction)) / min(compute, reduction)
+    nbytes = sum(int(np.prod(v.shape)) * 4 for v in jax.tree.leaves(params))
+    result = {"rank": me, "processes": herring_jax.process_count(), "gradient_bytes": nbytes,
+              "layers": args.layers, "width": args.width, "batch": args.batch,
+              "compute_ms": compute, "forward_ms": fwd, "reduction_ms": reduction,
+              "step_ms": stepped, "hidden_fraction": hidden, "hidden_fraction_bound": bound,
+              "bitwise_equal_to_unoverlapped": same,
+              "reductions_per_step": len(events) / max(1, args.steps)}
+    print("OVERLAP_RESULT " + json.dumps(result), flush=True)
+    herring_jax.shutdown()
+    return 0 if same else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
