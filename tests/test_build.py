@@ -8,7 +8,8 @@ from herring_jax._src import runtime
 
 
 def test_cpu_handler_registered():
-    assert sorted(_herring_ffi.registrations()) == ["herring_allreduce"]
+    assert sorted(_herring_ffi.registrations()) == ["herring_allreduce",
+                                                    "herring_simulated_compute"]
 
 
 def test_cuda_handler_built_when_toolkit_present():

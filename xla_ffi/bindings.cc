@@ -40,6 +40,7 @@ NB_MODULE(_herring_ffi, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["herring_allreduce"] = EncapsulateFfiHandler(HerringAllReduce);
+    d["herring_simulated_compute"] = EncapsulateFfiHandler(HerringSimulatedCompute);
     return d;
   });
 

@@ -8,6 +8,10 @@ namespace herring {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduce);
 
+// simulated_compute.cc: a wait that uses no CPU, standing in for accelerator
+// compute in benchmarks.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringSimulatedCompute);
+
 #ifdef HERRING_WITH_CUDA
 // cuda_handlers.cc: the same call on XLA's CUDA platform.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceCuda);

@@ -15,6 +15,11 @@ and prints each run's median step time with two efficiencies:
              cores than they need (this project's 2-core CI machine), compute
              alone cannot scale and `comm` is the figure to read.
 
+With --simulated-accelerator it runs herring_jax/_src/simulated_worker.py on 1
+and on N processes: layers whose compute is a wait that uses no CPU (as a GPU
+host's CPU sees it) with real gradients of a BERT-like layer structure, and
+prints the scaling efficiency step(1) / step(N) next to its bound.
+
 With --overlap it instead runs herring_jax/_src/overlap_worker.py on N
 processes: compute alone, reduction alone and the standard step of an MLP,
 the hidden fraction, a bitwise check against the reduction done outside the
@@ -51,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", action="store_true",
                         help="measure how much reduction the training step hides (see above)")
     parser.add_argument("--plot", default=None, help="--overlap: timeline PNG to write")
+    parser.add_argument("--simulated-accelerator", action="store_true",
+                        help="scaling of simulated-accelerator training (see above)")
     parser.add_argument("script_args", nargs="*",
                         help="extra options for the script or, with --overlap, the overlap "
                              "worker (--layers, --width, --batch, --steps, --pin, ...)")
@@ -121,10 +128,55 @@ def run_overlap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulated(args, n: int, launch_args: str) -> dict:
+    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(n), "--timeout",
+           str(int(args.timeout)), *launch_args.split(), "--", sys.executable, "-m",
+           "herring_jax._src.simulated_worker", *args.script_args]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
+                              timeout=args.timeout + 60, check=False)
+    lines = [ln.split("SIMULATED_RESULT ", 1)[1] for ln in proc.stdout.splitlines()
+             if "SIMULATED_RESULT " in ln]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout[-3000:] + proc.stderr[-3000:]).strip()
+        raise RuntimeError(f"{n} processes failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[0])
+
+
+def run_simulated(args: argparse.Namespace) -> int:
+    """--simulated-accelerator: 1 process, then N; prints the scaling efficiency."""
+    try:
+        one = _simulated(args, 1, "")
+        many = _simulated(args, args.num_processes, args.launch_args)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        print(f"herring-jax train-bench --simulated-accelerator: {e}", file=sys.stderr)
+        return 1
+    compute, reduction = one["step_ms"], many["reduction_ms"]
+    forward = compute / 3  # forward takes a third: backward runs twice as long
+    efficiency = one["step_ms"] / many["step_ms"]
+    bound = compute / max(compute, forward + reduction)
+    print(f"  {many['gradient_bytes'] / 2**20:.1f} MiB of gradients; step x1 (compute) "
+          f"{compute:.0f} ms, reduction alone x{args.num_processes} {reduction:.0f} ms, step "
+          f"x{args.num_processes} {many['step_ms']:.0f} ms")
+    print(f"scaling efficiency {efficiency:.2f} (bound {bound:.2f}: no reduction can start "
+          "before the forward pass ends; without overlap about "
+          f"{compute / (compute + reduction):.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"launch_args": args.launch_args, "worker_args": args.script_args,
+                       "one": one, "many": many, "scaling_efficiency": efficiency,
+                       "bound": bound}, f, indent=1)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs every (process count, reducer) pair and prints the table."""
     if args.overlap:
         return run_overlap(args)
+    if args.simulated_accelerator:
+        return run_simulated(args)
     reducers = [r for r in args.reducers.split(",") if r]
     unknown = [r for r in reducers if r not in REDUCERS]
     if unknown or not reducers:
