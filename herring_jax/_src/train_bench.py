@@ -83,28 +83,39 @@ def _run_one(args, n: int, reducer: str) -> dict:
             "median_step_ms": float(m.group(4))}
 
 
+def _launch_worker(args, n: int, launch_args: str, module: str, worker_args: list[str],
+                   marker: str, cwd: str) -> list[dict]:
+    """Runs `python -m module` on n processes under herring-jax launch and
+    returns the JSON its ranks printed after `marker`; RuntimeError on failure."""
+    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(n), "--timeout",
+           str(int(args.timeout)), *launch_args.split(), "--", sys.executable, "-m", module,
+           *worker_args]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=args.timeout + 60, check=False)
+    lines = [ln.split(marker + " ", 1)[1] for ln in proc.stdout.splitlines()
+             if marker + " " in ln]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout[-3000:] + proc.stderr[-3000:]).strip()
+        raise RuntimeError(f"{module} on {n} processes failed (exit {proc.returncode}):\n{tail}")
+    return [json.loads(x) for x in lines]
+
+
 def run_overlap(args: argparse.Namespace) -> int:
     """--overlap: one job on N processes; prints the figures, writes JSON and PNG."""
     from herring_jax._src import overlap_plot
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "timeline")
-        cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(args.num_processes),
-               "--timeout", str(int(args.timeout)), *args.launch_args.split(), "--",
-               sys.executable, "-m", "herring_jax._src.overlap_worker", "--timeline", prefix,
-               *args.script_args]
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        print(f"herring-jax train-bench --overlap: {' '.join(cmd[2:])}", flush=True)
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
-                              timeout=args.timeout + 60, check=False)
-        lines = [ln.split("OVERLAP_RESULT ", 1)[1] for ln in proc.stdout.splitlines()
-                 if "OVERLAP_RESULT " in ln]
-        if proc.returncode != 0 or not lines:
-            tail = (proc.stdout[-3000:] + proc.stderr[-3000:]).strip()
-            print(f"herring-jax train-bench --overlap failed (exit {proc.returncode}):\n{tail}",
-                  file=sys.stderr)
+        try:
+            found = _launch_worker(args, args.num_processes, args.launch_args,
+                                   "herring_jax._src.overlap_worker",
+                                   ["--timeline", prefix, *args.script_args],
+                                   "OVERLAP_RESULT", tmp)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"herring-jax train-bench --overlap: {e}", file=sys.stderr)
             return 1
-        results = sorted((json.loads(x) for x in lines), key=lambda r: r["rank"])
+        results = sorted(found, key=lambda r: r["rank"])
         for r in results:
             print(f"  rank {r['rank']}: compute {r['compute_ms']:.1f} ms (forward "
                   f"{r['forward_ms']:.1f}), reduction {r['reduction_ms']:.1f} ms, step "
@@ -129,20 +140,9 @@ def run_overlap(args: argparse.Namespace) -> int:
 
 
 def _simulated(args, n: int, launch_args: str) -> dict:
-    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(n), "--timeout",
-           str(int(args.timeout)), *launch_args.split(), "--", sys.executable, "-m",
-           "herring_jax._src.simulated_worker", *args.script_args]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True,
-                              timeout=args.timeout + 60, check=False)
-    lines = [ln.split("SIMULATED_RESULT ", 1)[1] for ln in proc.stdout.splitlines()
-             if "SIMULATED_RESULT " in ln]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stdout[-3000:] + proc.stderr[-3000:]).strip()
-        raise RuntimeError(f"{n} processes failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(lines[0])
+        return _launch_worker(args, n, launch_args, "herring_jax._src.simulated_worker",
+                              args.script_args, "SIMULATED_RESULT", tmp)[0]
 
 
 def run_simulated(args: argparse.Namespace) -> int:
