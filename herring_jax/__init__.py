@@ -10,19 +10,23 @@ Examples:
   >>> herring_jax.allreduce(jnp.ones(4), op="mean")  # doctest: +SKIP
 """
 
-from herring_jax._src.errors import HerringError as HerringError
-from herring_jax._src.errors import herring_errors as herring_errors
-from herring_jax._src.runtime import initialize as initialize
-from herring_jax._src.runtime import shutdown as shutdown
-from herring_jax._src.runtime import describe as describe
-from herring_jax._src.runtime import stats as stats
-from herring_jax._src.runtime import process_count as process_count
-from herring_jax._src.runtime import process_index as process_index
-from herring_jax._src.allreduce import allreduce as allreduce
-from herring_jax._src.broadcast import broadcast as broadcast
-from herring_jax._src.psum import pmean as pmean
-from herring_jax._src.psum import psum as psum
-from herring_jax._src.optax_transform import AllReduceGradientsState as AllReduceGradientsState
-from herring_jax._src.optax_transform import allreduce_gradients as allreduce_gradients
+from herring_jax._src import fabric_env as _fabric_env
+
+_fabric_env.prepare()  # before anything starts a thread; see fabric_env.py
+
+from herring_jax._src.errors import HerringError as HerringError  # noqa: E402
+from herring_jax._src.errors import herring_errors as herring_errors  # noqa: E402
+from herring_jax._src.runtime import initialize as initialize  # noqa: E402
+from herring_jax._src.runtime import shutdown as shutdown  # noqa: E402
+from herring_jax._src.runtime import describe as describe  # noqa: E402
+from herring_jax._src.runtime import stats as stats  # noqa: E402
+from herring_jax._src.runtime import process_count as process_count  # noqa: E402
+from herring_jax._src.runtime import process_index as process_index  # noqa: E402
+from herring_jax._src.allreduce import allreduce as allreduce  # noqa: E402
+from herring_jax._src.broadcast import broadcast as broadcast  # noqa: E402
+from herring_jax._src.psum import pmean as pmean  # noqa: E402
+from herring_jax._src.psum import psum as psum  # noqa: E402
+from herring_jax._src.optax_transform import AllReduceGradientsState as AllReduceGradientsState  # noqa: E402
+from herring_jax._src.optax_transform import allreduce_gradients as allreduce_gradients  # noqa: E402
 
 __version__ = "0.1.0"

@@ -32,3 +32,19 @@ def test_chunks_are_sent_eagerly_unless_the_user_says_otherwise():
     # 256 KiB chunks (300,000 floats make parts of 600 KB: several chunks).
     assert _eager_limits({"HERRING_CHUNK_BYTES": "262144"}) == [str(262144 + 80)] * 2
     assert _eager_limits({"FI_OFI_RXM_EAGER_LIMIT": "32768"}) == ["32768"] * 2
+
+
+def test_import_sets_the_variables_before_any_thread():
+    """The variables are in the environment right after `import herring_jax`
+    (no setenv later, while jax's threads may read the environment)."""
+    probe = ("import os, herring_jax; print(os.environ['FI_OFI_RXM_EAGER_LIMIT'], "
+             "os.environ.get('FI_TCP_IFACE'))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FI_")}
+    out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
+                         env=dict(env, HERRING_CHUNK_BYTES="65536", HERRING_FI_IFACE="lo"),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(65536 + 80), "lo"]
+    out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
+                         env=dict(env, HERRING_FI_IFACE="127.0.0.1"), timeout=120)
+    assert out.stdout.split() == [str((1 << 20) + 80), "None"], out.stderr[-2000:]

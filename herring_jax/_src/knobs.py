@@ -88,6 +88,9 @@ KNOBS: dict[str, Knob] = {
              "Number of processes (set by herring-jax launch)."),
         Knob("HERRING_PROCESS_ID", None, int,
              "This process's rank (set by herring-jax launch)."),
+        Knob("HERRING_FI_VARS_SET", None, str,
+             "Set by herring_jax: the libfabric variables it set at import and their values "
+             "(VAR=value;...), so that child processes recompute them; do not set it."),
     ]
 }
 

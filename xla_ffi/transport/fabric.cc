@@ -95,25 +95,26 @@ class FabricTransport final : public Transport {
       if (LooksLikeIpAddress(options.interface)) {
         node = options.interface.c_str();
         flags = FI_SOURCE;
-      } else {
-        // Interface names are taken by the IP providers through their own
-        // variables; set them only if the user did not.
-        for (const char* var : {"FI_TCP_IFACE", "FI_SOCKETS_IFACE", "FI_UDP_IFACE"}) {
-          setenv(var, options.interface.c_str(), /*overwrite=*/0);
-        }
+      } else if (std::getenv("FI_TCP_IFACE") == nullptr) {
+        // Interface names reach the IP providers through FI_TCP_IFACE and
+        // friends, which herring_jax sets at import (herring_jax/_src/
+        // fabric_env.py): never setenv here, other threads may read the
+        // environment.
+        std::fprintf(stderr, "herring_jax: interface '%s' requested but FI_TCP_IFACE is "
+                     "unset; set HERRING_FI_IFACE before importing herring_jax\n",
+                     options.interface.c_str());
       }
     }
-    if (options.eager_bytes > 0) {
+    if (options.eager_bytes > 0 && std::getenv("FI_OFI_RXM_EAGER_LIMIT") == nullptr) {
       // ofi_rxm sends messages above its eager limit (16 KiB by default) by
       // rendezvous: the receiver asks for the data with a read request. Over
       // tcp that request queues behind the receiver's own bulk sends on the
       // same connection, so when both directions are busy (every rank is
       // worker and server) each direction got half the link: measured on a
       // 250 Mbit/s flow, 127 Mbit/s each way with rendezvous, 238 eager.
-      // Read at the provider's initialisation, i.e. the process's first
-      // fi_getinfo; a value the user set wins.
-      setenv("FI_OFI_RXM_EAGER_LIMIT", std::to_string(options.eager_bytes).c_str(),
-             /*overwrite=*/0);
+      // herring_jax sets FI_OFI_RXM_EAGER_LIMIT at import (fabric_env.py).
+      std::fprintf(stderr, "herring_jax: FI_OFI_RXM_EAGER_LIMIT is unset; ofi_rxm will send "
+                   "chunks by rendezvous (half the rate on a link busy both ways)\n");
     }
     fi_info* raw = nullptr;
     int ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
