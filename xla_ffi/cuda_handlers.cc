@@ -31,66 +31,34 @@
 #include <cuda_runtime_api.h>
 
 #include <exception>
-#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "engine/buffer_pool.h"
 #include "handler_common.h"
 #include "handlers.h"
 
 namespace herring {
 namespace {
 
-// Pinned host buffers, reused: cudaHostAlloc is far too slow per call.
-class PinnedPool {
- public:
-  static PinnedPool& Get() {
-    static auto* pool = new PinnedPool();  // never destroyed: handlers may run late
-    return *pool;
-  }
-  void* Acquire(size_t bytes, std::string* error) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.lower_bound(bytes);
-      if (it != free_.end() && it->first <= 2 * bytes + 4096) {
-        void* p = it->second;
-        sizes_[p] = it->first;
-        free_.erase(it);
-        return p;
-      }
-    }
+// Pinned host memory for the staging buffers, pooled (engine/buffer_pool.h:
+// reused from call to call, what is kept is bounded): cudaHostAlloc is far
+// too slow per call.
+struct PinnedAllocator {
+  static void* Allocate(size_t bytes) {
     void* p = nullptr;
-    size_t rounded = (bytes + 4095) / 4096 * 4096;
-    cudaError_t err = cudaHostAlloc(&p, rounded == 0 ? 4096 : rounded, cudaHostAllocDefault);
-    if (err != cudaSuccess) {
-      *error = std::string("cudaHostAlloc of ") + std::to_string(bytes) +
-               " bytes failed: " + cudaGetErrorString(err);
-      return nullptr;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    sizes_[p] = rounded == 0 ? 4096 : rounded;
-    return p;
+    return cudaHostAlloc(&p, bytes, cudaHostAllocDefault) == cudaSuccess ? p : nullptr;
   }
-  void Release(void* p) {
-    if (p == nullptr) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.emplace(sizes_[p], p);
-  }
-
- private:
-  std::mutex mu_;
-  std::multimap<size_t, void*> free_;
-  std::map<void*, size_t> sizes_;
+  static void Free(void* p) { cudaFreeHost(p); }
 };
+using PinnedPool = engine::BasicBufferPool<PinnedAllocator>;
+using PinnedBuffer = engine::BasicPooledBuffer<PinnedPool>;
 
-// Staging buffers of one call, given back to the pool when the call ends.
-struct Staging {
-  std::vector<void*> buffers;
-  ~Staging() {
-    for (void* p : buffers) PinnedPool::Get().Release(p);
-  }
-};
+PinnedPool& Pinned() {
+  static auto* pool = new PinnedPool();  // never destroyed: handlers may run late
+  return *pool;
+}
 
 ffi::Error CudaError(const std::string& where, const char* what, cudaError_t err) {
   return ffi::Error::Internal(where + what + " failed: " + cudaGetErrorString(err));
@@ -114,16 +82,19 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, ffi::RunId run_id, int32_t dev
     const size_t n = call.dtypes.size();
     const std::vector<const void*> device_in = call.arrival.in;
     std::vector<void*> device_out = call.arrival.out;
-    Staging staging;
+    std::vector<PinnedBuffer> staging;  // back to the pool when this returns
+    staging.reserve(2 * n);
     for (size_t k = 0; k < n; ++k) {
       const size_t bytes = call.counts[k] * engine::ElementSize(call.dtypes[k]);
-      std::string why;
-      void* host_in = PinnedPool::Get().Acquire(bytes, &why);
-      if (host_in == nullptr) return ffi::Error::Internal(where + why);
-      staging.buffers.push_back(host_in);
-      void* host_out = PinnedPool::Get().Acquire(bytes, &why);
-      if (host_out == nullptr) return ffi::Error::Internal(where + why);
-      staging.buffers.push_back(host_out);
+      staging.emplace_back(&Pinned(), bytes);
+      staging.emplace_back(&Pinned(), bytes);
+      if (!staging[2 * k].ok() || !staging[2 * k + 1].ok()) {
+        return ffi::Error::Internal(where + "cudaHostAlloc of " + std::to_string(bytes) +
+                                    " bytes failed: " +
+                                    cudaGetErrorString(cudaGetLastError()));
+      }
+      void* host_in = staging[2 * k].data();
+      void* host_out = staging[2 * k + 1].data();
       if (bytes > 0) {
         cudaError_t err =
             cudaMemcpyAsync(host_in, device_in[k], bytes, cudaMemcpyDeviceToHost, stream);

@@ -11,14 +11,26 @@
 
 namespace herring::engine {
 
-class BufferPool {
+// Page-aligned host memory from the C allocator.
+struct HostAllocator {
+  static void* Allocate(size_t bytes) { return std::aligned_alloc(4096, bytes); }
+  static void Free(void* p) { std::free(p); }
+};
+
+// A pool of buffers from `Allocator` (Allocate(bytes) -> pointer or nullptr,
+// Free(pointer)): the CUDA handler uses it with pinned host memory.
+template <typename Allocator>
+class BasicBufferPool {
  public:
   struct Free {
-    void operator()(void* p) const { std::free(p); }
+    void operator()(void* p) const {
+      if (p != nullptr) Allocator::Free(p);
+    }
   };
   using Ptr = std::unique_ptr<void, Free>;
 
-  // A buffer of at least `bytes`; give it back with Release.
+  // A buffer of at least `bytes` (null if the allocator failed); give it back
+  // with Release.
   Ptr Acquire(size_t bytes, size_t* capacity) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -36,7 +48,7 @@ class BufferPool {
     size_t rounded = (bytes + 4095) / 4096 * 4096;
     if (rounded == 0) rounded = 4096;
     *capacity = rounded;
-    return Ptr(std::aligned_alloc(4096, rounded));
+    return Ptr(Allocator::Allocate(rounded));
   }
 
   void Release(Ptr p, size_t capacity) {
@@ -55,26 +67,31 @@ class BufferPool {
   size_t held_ = 0;
 };
 
+using BufferPool = BasicBufferPool<HostAllocator>;
+
 // Scoped buffer from a pool.
-class PooledBuffer {
+template <typename Pool>
+class BasicPooledBuffer {
  public:
-  PooledBuffer() = default;
-  PooledBuffer(BufferPool* pool, size_t bytes) : pool_(pool) {
+  BasicPooledBuffer() = default;
+  BasicPooledBuffer(Pool* pool, size_t bytes) : pool_(pool) {
     ptr_ = pool->Acquire(bytes, &capacity_);
   }
-  PooledBuffer(PooledBuffer&&) = default;
-  PooledBuffer& operator=(PooledBuffer&&) = default;
-  ~PooledBuffer() {
+  BasicPooledBuffer(BasicPooledBuffer&&) = default;
+  BasicPooledBuffer& operator=(BasicPooledBuffer&&) = default;
+  ~BasicPooledBuffer() {
     if (pool_ != nullptr) pool_->Release(std::move(ptr_), capacity_);
   }
   char* data() const { return static_cast<char*>(ptr_.get()); }
   bool ok() const { return ptr_ != nullptr; }
 
  private:
-  BufferPool* pool_ = nullptr;
-  BufferPool::Ptr ptr_;
+  Pool* pool_ = nullptr;
+  typename Pool::Ptr ptr_;
   size_t capacity_ = 0;
 };
+
+using PooledBuffer = BasicPooledBuffer<BufferPool>;
 
 }  // namespace herring::engine
 
