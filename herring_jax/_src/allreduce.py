@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import struct
 from typing import Any
 
@@ -164,24 +163,22 @@ def _key(op: str, avals) -> int:
     return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
 
 
-def _next_slot(ctx, width: int) -> int:
+def _next_slot(ctx) -> int:
     """Numbers the call sites of one lowered module: 0, 1, 2, ...
 
     XLA runs independent custom calls concurrently, in a different order on
-    every process, so the engine matches reductions by call site (slot) rather
-    than by order. Lowering visits the call sites in program order, which is
-    the same on every process. The primitive is registered uncacheable so that
-    every call site gets here. One hole remains: jax lowers a nested jitted
-    function once per module and calls it from each of its call sites, so its
-    reductions share slots (matched by how often each ran; safe when the calls
-    depend on each other, ambiguous when XLA may run them concurrently).
+    every process, so the engine matches reductions by what they are: XLA's run
+    id (the executable and its launch), the call site (slot), the inlined copy
+    of it (instance, numbered by the handler's instantiate stage: jax lowers a
+    nested jitted function once per module and calls it from each of its call
+    sites, so its copies share the slot), how often that ran before in the run
+    (occurrence: loops) and the buffer. Lowering visits the call sites in
+    program order, which is the same on every process. The primitive is
+    registered uncacheable so that every call site gets here. Every attribute
+    must be the same on every process (no process-local counter): the run id
+    derives from the executable's fingerprint (see layout.py).
     """
-    return jax_compat.take_module_counter(ctx, "herring_jax.slot", width)
-
-
-# Call-site ids unique in this process: the local devices of one execution
-# meet on (XLA's run id, site), which no other computation can share.
-_SITES = itertools.count(1)
+    return jax_compat.take_module_counter(ctx, "herring_jax.slot", 1)
 
 
 def _lower_transposed(ctx, *args, op, axes, groups, transpose, one_per_process):
@@ -206,7 +203,7 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, one_per_process
     state = runtime.state()
     plan = layout.plan(ctx, axes, groups, one_per_process, platform)
     avals_in = [ctx.avals_in[i] for i in nonempty]
-    slot = _next_slot(ctx, len(nonempty))
+    slot = _next_slot(ctx)
     i64 = functools.partial(np.asarray, dtype=np.int64)
     sub_ctx = ctx.replace(avals_in=avals_in, avals_out=[ctx.avals_out[i] for i in nonempty])
     results = jax.ffi.ffi_lowering("herring_allreduce", has_side_effect=True)(
@@ -215,11 +212,12 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, one_per_process
         op=np.int64(OPS[op]),
         key=np.int64(_key(op, avals_in)),
         slot=np.int64(slot),
-        site=np.int64(next(_SITES)),
-        local_devices=i64(plan.local_devices),
-        device_streams=i64(plan.device_streams),
-        stream_ranks=i64(plan.stream_ranks),
-        stream_offsets=i64(plan.stream_offsets))
+        device_procs=i64(plan.device_procs),
+        device_locals=i64(plan.device_locals),
+        device_groups=i64(plan.device_groups),
+        group_streams=i64(plan.group_streams),
+        group_ranks=i64(plan.group_ranks),
+        group_offsets=i64(plan.group_offsets))
     for i, r in zip(nonempty, results):
         outs[i] = r
     return outs
