@@ -496,12 +496,6 @@ CommStats Communicator::Stats() const {
   return stats;
 }
 
-uint64_t Communicator::TakeOccurrence(const OccurrenceKey& key, int64_t now_ns) {
-  OccurrenceCount& count = occurrences_[key];
-  count.last_ns = now_ns;
-  return count.next++;
-}
-
 // Why forgetting is safe. An entry matters only for a later reduction of the
 // same (run, stream, group, slot, instance): the next iteration of a loop in
 // the same execution. Every reduction finishes or fails within timeout_s, so an
@@ -518,9 +512,7 @@ void Communicator::PruneOccurrences(int64_t now_ns) {
   const int64_t limit_ns = static_cast<int64_t>(limit_s * 1e9);
   if (now_ns - last_prune_ns_ < limit_ns / 8) return;
   last_prune_ns_ = now_ns;
-  for (auto it = occurrences_.begin(); it != occurrences_.end();) {
-    it = now_ns - it->second.last_ns > limit_ns ? occurrences_.erase(it) : std::next(it);
-  }
+  occurrences_.Prune(now_ns - limit_ns);
 }
 
 void Communicator::Enqueue(std::function<void()> task) {
@@ -611,16 +603,19 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
     PruneOccurrences(now);
     const uint32_t group_id =
         group_ids_.emplace(group, static_cast<uint32_t>(group_ids_.size())).first->second;
-    // One occurrence per call: the buffers of one (run, slot, instance) share it.
-    std::map<OccurrenceKey, uint64_t> taken;
-    for (ReduceRequest& r : requests) {
+    // One occurrence per call: the buffers of one (run, slot, instance) share
+    // it (they come one after another in `requests`).
+    OccurrenceKey last;
+    uint64_t occurrence = 0;
+    for (size_t k = 0; k < requests.size(); ++k) {
+      const ReduceRequest& r = requests[k];
       const OccurrenceKey key{r.run_id, stream, group_id, r.slot, r.instance};
-      auto it = taken.find(key);
-      if (it == taken.end()) it = taken.emplace(key, TakeOccurrence(key, now)).first;
+      if (k == 0 || !(key == last)) occurrence = occurrences_.Take(key, now);
+      last = key;
       auto job = std::make_unique<Job>();
       job->batch = batch.get();
       job->req = r;
-      job->id = Identity{r.run_id, r.slot, r.instance, it->second, r.buffer};
+      job->id = Identity{r.run_id, r.slot, r.instance, occurrence, r.buffer};
       job->tag_bits = IdentityTagBits(job->id, stream);
       batch->jobs.push_back(std::move(job));
     }

@@ -20,6 +20,7 @@
 
 #include "engine/buffer_pool.h"
 #include "engine/dtype.h"
+#include "engine/occurrence_table.h"
 #include "engine/wire.h"
 #include "transport/transport.h"
 
@@ -150,28 +151,11 @@ class Communicator {
   // reduced before. Not keyed by the request's key, which stays a checked
   // description: a peer reducing something else under the same identity is
   // then reported as a mismatch instead of waiting on a counter of its own.
-  struct OccurrenceKey {
-    int64_t run_id;
-    uint32_t stream;
-    uint32_t group;  // index into group_ids_
-    uint32_t slot;
-    uint32_t instance;
-    bool operator<(const OccurrenceKey& o) const {
-      return std::tie(run_id, stream, group, slot, instance) <
-             std::tie(o.run_id, o.stream, o.group, o.slot, o.instance);
-    }
-  };
-  struct OccurrenceCount {
-    uint64_t next = 0;
-    int64_t last_ns = 0;  // when a reduction of it last started
-  };
-  // Takes the next occurrence of `key` (occurrences_mu_ held).
-  uint64_t TakeOccurrence(const OccurrenceKey& key, int64_t now_ns);
   // Forgets entries idle for kOccurrenceIdleFactor x timeout_s
   // (occurrences_mu_ held); see the definition for why that is safe.
   void PruneOccurrences(int64_t now_ns);
   mutable std::mutex occurrences_mu_;
-  std::map<OccurrenceKey, OccurrenceCount> occurrences_;
+  OccurrenceTable occurrences_;
   std::map<std::vector<int>, uint32_t> group_ids_;  // groups seen, numbered
   int64_t last_prune_ns_ = 0;
 
