@@ -228,7 +228,9 @@ def describe() -> str:
 
 
 def stats() -> dict:
-    """Counters of this process's communicator: reductions, bytes, dropped messages."""
+    """Counters of this process's communicator: reductions, bytes, dropped messages,
+    heartbeats, peers declared dead, occurrence counters held (bounded: idle
+    ones are pruned)."""
     return dict(_ext.stats(state().handle))
 
 
