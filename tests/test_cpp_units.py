@@ -13,20 +13,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SANITIZERS = {"tsan": "thread", "asan-ubsan": "address,undefined"}
 
 
-@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
-def test_local_rendezvous(sanitizer):
+def _build_and_run(source: str, sanitizer: str, marker: str) -> None:
     clang = shutil.which("clang++")
     assert clang, "clang++ is missing: bash .ci/install.sh installs it"
     with tempfile.TemporaryDirectory(prefix="herring_cpp_") as tmp:
-        binary = os.path.join(tmp, "local_rendezvous_test")
+        binary = os.path.join(tmp, source)
         build = subprocess.run(
             [clang, "-std=c++17", "-g", "-O1", f"-fsanitize={SANITIZERS[sanitizer]}",
              "-fno-sanitize-recover=all", "-I", os.path.join(ROOT, "xla_ffi"),
-             os.path.join(ROOT, "tests", "cpp", "local_rendezvous_test.cc"), "-o", binary,
+             os.path.join(ROOT, "tests", "cpp", source + ".cc"), "-o", binary,
              "-lpthread"], capture_output=True, text=True, timeout=240)
         assert build.returncode == 0, build.stderr[-4000:]
         run = subprocess.run([binary], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "TSAN_OPTIONS": "halt_on_error=1",
                                   "ASAN_OPTIONS": "detect_leaks=1"})
     assert run.returncode == 0, run.stdout + run.stderr[-6000:]
-    assert "LOCAL_RENDEZVOUS_OK" in run.stdout, run.stdout + run.stderr
+    assert marker in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_local_rendezvous(sanitizer):
+    _build_and_run("local_rendezvous_test", sanitizer, "LOCAL_RENDEZVOUS_OK")
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_occurrence_table(sanitizer):
+    _build_and_run("occurrence_table_test", sanitizer, "OCCURRENCE_TABLE_OK")

@@ -34,13 +34,38 @@ std::vector<uint8_t> ToBytes(const nb::bytes& b) {
   return std::vector<uint8_t>(p, p + b.size());
 }
 
+// A handler bundle: the instantiate stage numbers the instruction, the
+// execute stage reduces.
+template <typename I, typename E>
+nb::dict Bundle(I* instantiate, E* execute) {
+  nb::dict stages;
+  stages["instantiate"] = EncapsulateFfiHandler(instantiate);
+  stages["execute"] = EncapsulateFfiHandler(execute);
+  return stages;
+}
+
+// The state type of a platform's handler, as jax.ffi.register_ffi_type takes it.
+nb::dict StateType(bool cuda) {
+  nb::dict type;
+  type["type_id"] = nb::capsule(static_cast<void*>(InstructionStateTypeId(cuda)));
+  type["type_info"] = nb::capsule(
+      const_cast<void*>(static_cast<const void*>(InstructionStateTypeInfo(cuda))));
+  return type;
+}
+
 }  // namespace
 
 NB_MODULE(_herring_ffi, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["herring_allreduce"] = EncapsulateFfiHandler(HerringAllReduce);
+    d["herring_allreduce"] = Bundle(HerringAllReduceInstantiate, HerringAllReduce);
     d["herring_simulated_compute"] = EncapsulateFfiHandler(HerringSimulatedCompute);
+    return d;
+  });
+  // Types to register (jax.ffi.register_ffi_type) before the handlers.
+  m.def("type_registrations", []() {
+    nb::dict d;
+    d["herring_jax.instruction_state"] = StateType(false);
     return d;
   });
 
@@ -48,10 +73,20 @@ NB_MODULE(_herring_ffi, m) {
   m.def("cuda_registrations", []() {
     nb::dict d;
 #ifdef HERRING_WITH_CUDA
-    d["herring_allreduce"] = EncapsulateFfiHandler(HerringAllReduceCuda);
+    d["herring_allreduce"] = Bundle(HerringAllReduceInstantiateCuda, HerringAllReduceCuda);
 #endif
     return d;
   });
+  m.def("cuda_type_registrations", []() {
+    nb::dict d;
+#ifdef HERRING_WITH_CUDA
+    d["herring_jax.instruction_state.cuda"] = StateType(true);
+#endif
+    return d;
+  });
+
+  m.def("set_local_devices", &SetLocalDevices, nb::arg("platform"), nb::arg("numbers"),
+        "How the platform's handler numbers this process's devices, in jax's local order.");
 
   m.def(
       "create_communicator",
@@ -107,6 +142,7 @@ NB_MODULE(_herring_ffi, m) {
     d["messages_dropped"] = s.messages_dropped;
     d["heartbeats_received"] = s.heartbeats_received;
     d["peers_declared_dead"] = s.peers_declared_dead;
+    d["occurrence_entries"] = s.occurrence_entries;
     return d;
   });
 

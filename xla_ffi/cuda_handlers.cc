@@ -65,16 +65,20 @@ ffi::Error CudaError(const std::string& where, const char* what, cudaError_t err
 }
 
 ffi::Error CudaAllReduceImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
-                             ffi::RemainingArgs args, ffi::RemainingRets rets,
-                             int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
-                             int64_t site, ffi::Span<const int64_t> local_devices,
-                             ffi::Span<const int64_t> device_streams,
-                             ffi::Span<const int64_t> stream_ranks,
-                             ffi::Span<const int64_t> stream_offsets) {
+                             CudaInstructionState* instruction, ffi::RemainingArgs args,
+                             ffi::RemainingRets rets, int64_t comm_handle, int64_t op,
+                             int64_t key, int64_t slot, ffi::Span<const int64_t> device_procs,
+                             ffi::Span<const int64_t> device_locals,
+                             ffi::Span<const int64_t> device_groups,
+                             ffi::Span<const int64_t> group_streams,
+                             ffi::Span<const int64_t> group_ranks,
+                             ffi::Span<const int64_t> group_offsets) {
   return NoThrow("herring allreduce (CUDA)", [&]() -> ffi::Error {
-    CallAttrs attrs{comm_handle,   op,             key,          slot,          site,
-                    local_devices, device_streams, stream_ranks, stream_offsets};
+    CallAttrs attrs{comm_handle,   op,           key,           slot,
+                    device_procs,  device_locals, device_groups, group_streams,
+                    group_ranks,   group_offsets};
     DecodedCall call;
+    call.platform = "cuda";
     ffi::Error error = DecodeCall(args, rets, attrs, &call);
     if (error.failure()) return error;
     const std::string& where = call.where;
@@ -106,7 +110,10 @@ ffi::Error CudaAllReduceImpl(cudaStream_t stream, ffi::RunId run_id, int32_t dev
     cudaError_t err = cudaStreamSynchronize(stream);
     if (err != cudaSuccess) return CudaError(where, "cudaStreamSynchronize", err);
 
-    error = ReduceCall(run_id.run_id, device, attrs, call);
+    std::vector<engine::PooledBuffer> zeros;
+    error = PrepareBroadcast(call, &attrs.op, &zeros);
+    if (error.failure()) return error;
+    error = ReduceCall(run_id.run_id, device, *instruction, attrs, call);
     if (error.failure()) return error;
 
     for (size_t k = 0; k < n; ++k) {
@@ -131,7 +138,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BindAllReduceAttrs(ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
                            .Ctx<ffi::RunId>()          // this execution, same on every device
-                           .Ctx<ffi::DeviceOrdinal>()  // global id of the calling device
+                           .Ctx<ffi::DeviceOrdinal>()  // local ordinal of the calling device
+                           .Ctx<ffi::State<CudaInstructionState>>()  // this instruction
                            .RemainingArgs()            // device buffers to reduce
                            .RemainingRets()));         // reduced device buffers
 

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/buffer_pool.h"
 #include "engine/communicator.h"
 #include "engine/local_rendezvous.h"
 #include "xla/ffi/api/ffi.h"
@@ -20,21 +21,48 @@ namespace herring {
 
 namespace ffi = xla::ffi;
 
-// The custom call's attributes (see the binding in handlers.cc).
+// The custom call's attributes (see BindAllReduceAttrs). They are the same
+// on every process: XLA's run id derives from the executable's fingerprint,
+// which covers them, and must agree across processes (see call_identity.cc).
 struct CallAttrs {
   int64_t comm;
   int64_t op;
   int64_t key;
   int64_t slot;
-  int64_t site;
-  ffi::Span<const int64_t> local_devices;
-  ffi::Span<const int64_t> device_streams;
-  ffi::Span<const int64_t> stream_ranks;
-  ffi::Span<const int64_t> stream_offsets;
+  ffi::Span<const int64_t> device_procs;
+  ffi::Span<const int64_t> device_locals;
+  ffi::Span<const int64_t> device_groups;
+  ffi::Span<const int64_t> group_streams;
+  ffi::Span<const int64_t> group_ranks;
+  ffi::Span<const int64_t> group_offsets;
+};
+
+// Per-instruction state from XLA's instantiate stage (call_identity.cc).
+// XLA:CPU instantiates every custom-call instruction once, when it compiles
+// the executable, in the order of its thunk sequence, and all local devices
+// share the state: two inlined copies of one call site get two states.
+struct InstructionState {
+  static ffi::TypeId id;
+  uint64_t uid = 0;       // unique in this process: names the local meeting
+  uint32_t instance = 0;  // its number among instructions with equal attributes
+};
+// The same for XLA's CUDA platform, whose plugin numbers types on its own.
+struct CudaInstructionState : InstructionState {
+  static ffi::TypeId id;
+};
+
+// Where the calling device stands in the call: its group (stream and
+// processes) and its place among the local devices of that group.
+struct CallPlace {
+  uint32_t stream = 0;
+  std::vector<int> ranks;
+  int position = 0;
+  int local_count = 0;
 };
 
 struct DecodedCall {
   std::shared_ptr<engine::Communicator> comm;
+  const char* platform = "cpu";    // whose local device table names devices
   std::string where;               // "herring allreduce on rank R: "
   engine::LocalArrival arrival;    // XLA's buffer pointers, one per operand
   std::vector<engine::DType> dtypes;
@@ -47,15 +75,25 @@ template <typename Binding>
 auto BindAllReduceAttrs(Binding binding) {
   return std::move(binding)
       .template Attr<int64_t>("comm")                   // communicator handle (registry)
-      .template Attr<int64_t>("op")                     // 0 sum, 1 mean
+      .template Attr<int64_t>("op")                     // 0 sum, 1 mean, 2 + r: broadcast from r
       .template Attr<int64_t>("key")                    // description hash, checked on the wire
-      .template Attr<int64_t>("slot")                   // call site id, same on every process
-      .template Attr<int64_t>("site")                   // call site id, unique in this process
-      .template Attr<ffi::Span<const int64_t>>("local_devices")    // this process's devices
-      .template Attr<ffi::Span<const int64_t>>("device_streams")   // group of each of them
-      .template Attr<ffi::Span<const int64_t>>("stream_ranks")     // processes of each group,
-      .template Attr<ffi::Span<const int64_t>>("stream_offsets");  // concatenated; offsets
+      .template Attr<int64_t>("slot")                   // call site in the module
+      .template Attr<ffi::Span<const int64_t>>("device_procs")   // each device's process
+      .template Attr<ffi::Span<const int64_t>>("device_locals")  // its local index there
+      .template Attr<ffi::Span<const int64_t>>("device_groups")  // the group it reduces in
+      .template Attr<ffi::Span<const int64_t>>("group_streams")  // each group's stream
+      .template Attr<ffi::Span<const int64_t>>("group_ranks")    // processes of each group,
+      .template Attr<ffi::Span<const int64_t>>("group_offsets");  // concatenated; offsets
 }
+
+// The instantiate stage: numbers the instruction (call_identity.cc).
+template <typename State>
+ffi::ErrorOr<std::unique_ptr<State>> InstantiateCall(const CallAttrs& attrs);
+
+// Finds the calling device (`device`: XLA's DeviceOrdinal) among the call's
+// participants and its group; `call.where` prefixes errors.
+ffi::Error LocateCall(const CallAttrs& attrs, int32_t device, const DecodedCall& call,
+                      CallPlace* place);
 
 // Runs a handler body so that no C++ exception crosses into XLA: anything
 // thrown becomes an ffi::Error that says where it came from.
@@ -70,15 +108,31 @@ ffi::Error NoThrow(const char* what, Body&& body) {
   }
 }
 
+// op attribute values: a sum, a mean, or (kOpBroadcast + r) a broadcast from
+// rank r, which is a sum to which every other rank contributes zeros; so
+// that the compiled program (and so XLA's run id) is the same on every
+// process, the root travels in the attribute and the zeros are made here.
+constexpr int64_t kOpSum = 0;
+constexpr int64_t kOpMean = 1;
+constexpr int64_t kOpBroadcast = 2;
+
+// For a broadcast (op >= kOpBroadcast): off the root, points `call`'s inputs
+// at zeroed buffers kept in `zeros`; returns the engine's op (a sum) in *op.
+ffi::Error PrepareBroadcast(DecodedCall& call, int64_t* op,
+                            std::vector<engine::PooledBuffer>* zeros);
+
 // Finds the communicator and checks and collects the buffers.
 ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,
                       DecodedCall* call);
 
 // Reduces `call.arrival` (host memory) with the other local devices of the
 // same group and across processes; the result lands in `call.arrival.out`.
-// `run_id` is XLA's id of the execution: with `attrs.site` it names the
-// meeting of the local devices (see engine/local_rendezvous.h).
-ffi::Error ReduceCall(int64_t run_id, int32_t device, const CallAttrs& attrs, DecodedCall& call);
+// `run_id` is XLA's id of the execution and `instruction` the custom call's
+// instantiate-stage state: with the slot they name the reduction on every
+// process, and (run id, instruction uid) the meeting of the local devices
+// (see engine/local_rendezvous.h).
+ffi::Error ReduceCall(int64_t run_id, int32_t device, const InstructionState& instruction,
+                      const CallAttrs& attrs, DecodedCall& call);
 
 }  // namespace herring
 

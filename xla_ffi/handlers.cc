@@ -69,7 +69,8 @@ std::string GroupKey(int64_t stream, const std::vector<int>& group) {
 // devices (in position order), then across processes, then copies the result
 // to every local device's output.
 engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
-                         uint64_t slot, uint32_t stream, const std::vector<int>& group,
+                         int64_t run_id, uint32_t slot, uint32_t instance, uint32_t stream,
+                         const std::vector<int>& group,
                          const std::vector<DType>& dtypes, const std::vector<size_t>& counts,
                          const std::vector<engine::LocalArrival>& arrivals) {
   const size_t num_buffers = dtypes.size();
@@ -88,7 +89,10 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
     r.op = op;
     r.count = counts[k];
     r.key = key + k;
-    r.slot = slot + k;
+    r.run_id = run_id;
+    r.slot = slot;
+    r.instance = instance;
+    r.buffer = static_cast<uint32_t>(k);
     r.out = arrivals[0].out[k];
     r.contributors = static_cast<uint32_t>(local);
     if (local == 1) {
@@ -124,8 +128,9 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
   }
   call->where = "herring allreduce on rank " + std::to_string(call->comm->rank()) + ": ";
   const std::string& where = call->where;
-  if (attrs.op != 0 && attrs.op != 1) {
-    return ffi::Error::InvalidArgument(where + "op must be 0 (sum) or 1 (mean)");
+  if (attrs.op < kOpSum || attrs.op >= kOpBroadcast + call->comm->size()) {
+    return ffi::Error::InvalidArgument(where + "op must be 0 (sum), 1 (mean) or 2 + a rank "
+                                       "(broadcast from it)");
   }
   if (args.size() != rets.size()) {
     return ffi::Error::InvalidArgument(where + "operand and result counts differ");
@@ -154,51 +159,48 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
   return ffi::Error::Success();
 }
 
-ffi::Error ReduceCall(int64_t run_id, int32_t device, const CallAttrs& attrs, DecodedCall& call) {
+ffi::Error PrepareBroadcast(DecodedCall& call, int64_t* op,
+                            std::vector<engine::PooledBuffer>* zeros) {
+  if (*op < kOpBroadcast) return ffi::Error::Success();
+  const int64_t root = *op - kOpBroadcast;
+  *op = kOpSum;
+  if (call.comm->rank() == root) return ffi::Error::Success();
+  for (size_t k = 0; k < call.dtypes.size(); ++k) {
+    const size_t bytes = call.counts[k] * engine::ElementSize(call.dtypes[k]);
+    zeros->emplace_back(&call.comm->pool(), bytes);
+    if (!zeros->back().ok()) {
+      return ffi::Error::Internal(call.where + "out of memory for a broadcast's zeros");
+    }
+    std::memset(zeros->back().data(), 0, bytes);
+    call.arrival.in[k] = zeros->back().data();
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceCall(int64_t run_id, int32_t device, const InstructionState& instruction,
+                      const CallAttrs& attrs, DecodedCall& call) {
   const std::string& where = call.where;
-  const auto& local_devices = attrs.local_devices;
-  const auto& device_streams = attrs.device_streams;
-  if (device_streams.size() != local_devices.size() || attrs.stream_offsets.size() < 2) {
-    return ffi::Error::InvalidArgument(where + "malformed group attributes");
-  }
-  // A single-device computation may be lowered before its device is known:
-  // Python then passes -1, "whichever device runs this".
-  int index = local_devices.size() == 1 && local_devices[0] == -1 ? 0 : -1;
-  for (size_t i = 0; i < local_devices.size(); ++i) {
-    if (local_devices[i] == device) index = static_cast<int>(i);
-  }
-  if (index < 0) {
-    return ffi::Error::InvalidArgument(where + "device " + std::to_string(device) +
-                                       " is not among the local participants");
-  }
-  // This device's group (stream): its processes, and its place among the
-  // local devices of the same group (the order of the local sum).
-  const int64_t stream = device_streams[index];
-  if (stream < 0 || static_cast<size_t>(stream) + 1 >= attrs.stream_offsets.size()) {
-    return ffi::Error::InvalidArgument(where + "stream out of range");
-  }
-  int position = 0;
-  int local_count = 0;
-  for (size_t i = 0; i < device_streams.size(); ++i) {
-    if (device_streams[i] != stream) continue;
-    if (static_cast<int>(i) < index) ++position;
-    ++local_count;
-  }
-  std::vector<int> ranks(attrs.stream_ranks.begin() + attrs.stream_offsets[stream],
-                         attrs.stream_ranks.begin() + attrs.stream_offsets[stream + 1]);
+  CallPlace place;
+  ffi::Error located = LocateCall(attrs, device, call, &place);
+  if (located.failure()) return located;
+  const int64_t stream = place.stream;
+  const int position = place.position;
+  const int local_count = place.local_count;
+  const std::vector<int>& ranks = place.ranks;
 
   auto work = [&](const std::vector<engine::LocalArrival>& all) {
     return ReduceAll(*call.comm, static_cast<ReduceOp>(attrs.op),
-                     static_cast<uint64_t>(attrs.key), static_cast<uint64_t>(attrs.slot),
-                     static_cast<uint32_t>(stream), ranks, call.dtypes, call.counts, all);
+                     static_cast<uint64_t>(attrs.key), run_id, static_cast<uint32_t>(attrs.slot),
+                     instruction.instance, static_cast<uint32_t>(stream), ranks, call.dtypes,
+                     call.counts, all);
   };
   engine::Status status;
   if (local_count == 1) {
     status = work({call.arrival});
   } else {
-    // Matched by execution and call site, never by arrival order: XLA may
+    // Matched by execution and instruction, never by arrival order: XLA may
     // start a device's independent calls in any order.
-    engine::MeetingKey meeting{run_id, attrs.site, GroupKey(stream, ranks)};
+    engine::MeetingKey meeting{run_id, instruction.uid, GroupKey(stream, ranks)};
     status = Rendezvous().Arrive(meeting, position, local_count, call.arrival,
                                  call.comm->config().timeout_s + 10.0, work);
   }
@@ -213,13 +215,17 @@ namespace {
 struct AsyncCall {
   int64_t run_id = 0;
   int32_t device = 0;
-  int64_t comm = 0, op = 0, key = 0, slot = 0, site = 0;
-  std::vector<int64_t> local_devices, device_streams, stream_ranks, stream_offsets;
+  InstructionState instruction;
+  int64_t comm = 0, op = 0, key = 0, slot = 0;
+  std::vector<int64_t> device_procs, device_locals, device_groups, group_streams, group_ranks,
+      group_offsets;
   DecodedCall call;
+  std::vector<engine::PooledBuffer> zeros;  // a broadcast's contribution off the root
 
   CallAttrs Attrs() const {
-    return CallAttrs{comm, op, key, slot, site, local_devices, device_streams, stream_ranks,
-                     stream_offsets};
+    return CallAttrs{comm,          op,            key,           slot,
+                     device_procs,  device_locals, device_groups, group_streams,
+                     group_ranks,   group_offsets};
   }
 };
 
@@ -228,30 +234,36 @@ struct AsyncCall {
 // own threads and returns a future at once, so XLA keeps computing (the rest
 // of the backward pass) while the bytes move; whatever reads the result waits
 // for the future. XLA keeps the operand and result buffers until then.
-ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::RemainingArgs args,
-                          ffi::RemainingRets rets, int64_t comm_handle, int64_t op, int64_t key,
-                          int64_t slot, int64_t site,
-                          ffi::Span<const int64_t> local_devices,
-                          ffi::Span<const int64_t> device_streams,
-                          ffi::Span<const int64_t> stream_ranks,
-                          ffi::Span<const int64_t> stream_offsets) {
+ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* instruction,
+                          ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
+                          ffi::Span<const int64_t> device_procs,
+                          ffi::Span<const int64_t> device_locals,
+                          ffi::Span<const int64_t> device_groups,
+                          ffi::Span<const int64_t> group_streams,
+                          ffi::Span<const int64_t> group_ranks,
+                          ffi::Span<const int64_t> group_offsets) {
   ffi::Promise promise;
   ffi::Future future(promise);
   ffi::Error error = NoThrow("herring allreduce", [&]() -> ffi::Error {
     auto task = std::make_shared<AsyncCall>();
     task->run_id = run_id.run_id;
     task->device = device;
+    task->instruction = *instruction;
     task->comm = comm_handle;
     task->op = op;
     task->key = key;
     task->slot = slot;
-    task->site = site;
-    task->local_devices.assign(local_devices.begin(), local_devices.end());
-    task->device_streams.assign(device_streams.begin(), device_streams.end());
-    task->stream_ranks.assign(stream_ranks.begin(), stream_ranks.end());
-    task->stream_offsets.assign(stream_offsets.begin(), stream_offsets.end());
+    task->device_procs.assign(device_procs.begin(), device_procs.end());
+    task->device_locals.assign(device_locals.begin(), device_locals.end());
+    task->device_groups.assign(device_groups.begin(), device_groups.end());
+    task->group_streams.assign(group_streams.begin(), group_streams.end());
+    task->group_ranks.assign(group_ranks.begin(), group_ranks.end());
+    task->group_offsets.assign(group_offsets.begin(), group_offsets.end());
     ffi::Error decoded = DecodeCall(args, rets, task->Attrs(), &task->call);
     if (decoded.failure()) return decoded;
+    ffi::Error prepared = PrepareBroadcast(task->call, &task->op, &task->zeros);
+    if (prepared.failure()) return prepared;
     engine::TimelineEvent event;
     event.slot = slot;
     event.device = device;
@@ -262,7 +274,8 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, ffi::RemainingArgs 
     engine::AsyncRunner::Get().Run([task, promise, event]() mutable {
       event.begun_ns = engine::Timeline::NowNs();
       ffi::Error done = NoThrow("herring allreduce", [&] {
-        return ReduceCall(task->run_id, task->device, task->Attrs(), task->call);
+        return ReduceCall(task->run_id, task->device, task->instruction, task->Attrs(),
+                          task->call);
       });
       event.ended_ns = engine::Timeline::NowNs();
       event.ok = !done.failure();
@@ -286,6 +299,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     BindAllReduceAttrs(ffi::Ffi::Bind()
                            .Ctx<ffi::RunId>()          // this execution, same on every device
                            .Ctx<ffi::DeviceOrdinal>()  // global id of the calling device
+                           .Ctx<ffi::State<InstructionState>>()  // this instruction (instance)
                            .RemainingArgs()            // buffers to reduce
                            .RemainingRets()));         // reduced buffers, same types
 

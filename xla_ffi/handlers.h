@@ -2,11 +2,17 @@
 #ifndef HERRING_HANDLERS_H_
 #define HERRING_HANDLERS_H_
 
+#include <cstdint>
+#include <string>
+#include <vector>
+
 #include "xla/ffi/api/api.h"
 
 namespace herring {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduce);
+// call_identity.cc: the instantiate stage of both, numbering instructions.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceInstantiate);
 
 // simulated_compute.cc: a wait that uses no CPU, standing in for accelerator
 // compute in benchmarks.
@@ -15,7 +21,17 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringSimulatedCompute);
 #ifdef HERRING_WITH_CUDA
 // cuda_handlers.cc: the same call on XLA's CUDA platform.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceInstantiateCuda);
 #endif
+
+// The per-instruction state type of the CPU (cuda: CUDA) handler: XLA must
+// know it (type id in-out, deleter) before the handler is registered.
+XLA_FFI_TypeId* InstructionStateTypeId(bool cuda);
+const XLA_FFI_TypeInfo* InstructionStateTypeInfo(bool cuda);
+
+// The numbers by which `platform`'s handler names this process's devices, in
+// jax's local order: the attributes name devices by that local index.
+void SetLocalDevices(const std::string& platform, std::vector<int64_t> numbers);
 
 }  // namespace herring
 

@@ -12,14 +12,16 @@ parameters:
   groups     lax's axis_index_groups (a tuple of tuples), or None.
   transpose  axes=None only: the transpose of an allreduce, which under the
              mpi4jax convention is the identity (1/N for a mean), no traffic.
-  one_per_process  only one device per process may take part (broadcast).
+  root       None for a reduction; a rank for a broadcast from it (a sum to
+             which every other process contributes zeros, made by the handler
+             so that the program is the same on every process); one device
+             per process.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import struct
 from typing import Any
 
@@ -38,6 +40,7 @@ from herring_jax._src.errors import herring_errors
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "complex64", "complex128",
                     "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 OPS = {"sum": 0, "mean": 1}
+_OP_BROADCAST = 2  # the op attribute of a broadcast from rank r is 2 + r (handler_common.h)
 
 
 def check_op(op: str) -> None:
@@ -122,9 +125,9 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def bind(leaves, *, op, axes, groups=None, one_per_process=False):
+def bind(leaves, *, op, axes, groups=None, root=None):
     return allreduce_p.bind(*leaves, op=op, axes=axes, groups=groups, transpose=False,
-                            one_per_process=one_per_process)
+                            root=root)
 
 
 # -- abstract eval -----------------------------------------------------------
@@ -132,8 +135,8 @@ def bind(leaves, *, op, axes, groups=None, one_per_process=False):
 # the same on every device of those axes: no longer varying (or unreduced)
 # over them, as for lax.psum.
 
-def _abstract_eval(*avals, op, axes, groups, transpose, one_per_process):
-    del op, groups, transpose, one_per_process
+def _abstract_eval(*avals, op, axes, groups, transpose, root):
+    del op, groups, transpose, root
     if axes is None:
         return list(avals)
     jax_compat.check_axis_names(axes, "herring_jax.psum")
@@ -164,29 +167,27 @@ def _key(op: str, avals) -> int:
     return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
 
 
-def _next_slot(ctx, width: int) -> int:
+def _next_slot(ctx) -> int:
     """Numbers the call sites of one lowered module: 0, 1, 2, ...
 
     XLA runs independent custom calls concurrently, in a different order on
-    every process, so the engine matches reductions by call site (slot) rather
-    than by order. Lowering visits the call sites in program order, which is
-    the same on every process. The primitive is registered uncacheable so that
-    every call site gets here. One hole remains: jax lowers a nested jitted
-    function once per module and calls it from each of its call sites, so its
-    reductions share slots (matched by how often each ran; safe when the calls
-    depend on each other, ambiguous when XLA may run them concurrently).
+    every process, so the engine matches reductions by what they are: XLA's run
+    id (the executable and its launch), the call site (slot), the inlined copy
+    of it (instance, numbered by the handler's instantiate stage: jax lowers a
+    nested jitted function once per module and calls it from each of its call
+    sites, so its copies share the slot), how often that ran before in the run
+    (occurrence: loops) and the buffer. Lowering visits the call sites in
+    program order, which is the same on every process. The primitive is
+    registered uncacheable so that every call site gets here. Every attribute
+    must be the same on every process (no process-local counter): the run id
+    derives from the executable's fingerprint (see layout.py).
     """
-    return jax_compat.take_module_counter(ctx, "herring_jax.slot", width)
+    return jax_compat.take_module_counter(ctx, "herring_jax.slot", 1)
 
 
-# Call-site ids unique in this process: the local devices of one execution
-# meet on (XLA's run id, site), which no other computation can share.
-_SITES = itertools.count(1)
-
-
-def _lower_transposed(ctx, *args, op, axes, groups, transpose, one_per_process):
+def _lower_transposed(ctx, *args, op, axes, groups, transpose, root):
     """The transpose of an allreduce: the identity, or 1/N for a mean."""
-    del axes, groups, transpose, one_per_process
+    del axes, groups, transpose, root
     n = layout.contributors(ctx)
     if op == "sum":
         return list(args)
@@ -194,32 +195,33 @@ def _lower_transposed(ctx, *args, op, axes, groups, transpose, one_per_process):
                           multiple_results=True)(ctx, *args)
 
 
-def _lowering(ctx, *args, platform, op, axes, groups, transpose, one_per_process):
+def _lowering(ctx, *args, platform, op, axes, groups, transpose, root):
     if transpose:
         return _lower_transposed(ctx, *args, op=op, axes=axes, groups=groups,
-                                 transpose=transpose, one_per_process=one_per_process)
+                                 transpose=transpose, root=root)
     # Zero-size operands need no reduction: the handler sees only the others.
     nonempty = [i for i, a in enumerate(ctx.avals_in) if np.prod(a.shape) > 0]
     outs = [mlir.ir_constant(np.zeros(a.shape, a.dtype)) for a in ctx.avals_out]
     if not nonempty:
         return outs
     state = runtime.state()
-    plan = layout.plan(ctx, axes, groups, one_per_process, platform)
+    plan = layout.plan(ctx, axes, groups, root is not None, platform)
     avals_in = [ctx.avals_in[i] for i in nonempty]
-    slot = _next_slot(ctx, len(nonempty))
+    slot = _next_slot(ctx)
     i64 = functools.partial(np.asarray, dtype=np.int64)
     sub_ctx = ctx.replace(avals_in=avals_in, avals_out=[ctx.avals_out[i] for i in nonempty])
     results = jax.ffi.ffi_lowering("herring_allreduce", has_side_effect=True)(
         sub_ctx, *[args[i] for i in nonempty],
         comm=np.int64(state.handle),
-        op=np.int64(OPS[op]),
+        op=np.int64(OPS[op] if root is None else _OP_BROADCAST + root),
         key=np.int64(_key(op, avals_in)),
         slot=np.int64(slot),
-        site=np.int64(next(_SITES)),
-        local_devices=i64(plan.local_devices),
-        device_streams=i64(plan.device_streams),
-        stream_ranks=i64(plan.stream_ranks),
-        stream_offsets=i64(plan.stream_offsets))
+        device_procs=i64(plan.device_procs),
+        device_locals=i64(plan.device_locals),
+        device_groups=i64(plan.device_groups),
+        group_streams=i64(plan.group_streams),
+        group_ranks=i64(plan.group_ranks),
+        group_offsets=i64(plan.group_offsets))
     for i, r in zip(nonempty, results):
         outs[i] = r
     return outs
@@ -247,9 +249,9 @@ def _jvp(primals, tangents, **params):
     return outs, tangents_out
 
 
-def _transpose(cts, *args, op, axes, groups, transpose, one_per_process):
+def _transpose(cts, *args, op, axes, groups, transpose, root):
     params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  one_per_process=one_per_process)
+                  root=root)
     outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
     if axes is None:
         todo = [i for i, o in enumerate(outs) if o is None]
@@ -278,9 +280,9 @@ def _transpose(cts, *args, op, axes, groups, transpose, one_per_process):
 # batch is reduced in place (an unbatched operand counts axis_size times) and
 # the rest of the axes go to the engine; the result is no longer batched.
 
-def _batch(axis_data, args, dims, *, op, axes, groups, transpose, one_per_process):
+def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root):
     params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  one_per_process=one_per_process)
+                  root=root)
     if axes is None or axis_data.name not in axes:
         return allreduce_p.bind(*args, **params), list(dims)
     if groups is not None:

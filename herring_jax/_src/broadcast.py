@@ -3,8 +3,8 @@ Horovod's broadcast_parameters (ranks that initialise or restore differently
 start from the same parameters).
 
 It is a reduction in disguise, so it uses the same balanced parameter-server
-path: the root contributes its values, every other process zeros, and the
-engine sums. Floating values travel as unsigned integers of the same width,
+path: the root contributes its values, every other process zeros (made by
+the handler), and the engine sums. Floating values travel as unsigned integers of the same width,
 so the sum is exact whatever the bits (-0.0, NaN payloads, subnormals): every
 process gets bitwise the root's value.
 """
@@ -83,16 +83,15 @@ def broadcast(tree: Any, root: int = 0) -> Any:
     for i, x in enumerate(leaves):
         if x.dtype != jnp.bool_:
             _allreduce.prepare_leaf(i, x)  # the dtype check and its message
-    # Root's bits times 1, everyone else's times 0: the same program on every
-    # process but for one constant. (Zeros that ignore the input would let jax
-    # lower a different computation off the root, e.g. on other devices.)
-    is_root = int(runtime.process_index() == root)
+    # Every process binds the same program; the handler makes the zeros off
+    # the root (a per-process constant here would compile a different program
+    # per process, and XLA's run id, which matches reductions, would differ).
     parts, counts = [], []
     for x in leaves:
         p = _parts(jax.lax.stop_gradient(x))
-        parts += [v * np.asarray(is_root, v.dtype) for v in p]
+        parts += p
         counts.append(len(p))
-    summed = _allreduce.bind(parts, op="sum", axes=None, one_per_process=True)
+    summed = _allreduce.bind(parts, op="sum", axes=None, root=int(root))
     outs, at = [], 0
     for x, k in zip(leaves, counts):
         outs.append(_join(x, summed[at:at + k]))

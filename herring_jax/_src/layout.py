@@ -1,6 +1,15 @@
-"""Who takes part in one reduction: this process's devices, the group each of
-them reduces in, and the processes of every group, as the handler's attributes
-describe them.
+"""Who takes part in one reduction: every device of the computation, the group
+each of them reduces in, and the processes and stream of every group, as the
+handler's attributes describe them.
+
+The description is the same on every process, and must be: XLA's run id,
+which names a reduction across processes, derives from the executable's
+fingerprint, and that covers the custom call's attributes (see
+xla_ffi/call_identity.cc). So devices are named by (process, index among that
+process's local devices), never by a process-local number, and a computation
+that lives on one process's devices is described as "each process's own
+devices" (EVERY_PROCESS). The handler finds its own entry from its rank and a
+table of its local devices (set by initialize()).
 
 Every process computes the same plan from the same mesh, so the numbering of
 groups (streams) agrees everywhere without any exchange.
@@ -16,7 +25,10 @@ import numpy as np
 from herring_jax._src import jax_compat
 from herring_jax._src.errors import HerringError
 
-# The handler's "whichever device runs this" for single-device computations.
+# device_procs / group_ranks: "each process, its own" (a computation local to
+# every process). device_locals: "whichever device runs this" (a single-device
+# computation lowered before its device is known).
+EVERY_PROCESS = -1
 ANY_DEVICE = -1
 # Streams per call that can reach the wire: the tag has 6 bits for it, and the
 # last value is the engine's control stream. Only groups that share a process
@@ -27,34 +39,24 @@ MAX_STREAMS = 63
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    local_devices: list[int]   # this process's devices (global ids), or [ANY_DEVICE]
-    device_streams: list[int]  # the stream (group) of each of them
-    stream_ranks: list[int]    # processes of every stream, concatenated
-    stream_offsets: list[int]  # where each stream's processes start; one more at the end
-
-
-def device_number(platform: str):
-    """How the handler on `platform` names the device it runs on (XLA's
-    DeviceOrdinal): on XLA:CPU the global device id (measured: 0, 1, 2048,
-    2049 for two processes of two devices); on XLA:CUDA the process-local
-    ordinal, which PJRT's GPU client takes from the local device it runs the
-    executable on, i.e. jax's Device.local_hardware_id."""
-    if platform == "cuda":
-        return lambda d: d.local_hardware_id
-    return lambda d: d.id
+    device_procs: list[int]   # each participating device's process, or EVERY_PROCESS
+    device_locals: list[int]  # its index among its process's local devices, or ANY_DEVICE
+    device_groups: list[int]  # the group it reduces in
+    group_streams: list[int]  # each group's stream (wire id)
+    group_ranks: list[int]    # processes of every group, concatenated
+    group_offsets: list[int]  # where each group's processes start; one more at the end
 
 
 def plan(ctx, axes, groups, one_per_process: bool, platform: str = "cpu") -> Plan:
     """The plan of a call being lowered: across processes (axes None) or across
     the named mesh axes, optionally split by lax's axis_index_groups."""
-    number = device_number(platform)
     if axes is None:
-        return _across_processes(ctx, one_per_process, number)
+        return _across_processes(ctx, one_per_process, platform)
     mesh = jax_compat.manual_mesh(ctx)
     if mesh is None:
         raise NameError(f"herring_jax.psum over axes {axes} must be called inside "
                         "jax.shard_map (or jax.pmap); outside, use herring_jax.allreduce")
-    return _across_axes(mesh, tuple(axes), groups, number)
+    return _across_axes(mesh, tuple(axes), groups, platform)
 
 
 def contributors(ctx) -> int:
@@ -72,30 +74,49 @@ def group_size(axes, groups) -> int:
     return jax_compat.axes_size(axes)
 
 
-def _across_processes(ctx, one_per_process: bool, number) -> Plan:
+def _describe(devices: list, platform: str) -> tuple[list[int], list[int], bool]:
+    """(procs, locals, local_only) of `devices`: each one's process and index
+    among its process's local devices (jax's order, known to every process); a
+    computation on this process's devices only is described as each process's
+    own (EVERY_PROCESS)."""
+    me = jax.process_index()
+    local_only = all(d.process_index == me for d in devices)
+    procs = [EVERY_PROCESS if local_only else d.process_index for d in devices]
+    order = {}
+    for p in sorted({d.process_index for d in devices}):
+        local = jax.local_devices(process_index=p, backend=platform)
+        order.update({d: i for i, d in enumerate(local)})
+    return procs, [order[d] for d in devices], local_only
+
+
+def _across_processes(ctx, one_per_process: bool, platform: str) -> Plan:
     me = jax.process_index()
     devices = jax_compat.computation_devices(ctx)
-    local = None
-    if devices == [None]:
-        local = [ANY_DEVICE]
-    elif devices is not None:
-        local = [number(d) for d in devices if d.process_index == me]
-    if one_per_process and (local is None or len(local) > 1):
-        # (None: jax lowers a multi-device computation without its assignment.)
-        raise ValueError(
-            f"herring_jax.broadcast runs on one device per process, but this computation "
-            f"spans several devices of process {me}: call it outside jit, or in a jit "
-            "whose inputs live on one device")
-    if local is None:
-        raise HerringError("herring_jax cannot lower without a concrete device assignment")
-    if not local:
-        raise HerringError(f"process {me} has no device in this computation")
     n = jax.process_count()
-    return Plan(local, [0] * len(local), list(range(n)), [0, n])
+    everyone = ([0], list(range(n)), [0, n])
+    if devices == [None]:
+        return Plan([EVERY_PROCESS], [ANY_DEVICE], [0], *everyone)
+    if devices is None:
+        # (jax lowers a multi-device computation without its assignment.)
+        if one_per_process:
+            raise ValueError(_ONE_PER_PROCESS.format(me=me))
+        raise HerringError("herring_jax cannot lower without a concrete device assignment")
+    procs, locals_, _ = _describe(devices, platform)
+    mine = [d for d in devices if d.process_index == me]
+    if one_per_process and len(mine) > 1:
+        raise ValueError(_ONE_PER_PROCESS.format(me=me))
+    if not mine:
+        raise HerringError(f"process {me} has no device in this computation")
+    return Plan(procs, locals_, [0] * len(devices), *everyone)
 
 
-def _across_axes(mesh, axes: tuple, groups, number) -> Plan:
-    me = jax.process_index()
+_ONE_PER_PROCESS = (
+    "herring_jax.broadcast runs on one device per process, but this computation spans "
+    "several devices of process {me}: call it outside jit, or in a jit whose inputs live "
+    "on one device")
+
+
+def _across_axes(mesh, axes: tuple, groups, platform: str) -> Plan:
     names = list(mesh.axis_names)
     missing = [a for a in axes if a not in names]
     if missing:
@@ -106,6 +127,7 @@ def _across_axes(mesh, axes: tuple, groups, number) -> Plan:
     # A group: the devices that share their coordinates on the other axes; with
     # axis_index_groups, split further by the index along the reduced axes (in
     # the order given, as lax numbers it).
+    group_of = {}
     members: dict[tuple, list] = {}
     for idx in np.ndindex(*mesh.devices.shape):
         base = tuple(idx[i] for i in others)
@@ -115,24 +137,20 @@ def _across_axes(mesh, axes: tuple, groups, number) -> Plan:
             index = int(np.ravel_multi_index([idx[i] for i in reduced], sizes))
             key = base + (_index_group(groups, index, int(np.prod(sizes))),)
         members.setdefault(key, []).append(mesh.devices[idx])
+        group_of[idx] = key
     keys = sorted(members)
+    number_of = {k: g for g, k in enumerate(keys)}
     procs = [sorted({d.process_index for d in members[k]}) for k in keys]
     streams = _color(procs)
-    # (Device numbers are unique within this process only, on CUDA.)
-    stream_of = {number(d): streams[g] for g, k in enumerate(keys) for d in members[k]
-                 if d.process_index == me}
-    local = [number(d) for d in mesh.devices.flat if d.process_index == me]
-    # Per stream, the processes of the group of that stream this process is in.
-    mine = {}
-    for g, k in enumerate(keys):
-        if me in procs[g]:
-            mine[streams[g]] = procs[g]
-    count = max(mine) + 1 if mine else 1
+    flat = [mesh.devices[idx] for idx in np.ndindex(*mesh.devices.shape)]
+    device_procs, device_locals, local_only = _describe(flat, platform)
     ranks, offsets = [], [0]
-    for s in range(count):
-        ranks += mine.get(s, [me])
+    for p in procs:
+        ranks += [EVERY_PROCESS] if local_only else p
         offsets.append(len(ranks))
-    return Plan(local, [stream_of[d] for d in local], ranks, offsets)
+    return Plan(device_procs, device_locals,
+                [number_of[group_of[idx]] for idx in np.ndindex(*mesh.devices.shape)],
+                streams, ranks, offsets)
 
 
 def _index_group(groups, index: int, size: int) -> int:

@@ -46,17 +46,34 @@ _targets_registered = False
 
 
 def _register_targets() -> None:
+    """Registers the handlers (and, first, the types they keep per-instruction
+    state in: XLA refuses a handler whose state type it does not know). Runs
+    after jax.distributed and the backend are up: before that, jax defers both
+    and then applies the handlers first, which XLA refuses."""
     global _targets_registered
-    if _targets_registered:
-        return
-    for name, capsule in _ext.registrations().items():
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    # Every time: the handler finds its device's local index in this table,
+    # by the number XLA:CPU's handler sees (DeviceOrdinal: the global id;
+    # measured 0, 1, 2048, 2049 for two processes of two devices).
+    _ext.set_local_devices("cpu", [d.id for d in jax.local_devices(backend="cpu")])
     # The CUDA handler exists when the extension was built with a CUDA
     # toolkit; it is registered only where jax has CUDA devices.
-    cuda = _ext.cuda_registrations()
-    if cuda and _has_cuda():
-        for name, capsule in cuda.items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    cuda = _ext.cuda_registrations() if _has_cuda() else {}
+    if cuda:
+        # XLA:CUDA's DeviceOrdinal is the process-local ordinal, which PJRT's
+        # GPU client takes from the device it runs on: local_hardware_id.
+        _ext.set_local_devices(
+            "cuda", [d.local_hardware_id for d in jax.local_devices(backend="cuda")])
+    if _targets_registered:
+        return
+    for name, registration in _ext.type_registrations().items():
+        jax.ffi.register_ffi_type(name, registration, platform="cpu")
+    for name, bundle in _ext.registrations().items():
+        jax.ffi.register_ffi_target(name, bundle, platform="cpu")
+    if cuda:
+        for name, registration in _ext.cuda_type_registrations().items():
+            jax.ffi.register_ffi_type(name, registration, platform="CUDA")
+        for name, bundle in cuda.items():
+            jax.ffi.register_ffi_target(name, bundle, platform="CUDA")
     _targets_registered = True
 
 
@@ -211,7 +228,9 @@ def describe() -> str:
 
 
 def stats() -> dict:
-    """Counters of this process's communicator: reductions, bytes, dropped messages."""
+    """Counters of this process's communicator: reductions, bytes, dropped messages,
+    heartbeats, peers declared dead, occurrence counters held (bounded: idle
+    ones are pruned)."""
     return dict(_ext.stats(state().handle))
 
 

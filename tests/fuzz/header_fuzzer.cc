@@ -20,9 +20,9 @@
 //   kSealedHeader a valid header built and sealed with SealHeader, which must
 //                 be accepted; then one fuzzer-chosen byte is flipped (or one
 //                 expected field changed) and the verdict is checked.
-//   kTags         the tag helpers: TagSender on any 64-bit tag, and the
-//                 layout round-trip of MakeTag / MakeControlTag /
-//                 MakeHeartbeatTag.
+//   kTags         the tag helpers: TagSender on any 64-bit tag, the layout
+//                 round-trip of MakeTag / MakeControlTag / MakeHeartbeatTag,
+//                 and IdentityTagBits (30 bits, deterministic).
 //
 // Every invariant below is one the code or its comments promise; a violation
 // calls __builtin_trap(), which libFuzzer reports as a crash and saves the
@@ -52,7 +52,10 @@ using herring::engine::CheckHeader;
 using herring::engine::DType;
 using herring::engine::Expectation;
 using herring::engine::HeaderChecksum;
+using herring::engine::HeaderIdentity;
 using herring::engine::HeaderVerdict;
+using herring::engine::Identity;
+using herring::engine::IdentityTagBits;
 using herring::engine::IsValidDType;
 using herring::engine::IsValidOp;
 using herring::engine::kControlStream;
@@ -153,15 +156,17 @@ HeaderVerdict CheckHeaderChecked(HeaderBuffer& buf, size_t len, const Expectatio
       FUZZ_CHECK(h.kind == static_cast<uint8_t>(want.kind));
       FUZZ_CHECK(h.src_rank == want.src_rank && h.stream == want.stream);
       FUZZ_CHECK(h.part == want.part && h.chunk == want.chunk);
-      FUZZ_CHECK(h.round == want.round && h.key == want.key);
+      FUZZ_CHECK(HeaderIdentity(h) == want.id && h.key == want.key);
       FUZZ_CHECK(h.dtype == static_cast<uint8_t>(want.dtype));
       FUZZ_CHECK(h.op == static_cast<uint8_t>(want.op));
       FUZZ_CHECK(h.total_elems == want.total_elems);
       break;
+    case HeaderVerdict::kCollision:
     case HeaderVerdict::kMismatch:
-      // Fails the job, so only for "a genuine peer": intact, valid enums,
+      // Both fail the job, so only for "a genuine peer": intact, valid enums,
       // consistent length, right token and the sender, stream, part, chunk and
-      // kind of the tag it was matched on.
+      // kind of the tag it was matched on; and the reason names the sender
+      // and this rank.
       FUZZ_CHECK(Intact(h, len));
       FUZZ_CHECK(IsValidDType(h.dtype) && IsValidOp(h.op));
       FUZZ_CHECK(h.payload_bytes == len - kHeaderSize);
@@ -169,7 +174,11 @@ HeaderVerdict CheckHeaderChecked(HeaderBuffer& buf, size_t len, const Expectatio
       FUZZ_CHECK(h.kind == static_cast<uint8_t>(want.kind));
       FUZZ_CHECK(h.src_rank == want.src_rank && h.stream == want.stream);
       FUZZ_CHECK(h.part == want.part && h.chunk == want.chunk);
-      FUZZ_CHECK(!why.empty());
+      FUZZ_CHECK(why.find("rank " + std::to_string(h.src_rank)) != std::string::npos);
+      FUZZ_CHECK(why.find("rank " + std::to_string(want.self_rank)) != std::string::npos);
+      // A collision is exactly "another identity"; a mismatch is the same
+      // identity with another description.
+      FUZZ_CHECK((v == HeaderVerdict::kCollision) == (HeaderIdentity(h) != want.id));
       break;
     case HeaderVerdict::kStranger:
     case HeaderVerdict::kMalformed:
@@ -231,8 +240,13 @@ Expectation ConsumeExpectation(FuzzedDataProvider& in) {
   want.kind = static_cast<MsgKind>(in.ConsumeIntegral<uint8_t>());
   want.token = in.ConsumeIntegral<uint64_t>();
   want.key = in.ConsumeIntegral<uint64_t>();
-  want.round = in.ConsumeIntegral<uint64_t>();
+  want.id.run_id = in.ConsumeIntegral<int64_t>();
+  want.id.slot = in.ConsumeIntegral<uint32_t>();
+  want.id.instance = in.ConsumeIntegral<uint32_t>();
+  want.id.occurrence = in.ConsumeIntegral<uint64_t>();
+  want.id.buffer = in.ConsumeIntegral<uint32_t>();
   want.src_rank = in.ConsumeIntegral<uint32_t>();
+  want.self_rank = in.ConsumeIntegral<uint32_t>();
   want.stream = in.ConsumeIntegral<uint32_t>();
   want.part = in.ConsumeIntegral<uint32_t>();
   want.chunk = in.ConsumeIntegral<uint32_t>();
@@ -243,14 +257,15 @@ Expectation ConsumeExpectation(FuzzedDataProvider& in) {
   return want;
 }
 
-// The Expectation a header satisfies exactly.
-Expectation ExpectationOf(const WireHeader& h) {
+// The Expectation a header satisfies exactly (received by rank `self`).
+Expectation ExpectationOf(const WireHeader& h, uint32_t self) {
   Expectation want;
   want.kind = static_cast<MsgKind>(h.kind);
   want.token = h.token;
   want.key = h.key;
-  want.round = h.round;
+  want.id = HeaderIdentity(h);
   want.src_rank = h.src_rank;
+  want.self_rank = self;
   want.stream = h.stream;
   want.part = h.part;
   want.chunk = h.chunk;
@@ -264,7 +279,7 @@ Expectation ExpectationOf(const WireHeader& h) {
 // The expected fields, for changing exactly one of them.
 enum class Field {
   kToken, kKind, kSrcRank, kStream, kPart, kChunk,  // who sent it / which tag
-  kRound,                                           // how often the slot ran
+  kRunId, kSlot, kInstance, kOccurrence, kBuffer,   // which reduction (identity)
   kKey, kDType, kOp, kPayloadBytes, kTotalElems,    // what was reduced
   kCount,
 };
@@ -285,7 +300,11 @@ void Perturb(Expectation* want, Field field, uint64_t delta) {
     case Field::kStream: want->stream ^= d32; break;
     case Field::kPart: want->part ^= d32; break;
     case Field::kChunk: want->chunk ^= d32; break;
-    case Field::kRound: want->round ^= d64; break;
+    case Field::kRunId: want->id.run_id ^= static_cast<int64_t>(d64); break;
+    case Field::kSlot: want->id.slot ^= d32; break;
+    case Field::kInstance: want->id.instance ^= d32; break;
+    case Field::kOccurrence: want->id.occurrence ^= d64; break;
+    case Field::kBuffer: want->id.buffer ^= d32; break;
     case Field::kKey: want->key ^= d64; break;
     case Field::kDType: want->dtype = flip8(want->dtype); break;
     case Field::kOp: want->op = flip8(want->op); break;
@@ -308,6 +327,7 @@ void FuzzRawHeader(FuzzedDataProvider& in) {
   const uint32_t ranks = in.ConsumeIntegral<uint32_t>();
   const bool sender_from_header = in.ConsumeBool();
   const uint32_t sender_value = in.ConsumeIntegral<uint32_t>();
+  const uint32_t self_rank = in.ConsumeIntegral<uint32_t>();
 
   uint8_t raw[kHeaderSize] = {};  // a short input leaves the tail zero
   const std::vector<uint8_t> given = in.ConsumeBytes<uint8_t>(kHeaderSize);
@@ -332,7 +352,7 @@ void FuzzRawHeader(FuzzedDataProvider& in) {
     default: len = static_cast<size_t>(len_value); break;
   }
 
-  Expectation want = want_from_header ? ExpectationOf(h) : ConsumeExpectation(in);
+  Expectation want = want_from_header ? ExpectationOf(h, self_rank) : ConsumeExpectation(in);
   for (int f = 0; f < static_cast<int>(Field::kCount); ++f) {
     if (perturb_mask & (1u << f)) Perturb(&want, static_cast<Field>(f), delta >> f);
   }
@@ -355,7 +375,11 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   h.op = in.ConsumeIntegralInRange<uint8_t>(0, 1);
   h.token = in.ConsumeIntegral<uint64_t>();
   h.key = in.ConsumeIntegral<uint64_t>();
-  h.round = in.ConsumeIntegral<uint64_t>();
+  h.run_id = in.ConsumeIntegral<int64_t>();
+  h.slot = in.ConsumeIntegral<uint32_t>();
+  h.instance = in.ConsumeIntegral<uint32_t>();
+  h.occurrence = in.ConsumeIntegral<uint64_t>();
+  h.buffer = in.ConsumeIntegral<uint32_t>();
   h.src_rank = in.ConsumeIntegral<uint32_t>();
   h.stream = in.ConsumeIntegral<uint32_t>();
   h.part = in.ConsumeIntegral<uint32_t>();
@@ -369,7 +393,7 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   h.reserved2 = 0;  // as every sender leaves it (WireHeader{})
   SealHeader(&h);
   const size_t len = kHeaderSize + static_cast<size_t>(h.payload_bytes);
-  const Expectation want = ExpectationOf(h);
+  const Expectation want = ExpectationOf(h, in.ConsumeIntegral<uint32_t>());
 
   // The checksum is "of all bytes above" it: the checksum field itself and
   // reserved2 do not enter it.
@@ -411,8 +435,9 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   } else {
     // One expected field differs from the header: never accepted. Where the
     // header comments say which kind of refusal it is, it must be that one:
-    // a wrong token or sender/stream is a stranger (drop), a different
-    // reduction from a genuine peer is a mismatch (fail the job).
+    // a wrong token or sender/stream is a stranger (drop), another identity
+    // from a genuine peer a tag collision and a different reduction under the
+    // same identity a mismatch (both fail the job, never a drop).
     const Field field = static_cast<Field>(
         in.ConsumeIntegralInRange<int>(0, static_cast<int>(Field::kCount) - 1));
     Expectation other = want;
@@ -425,6 +450,13 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
       case Field::kStream:
         FUZZ_CHECK(v == HeaderVerdict::kStranger);
         break;
+      case Field::kRunId:
+      case Field::kSlot:
+      case Field::kInstance:
+      case Field::kOccurrence:
+      case Field::kBuffer:
+        FUZZ_CHECK(v == HeaderVerdict::kCollision);
+        break;
       case Field::kKey:
       case Field::kDType:
       case Field::kOp:
@@ -433,7 +465,7 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
         FUZZ_CHECK(v == HeaderVerdict::kMismatch);
         break;
       default:
-        break;  // kind, part, chunk, round: only "not accepted" is promised
+        break;  // kind, part, chunk: only "not accepted" is promised
     }
   }
 }
@@ -449,28 +481,36 @@ void FuzzTags(FuzzedDataProvider& in) {
   const MsgKind kind = static_cast<MsgKind>(in.ConsumeIntegral<uint8_t>());
   const uint32_t src = in.ConsumeIntegral<uint32_t>();
   const uint32_t stream = in.ConsumeIntegral<uint32_t>();
-  const uint64_t slot = in.ConsumeIntegral<uint64_t>();
-  const uint64_t round = in.ConsumeIntegral<uint64_t>();
+  const uint64_t bits = in.ConsumeIntegral<uint64_t>();
   const uint64_t chunk = in.ConsumeIntegral<uint64_t>();
-  const uint64_t tag = MakeTag(kind, src, stream, slot, round, chunk);
+  const uint64_t tag = MakeTag(kind, src, stream, bits, chunk);
   // Each field lands in its own bits, truncated to their width.
   FUZZ_CHECK((tag >> 63) == (kind == MsgKind::kResult ? 1u : 0u));
   FUZZ_CHECK(TagSender(tag) == (src & 0x1fff));
   FUZZ_CHECK(((tag >> 44) & 0x3f) == (stream & 0x3f));
-  FUZZ_CHECK(((tag >> 30) & 0x3fff) == (slot & 0x3fff));
-  FUZZ_CHECK(((tag >> 14) & 0xffff) == (round & 0xffff));
+  FUZZ_CHECK(((tag >> 14) & 0x3fffffff) == (bits & 0x3fffffff));
   FUZZ_CHECK((tag & 0x3fff) == (chunk & 0x3fff));
 
-  // Control tags: the sender's, in the control stream, aborts in slot 0 and
-  // heartbeats in slot 1, everything else zero; a reduction (streams 0 ..
-  // kMaxStreams - 2) never collides with one.
+  // The identity's tag bits: 30 of them, a function of identity and stream.
+  Identity id;
+  id.run_id = in.ConsumeIntegral<int64_t>();
+  id.slot = in.ConsumeIntegral<uint32_t>();
+  id.instance = in.ConsumeIntegral<uint32_t>();
+  id.occurrence = in.ConsumeIntegral<uint64_t>();
+  id.buffer = in.ConsumeIntegral<uint32_t>();
+  const uint64_t id_bits = IdentityTagBits(id, stream);
+  FUZZ_CHECK(id_bits <= 0x3fffffffull && id_bits == IdentityTagBits(id, stream));
+
+  // Control tags: the sender's, in the control stream, aborts with identity
+  // bits 0 and heartbeats with 1, everything else zero; a reduction (streams
+  // 0 .. kMaxStreams - 2) never collides with one.
   const uint64_t control = MakeControlTag(src);
   const uint64_t heartbeat = MakeHeartbeatTag(src);
   FUZZ_CHECK(TagSender(control) == (src & 0x1fff) && TagSender(heartbeat) == (src & 0x1fff));
   FUZZ_CHECK(((control >> 44) & 0x3f) == kControlStream);
   FUZZ_CHECK(((heartbeat >> 44) & 0x3f) == kControlStream);
   FUZZ_CHECK((control & ~kSenderBits) == (uint64_t{kControlStream} << 44));
-  FUZZ_CHECK((heartbeat & ~kSenderBits) == ((uint64_t{kControlStream} << 44) | (1ull << 30)));
+  FUZZ_CHECK((heartbeat & ~kSenderBits) == ((uint64_t{kControlStream} << 44) | (1ull << 14)));
   if ((stream & 0x3f) != kControlStream) FUZZ_CHECK(tag != control && tag != heartbeat);
 }
 

@@ -70,7 +70,7 @@ clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-reco
 # --- run --------------------------------------------------------------------
 # No corpus directory: every run starts from the same empty corpus and seed,
 # so a run is reproducible. Inputs: a path selector, some 100 bytes of
-# decisions and expected values, 80 header bytes; 256 leaves room for all, and
+# decisions and expected values, 104 header bytes; 320 leaves room for all, and
 # -len_control=0 lets inputs reach that length at once (short runs in CI).
 log="$build_dir/fuzz.log"
 rm -f "$build_dir"/crash-* "$build_dir"/leak-* "$build_dir"/timeout-* "$build_dir"/oom-*
@@ -79,7 +79,7 @@ export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 start=$SECONDS
 rc=0
-"$bin" -runs="$runs" -seed=1 -max_len=256 -len_control=0 -timeout=10 -print_final_stats=1 \
+"$bin" -runs="$runs" -seed=1 -max_len=320 -len_control=0 -timeout=10 -print_final_stats=1 \
   -artifact_prefix="$build_dir/" >"$log" 2>&1 || rc=$?
 elapsed=$((SECONDS - start))
 

@@ -11,6 +11,9 @@
 
 namespace herring::engine {
 
+// See Communicator::PruneOccurrences.
+constexpr double kOccurrenceIdleFactor = 8.0;
+
 // Everything one AllReduce call waits for. `remaining` counts the work that
 // must finish for success; `inflight` counts posted transport operations and
 // queued server tasks, which reference the batch and must drain before it
@@ -51,7 +54,8 @@ struct Batch {
 struct Job {
   Batch* batch = nullptr;
   ReduceRequest req;
-  uint64_t round = 0;
+  Identity id;              // the request's, with its occurrence
+  uint64_t tag_bits = 0;    // IdentityTagBits(id, stream)
   int n = 0;   // processes in the group
   int me = 0;  // this process's index in the group (= the part it serves)
   size_t elem = 0;
@@ -86,8 +90,8 @@ struct Job {
   }
   std::string Describe() const {
     return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " +
-           ReduceOpName(req.op) + " (key " + std::to_string(req.key) + ", slot " +
-           std::to_string(req.slot) + ", round " + std::to_string(round) + ")";
+           ReduceOpName(req.op) + " (key " + std::to_string(req.key) + "; " +
+           DescribeIdentity(id) + ")";
   }
 };
 
@@ -102,7 +106,7 @@ WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint32_t src
   h.dtype = static_cast<uint8_t>(job.req.dtype);
   h.token = token;
   h.key = job.req.key;
-  h.round = job.round;
+  SetHeaderIdentity(&h, job.id);
   h.src_rank = src;
   h.stream = job.batch->stream;
   h.part = static_cast<uint32_t>(part);
@@ -242,14 +246,13 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
       heartbeats_.fetch_add(1);
       Heard(sender);
       // A heartbeat also says what its sender waits for (contributors = 1):
-      // dtype, count, op, key, slot (part), round and seconds (chunk).
+      // dtype, count, op, key, identity and seconds (chunk).
       PeerWait wait;
       if (h.contributors == 1 && IsValidDType(h.dtype) && IsValidOp(h.op)) {
         wait.what = std::string(DTypeName(static_cast<DType>(h.dtype))) + "[" +
                     std::to_string(h.total_elems) + "] " +
                     ReduceOpName(static_cast<ReduceOp>(h.op)) + " (key " +
-                    std::to_string(h.key) + ", slot " + std::to_string(h.part) + ", round " +
-                    std::to_string(h.round) + ")";
+                    std::to_string(h.key) + "; " + DescribeIdentity(HeaderIdentity(h)) + ")";
         wait.seconds = h.chunk;
       }
       std::lock_guard<std::mutex> lock(peer_wait_mu_);
@@ -289,8 +292,7 @@ std::string Communicator::OldestWait(WireHeader* h) {
     h->op = static_cast<uint8_t>(job.req.op);
     h->total_elems = job.req.count;
     h->key = job.req.key;
-    h->part = static_cast<uint32_t>(job.req.slot);
-    h->round = job.round;
+    SetHeaderIdentity(h, job.id);
     h->chunk = static_cast<uint32_t>(std::min(seconds, 4e9));
   }
   return job.Describe() + " for " + std::to_string(static_cast<int64_t>(seconds)) + " s";
@@ -487,8 +489,30 @@ std::string Communicator::Describe() const {
 }
 
 CommStats Communicator::Stats() const {
-  return CommStats{reductions_.load(), bytes_reduced_.load(), dropped_.load(),
-                   heartbeats_.load(), declared_dead_.load()};
+  CommStats stats{reductions_.load(), bytes_reduced_.load(), dropped_.load(),
+                  heartbeats_.load(), declared_dead_.load()};
+  std::lock_guard<std::mutex> lock(occurrences_mu_);
+  stats.occurrence_entries = occurrences_.size();
+  return stats;
+}
+
+// Why forgetting is safe. An entry matters only for a later reduction of the
+// same (run, stream, group, slot, instance): the next iteration of a loop in
+// the same execution. Every reduction finishes or fails within timeout_s, so an
+// entry idle for kOccurrenceIdleFactor x timeout_s belongs to an execution that
+// has ended, or that computed that long between two iterations of one loop
+// without reducing there. Only the latter is affected: its next occurrence
+// counts from 0 again on the processes that pruned. The processes start and
+// finish each reduction together (within the skew of one message), so they all
+// prune it, or (the gap within one prune interval of the limit) some do: then
+// the occurrence differs, which the tag and header carry, and the job fails
+// with both identities named at the timeout. Never a wrong sum.
+void Communicator::PruneOccurrences(int64_t now_ns) {
+  const double limit_s = kOccurrenceIdleFactor * config_.timeout_s;
+  const int64_t limit_ns = static_cast<int64_t>(limit_s * 1e9);
+  if (now_ns - last_prune_ns_ < limit_ns / 8) return;
+  last_prune_ns_ = now_ns;
+  occurrences_.Prune(now_ns - limit_ns);
 }
 
 void Communicator::Enqueue(std::function<void()> task) {
@@ -574,12 +598,25 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   batch->group = group;
   batch->started_ns = NowNs();
   {
-    std::lock_guard<std::mutex> lock(rounds_mu_);
-    for (ReduceRequest& r : requests) {
+    std::lock_guard<std::mutex> lock(occurrences_mu_);
+    const int64_t now = NowNs();
+    PruneOccurrences(now);
+    const uint32_t group_id =
+        group_ids_.emplace(group, static_cast<uint32_t>(group_ids_.size())).first->second;
+    // One occurrence per call: the buffers of one (run, slot, instance) share
+    // it (they come one after another in `requests`).
+    OccurrenceKey last;
+    uint64_t occurrence = 0;
+    for (size_t k = 0; k < requests.size(); ++k) {
+      const ReduceRequest& r = requests[k];
+      const OccurrenceKey key{r.run_id, stream, group_id, r.slot, r.instance};
+      if (k == 0 || !(key == last)) occurrence = occurrences_.Take(key, now);
+      last = key;
       auto job = std::make_unique<Job>();
       job->batch = batch.get();
       job->req = r;
-      job->round = rounds_[{stream, group, r.slot, r.key}]++;
+      job->id = Identity{r.run_id, r.slot, r.instance, occurrence, r.buffer};
+      job->tag_bits = IdentityTagBits(job->id, stream);
       batch->jobs.push_back(std::move(job));
     }
   }
@@ -642,7 +679,9 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
                           std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
                           std::to_string(config_.rank) + ": " + MissingReport(*batch) +
                           " A process may have died or hung, or the processes issued "
-                          "different reductions. HERRING_TIMEOUT_S sets the limit.");
+                          "different reductions (different executables or shapes, or "
+                          "launches of a reducing executable a different number of times). "
+                          "HERRING_TIMEOUT_S sets the limit.");
     lock.lock();
   } else {
     // Failed by a peer's abort, a mismatch or the peer watch: the error
@@ -772,7 +811,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       batch->AddInflight(1);
       Status s = transport_->Send(batch->group[i],
                                   MakeTag(MsgKind::kContribution, my_rank, batch->stream,
-                                          job->req.slot, job->round, c),
+                                          job->tag_bits, c),
                                   iov, len > 0 ? 2 : 1,
                                   [this, job, to = batch->group[i]](
                                       const transport::Completion& done) {
@@ -797,8 +836,8 @@ void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
                              {job->staging[p].data() + c * job->chunk_elems * job->elem, len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
-      MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->req.slot,
-              job->round, c), 0, iov,
+      MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->tag_bits, c), 0,
+      iov,
       2, [this, job, p, c](const transport::Completion& done) {
         OnContribution(job, p, c, done);
       });
@@ -815,7 +854,7 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   transport::IoVec iov[2] = {{h, sizeof(*h)}, {job->OutAt(job->ChunkBegin(i, c)), len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
-      MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->req.slot, job->round, c), 0, iov, 2,
+      MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->tag_bits, c), 0, iov, 2,
       [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); });
   if (!s.ok()) {
     Fail(batch, "posting a receive: " + s.message());
@@ -830,46 +869,75 @@ namespace {
 // the posted buffers as far as they go, so a genuine peer's header is there
 // and says what that peer reduces.
 bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_rank,
-                   const WireHeader& header, uint64_t token, std::string* why) {
+                   int my_rank, const WireHeader& header, uint64_t token, std::string* why) {
   if (done.ok) return false;
-  if (done.truncated) {
-    std::string theirs;
-    if (header.magic == kMagic && header.version == kWireVersion &&
-        header.checksum == HeaderChecksum(header) && header.token == token &&
-        IsValidDType(header.dtype) && IsValidOp(header.op)) {
-      theirs = " (it reduces " + std::string(DTypeName(static_cast<DType>(header.dtype))) +
-               "[" + std::to_string(header.total_elems) + "] " +
-               ReduceOpName(static_cast<ReduceOp>(header.op)) + ", key " +
-               std::to_string(header.key) + ", round " + std::to_string(header.round) + ")";
-    }
-    *why = "mismatched reductions: rank " + std::to_string(from_rank) +
-           " sent a larger message than expected for " + job.Describe() + theirs +
-           "; every process must issue the same reductions in the same order";
-  } else {
+  if (!done.truncated) {
     *why = "receive from rank " + std::to_string(from_rank) + " failed for " + job.Describe() +
            ": " + done.error;
+    return true;
+  }
+  const bool readable = header.magic == kMagic && header.version == kWireVersion &&
+                        header.checksum == HeaderChecksum(header) && header.token == token &&
+                        IsValidDType(header.dtype) && IsValidOp(header.op);
+  std::string theirs;
+  if (readable) {
+    theirs = std::string(DTypeName(static_cast<DType>(header.dtype))) + "[" +
+             std::to_string(header.total_elems) + "] " +
+             ReduceOpName(static_cast<ReduceOp>(header.op)) + " (key " +
+             std::to_string(header.key) + "; " + DescribeIdentity(HeaderIdentity(header)) + ")";
+  }
+  const std::string mine = "rank " + std::to_string(my_rank) + "'s receive for " + job.Describe();
+  if (readable && HeaderIdentity(header) != job.id) {
+    *why = "tag collision: rank " + std::to_string(from_rank) + " sent " + theirs +
+           ", a larger message that matched " + mine + "; two reductions in flight at once "
+           "share their 30-bit tag hash. Rerunning will most likely not collide again";
+  } else {
+    *why = "mismatched reductions: rank " + std::to_string(from_rank) + " sent a larger "
+           "message than expected" + (readable ? " for " + theirs : std::string()) + " to " +
+           mine + "; every process must run the same reductions (shapes, dtypes, ops) in "
+           "the same executables";
   }
   return true;
 }
 }  // namespace
+
+Expectation Communicator::Expect(const Job& job, MsgKind kind, int from_rank, int part,
+                                 size_t chunk) const {
+  Expectation want;
+  want.kind = kind;
+  want.token = config_.token;
+  want.key = job.req.key;
+  want.id = job.id;
+  want.src_rank = static_cast<uint32_t>(from_rank);
+  want.self_rank = static_cast<uint32_t>(config_.rank);
+  want.stream = job.batch->stream;
+  want.part = static_cast<uint32_t>(part);
+  want.chunk = static_cast<uint32_t>(chunk);
+  want.dtype = job.req.dtype;
+  want.op = job.req.op;
+  want.payload_bytes = job.ChunkLen(part, chunk) * job.elem;
+  want.total_elems = job.req.count;
+  return want;
+}
 
 void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Completion& done) {
   Batch* batch = job->batch;
   const int from = batch->group[p];
   std::string why;
   const WireHeader& h = job->contrib_hdrs[p * job->max_chunks + c];
-  if (ReceiveFailed(done, *job, from, h, config_.token, &why)) {
+  if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
     if (!batch->Failed()) Fail(batch, why);
     batch->Complete(1, 1);
     return;
   }
-  Expectation want{MsgKind::kContribution, config_.token, job->req.key, job->round,
-                   static_cast<uint32_t>(from), batch->stream, static_cast<uint32_t>(job->me),
-                   static_cast<uint32_t>(c), job->req.dtype, job->req.op,
-                   job->ChunkLen(job->me, c) * job->elem, job->req.count};
+  const Expectation want = Expect(*job, MsgKind::kContribution, from, job->me, c);
   switch (CheckHeader(&h, done.len, want, &why)) {
     case HeaderVerdict::kOk:
       break;
+    case HeaderVerdict::kCollision:
+      Fail(batch, why);
+      batch->Complete(1, 1);
+      return;
     case HeaderVerdict::kMismatch:
       Fail(batch, "mismatched reductions: " + why);
       batch->Complete(1, 1);
@@ -921,7 +989,8 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
     transport::IoVec iov[2] = {{&h, sizeof(h)}, {dst, count * job->elem}};
     batch->AddInflight(1);
     Status s = transport_->Send(
-        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->req.slot, job->round, c), iov,
+        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c),
+        iov,
         count > 0 ? 2 : 1,
         [this, job, to = batch->group[p]](const transport::Completion& done) {
           SendDone(job, to, done);
@@ -940,19 +1009,20 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
   const int from = batch->group[i];
   std::string why;
   const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
-  if (ReceiveFailed(done, *job, from, h, config_.token, &why)) {
+  if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
     if (!batch->Failed()) Fail(batch, why);
     batch->Complete(1, 1);
     return;
   }
-  Expectation want{MsgKind::kResult, config_.token, job->req.key, job->round,
-                   static_cast<uint32_t>(from), batch->stream, static_cast<uint32_t>(i),
-                   static_cast<uint32_t>(c), job->req.dtype, job->req.op,
-                   job->ChunkLen(i, c) * job->elem, job->req.count};
+  const Expectation want = Expect(*job, MsgKind::kResult, from, i, c);
   switch (CheckHeader(&h, done.len, want, &why)) {
     case HeaderVerdict::kOk:
       Heard(static_cast<uint32_t>(from));
       job->results_from[i].fetch_add(1);
+      batch->Complete(1, 1);
+      return;
+    case HeaderVerdict::kCollision:
+      Fail(batch, why);
       batch->Complete(1, 1);
       return;
     case HeaderVerdict::kMismatch:

@@ -20,6 +20,7 @@
 
 #include "engine/buffer_pool.h"
 #include "engine/dtype.h"
+#include "engine/occurrence_table.h"
 #include "engine/wire.h"
 #include "transport/transport.h"
 
@@ -50,8 +51,12 @@ struct ReduceRequest {
   ReduceOp op = ReduceOp::kSum;
   size_t count = 0;          // elements
   uint64_t key = 0;          // what is reduced (shape, dtype, op): checked on the wire
-  uint64_t slot = 0;         // call site and buffer: matches the same reduction
-                             // on every process whatever order calls start in
+  // Which reduction this is (see Identity in wire.h), the same on every
+  // process whatever order calls start in; the engine adds the occurrence.
+  int64_t run_id = 0;        // XLA's run id: the executable and its launch
+  uint32_t slot = 0;         // call site in the executable
+  uint32_t instance = 0;     // inlined copy of the call site
+  uint32_t buffer = 0;       // operand of the call
   const void* in = nullptr;
   void* out = nullptr;
   uint32_t contributors = 1;  // devices summed into `in` (divisor for mean)
@@ -63,6 +68,7 @@ struct CommStats {
   uint64_t messages_dropped = 0;  // strangers and malformed messages
   uint64_t heartbeats_received = 0;
   uint64_t peers_declared_dead = 0;
+  uint64_t occurrence_entries = 0;  // counters held: bounded, however many runs go by
 };
 
 struct Job;
@@ -80,8 +86,9 @@ class Communicator {
   // Reduces every request across the processes of `group` (sorted ranks that
   // include this one) with all requests in flight at once; returns when all
   // are done. `stream` separates groups of one call that share processes.
-  // Thread-safe: calls may run concurrently and start in any order; every
-  // process must make each (stream, slot) reduction the same number of times.
+  // Thread-safe: calls may run concurrently and start in any order. Requests
+  // of one (run, slot, instance) made one after another (a loop) are told
+  // apart by their occurrence; every process must make them equally often.
   Status AllReduce(uint32_t stream, const std::vector<int>& group,
                    std::vector<ReduceRequest>& requests);
 
@@ -114,6 +121,8 @@ class Communicator {
   void WatchPeers();
   void PostContributionRecv(Job* job, int peer_index, size_t chunk);
   void PostResultRecv(Job* job, int part, size_t chunk);
+  // What a message from `from_rank` for `part`, `chunk` of `job` must say.
+  Expectation Expect(const Job& job, MsgKind kind, int from_rank, int part, size_t chunk) const;
   void OnContribution(Job* job, int peer_index, size_t chunk, const transport::Completion& c);
   void OnResult(Job* job, int part, size_t chunk, const transport::Completion& c);
   void ReduceChunk(Job* job, size_t chunk);
@@ -138,9 +147,17 @@ class Communicator {
   BufferPool pool_;
   bool connected_ = false;
 
-  std::mutex rounds_mu_;
-  // How often each (stream, group, slot, key) was reduced: the round.
-  std::map<std::tuple<uint32_t, std::vector<int>, uint64_t, uint64_t>, uint64_t> rounds_;
+  // Occurrences: how often each (run, stream, group, slot, instance) was
+  // reduced before. Not keyed by the request's key, which stays a checked
+  // description: a peer reducing something else under the same identity is
+  // then reported as a mismatch instead of waiting on a counter of its own.
+  // Forgets entries idle for kOccurrenceIdleFactor x timeout_s
+  // (occurrences_mu_ held); see the definition for why that is safe.
+  void PruneOccurrences(int64_t now_ns);
+  mutable std::mutex occurrences_mu_;
+  OccurrenceTable occurrences_;
+  std::map<std::vector<int>, uint32_t> group_ids_;  // groups seen, numbered
+  int64_t last_prune_ns_ = 0;
 
   // The first fatal error; afterwards every call fails with it, because
   // messages of the failed reduction may still be in flight.

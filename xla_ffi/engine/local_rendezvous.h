@@ -3,13 +3,14 @@
 // meet here and the last one to arrive does the work for all of them.
 //
 // Identity. A meeting is named by XLA's run id (one value shared by every
-// device of one execution, new for each execution), the call site (an id
-// unique in this process, given at lowering) and the group. Nothing is keyed
+// device of one execution, new for each execution), the instruction (an id
+// unique in this process, given at XLA's instantiate stage: inlined copies of
+// one call site are different instructions) and the group. Nothing is keyed
 // on counters that outlive one execution, so computations that group the same
 // devices differently, or the same computation dispatched twice without
-// waiting, can never pair each other's calls. Inside one execution a call site
-// can run several times per device (a loop); those calls are numbered per
-// device, since one device runs them in program order.
+// waiting, can never pair each other's calls. Inside one execution an
+// instruction can run several times per device (a loop); those calls are
+// numbered per device, since one device runs them in program order.
 //
 // Lifetime. A device that gives up waiting for the others (timeout) withdraws
 // its buffers before it returns and marks the meeting abandoned: a device that
@@ -45,11 +46,12 @@ struct LocalArrival {
 
 // Names the reduction that local devices meet for (see the file comment).
 struct MeetingKey {
-  int64_t run_id = 0;  // XLA's id of this execution
-  int64_t site = 0;    // call site, unique in this process
-  std::string group;   // the group's stream and processes
+  int64_t run_id = 0;        // XLA's id of this execution
+  uint64_t instruction = 0;  // the custom call, unique in this process
+  std::string group;         // the group's stream and processes
   bool operator<(const MeetingKey& o) const {
-    return std::tie(run_id, site, group) < std::tie(o.run_id, o.site, o.group);
+    return std::tie(run_id, instruction, group) <
+           std::tie(o.run_id, o.instruction, o.group);
   }
 };
 

@@ -18,12 +18,35 @@ uint32_t HeaderChecksum(const WireHeader& h) {
 
 void SealHeader(WireHeader* h) { h->checksum = HeaderChecksum(*h); }
 
+std::string DescribeIdentity(const Identity& id) {
+  return "run " + std::to_string(id.run_id) + ", slot " + std::to_string(id.slot) +
+         ", instance " + std::to_string(id.instance) + ", occurrence " +
+         std::to_string(id.occurrence) + ", buffer " + std::to_string(id.buffer);
+}
+
 namespace {
+// splitmix64's finalizer: every input bit flips about half the output bits.
+uint64_t Mix(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 std::string Describe(DType dtype, uint64_t elems, ReduceOp op, uint64_t key) {
   return std::string(DTypeName(dtype)) + "[" + std::to_string(elems) + "] " +
          ReduceOpName(op) + " (key " + std::to_string(key) + ")";
 }
 }  // namespace
+
+uint64_t IdentityTagBits(const Identity& id, uint32_t stream) {
+  uint64_t h = Mix(static_cast<uint64_t>(id.run_id) ^ 0x9e3779b97f4a7c15ull);
+  h = Mix(h ^ ((static_cast<uint64_t>(id.slot) << 32) | id.instance));
+  h = Mix(h ^ id.occurrence);
+  h = Mix(h ^ ((static_cast<uint64_t>(id.buffer) << 32) | stream));
+  return h >> 34;  // the top 30 bits
+}
 
 bool CheckControlHeader(const WireHeader& h, size_t len, MsgKind kind, uint64_t token,
                         uint32_t sender, uint32_t ranks, std::string* why) {
@@ -94,21 +117,28 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
            ")";
     return HeaderVerdict::kStranger;
   }
-  if (h.round != want.round) {
-    *why = "rank " + std::to_string(h.src_rank) + " sent round " + std::to_string(h.round) +
-           " of a reduction where this rank is at round " + std::to_string(want.round) +
-           ": the processes ran this reduction a different number of times";
-    return HeaderVerdict::kMismatch;
+  const Identity theirs = HeaderIdentity(h);
+  const std::string what_theirs =
+      Describe(static_cast<DType>(h.dtype), h.total_elems, static_cast<ReduceOp>(h.op), h.key);
+  const std::string what_mine = Describe(want.dtype, want.total_elems, want.op, want.key);
+  if (theirs != want.id) {
+    // Same token, sender, stream, part and chunk as the tag, other identity:
+    // the tag bits of two reductions in flight at once collided. The message
+    // belongs to another reduction that now never gets it: fail, never drop.
+    *why = "tag collision: rank " + std::to_string(h.src_rank) + " sent " + what_theirs +
+           " (" + DescribeIdentity(theirs) + "), which matched the receive of rank " +
+           std::to_string(want.self_rank) + " for " + what_mine + " (" +
+           DescribeIdentity(want.id) + "); two reductions in flight at once share their "
+           "30-bit tag hash. Rerunning will most likely not collide again";
+    return HeaderVerdict::kCollision;
   }
   if (h.key != want.key || h.dtype != static_cast<uint8_t>(want.dtype) ||
       h.op != static_cast<uint8_t>(want.op) || h.total_elems != want.total_elems ||
       h.payload_bytes != want.payload_bytes) {
-    *why = "rank " + std::to_string(h.src_rank) + " reduces " +
-           Describe(static_cast<DType>(h.dtype), h.total_elems, static_cast<ReduceOp>(h.op),
-                    h.key) +
-           " where this rank reduces " +
-           Describe(want.dtype, want.total_elems, want.op, want.key) + " at the same call "
-           "site; every process must run the same reductions (shapes, dtypes, ops)";
+    *why = "rank " + std::to_string(h.src_rank) + " reduces " + what_theirs + " where rank " +
+           std::to_string(want.self_rank) + " reduces " + what_mine + " under the same "
+           "identity (" + DescribeIdentity(want.id) + "); every process must run the same "
+           "reductions (shapes, dtypes, ops) in the same executables";
     return HeaderVerdict::kMismatch;
   }
   return HeaderVerdict::kOk;

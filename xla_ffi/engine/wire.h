@@ -18,43 +18,80 @@ enum class MsgKind : uint8_t {
   kHeartbeat = 4,     // any -> all, every HERRING_HEARTBEAT_S: this rank is alive
 };
 
+// Which reduction a message belongs to, derived the same way on every process
+// and never from the order in which reductions happen to start (XLA runs
+// independent custom calls concurrently, in a different order on each process,
+// and several executables can be in flight at once):
+//   run_id      XLA's RunId of the execution: a per-executable base (from the
+//               executable's fingerprint, the same on every process that
+//               compiled the same program) plus that executable's launch count.
+//   slot        the call site within the lowered module (0, 1, 2, ...).
+//   instance    which inlined copy of the call site (XLA inlines a jitted helper
+//               called twice into two custom calls with equal attributes): the
+//               instruction's number among equal ones in instantiate order.
+//   occurrence  how often this (run, stream, group, slot, instance) reduced
+//               before: iterations of a loop.
+//   buffer      which operand of the call.
+struct Identity {
+  int64_t run_id = 0;
+  uint32_t slot = 0;
+  uint32_t instance = 0;
+  uint64_t occurrence = 0;
+  uint32_t buffer = 0;
+
+  bool operator==(const Identity& o) const {
+    return run_id == o.run_id && slot == o.slot && instance == o.instance &&
+           occurrence == o.occurrence && buffer == o.buffer;
+  }
+  bool operator!=(const Identity& o) const { return !(*this == o); }
+};
+
+// "run R, slot S, instance I, occurrence O, buffer B", for messages.
+std::string DescribeIdentity(const Identity& id);
+
 // Tag layout (matching only; the header is authoritative):
 //   bit 63       kind (0 contribution, 1 result)
 //   bits 62..50  sender rank (13 bits)
 //   bits 49..44  stream: which group of the call (6 bits)
-//   bits 43..30  slot: the call site and buffer within the executable (14 bits)
-//   bits 29..14  round of that slot, modulo 2^16
+//   bits 43..14  a 30-bit hash of the identity and the stream
 //   bits 13..0   chunk index within the part (14 bits)
-// XLA runs independent custom calls concurrently and in any order, so
-// reductions are matched by what they are (slot, round), never by the order
-// in which they happen to start. Wrap-around is harmless: a slot's round r+2^16
-// cannot be in flight while round r still is.
+// The hash can collide: two reductions in flight at once whose hashes agree
+// could match each other's messages. The header carries the whole identity and
+// the receiver compares it exactly, so a collision fails the job with both
+// identities named (HeaderVerdict::kCollision); it is never a wrong sum.
 constexpr int kMaxRanks = 1 << 13;
 constexpr uint32_t kMaxStreams = 1u << 6;
 constexpr uint64_t kMaxChunksPerPart = 1ull << 14;
+constexpr uint64_t kIdentityBits = 0x3fffffffull;
 
-inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t slot,
-                        uint64_t round, uint64_t chunk) {
+// The identity's 30 tag bits (mixed so that neighbouring run ids, slots and
+// occurrences differ in many bits).
+uint64_t IdentityTagBits(const Identity& id, uint32_t stream);
+
+inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t identity_bits,
+                        uint64_t chunk) {
   return (static_cast<uint64_t>(kind == MsgKind::kResult) << 63) |
          (static_cast<uint64_t>(src & 0x1fff) << 50) |
-         (static_cast<uint64_t>(stream & 0x3f) << 44) | ((slot & 0x3fff) << 30) |
-         ((round & 0xffff) << 14) | (chunk & 0x3fff);
+         (static_cast<uint64_t>(stream & 0x3f) << 44) | ((identity_bits & kIdentityBits) << 14) |
+         (chunk & 0x3fff);
 }
 
-// The last stream is reserved for control messages (aborts in slot 0,
-// heartbeats in slot 1); reductions use streams 0 .. kMaxStreams - 2.
+// The last stream is reserved for control messages (aborts with identity bits
+// 0, heartbeats with 1); reductions use streams 0 .. kMaxStreams - 2.
 constexpr uint32_t kControlStream = kMaxStreams - 1;
 constexpr uint64_t kSenderBits = 0x1fffull << 50;
 inline uint64_t MakeControlTag(uint32_t src) {
-  return MakeTag(MsgKind::kContribution, src, kControlStream, 0, 0, 0);
+  return MakeTag(MsgKind::kContribution, src, kControlStream, 0, 0);
 }
 inline uint64_t MakeHeartbeatTag(uint32_t src) {
-  return MakeTag(MsgKind::kContribution, src, kControlStream, 1, 0, 0);
+  return MakeTag(MsgKind::kContribution, src, kControlStream, 1, 0);
 }
 inline uint32_t TagSender(uint64_t tag) { return static_cast<uint32_t>((tag >> 50) & 0x1fff); }
 
 constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
-constexpr uint16_t kWireVersion = 1;
+// Version 2: the header carries the whole identity (run id, slot, instance,
+// occurrence, buffer) instead of version 1's per-slot round.
+constexpr uint16_t kWireVersion = 2;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.
@@ -65,20 +102,35 @@ struct WireHeader {
   uint8_t dtype;         // DType
   uint64_t token;        // job token from initialize()
   uint64_t key;          // caller's description of the reduction (hash)
-  uint64_t round;        // how often this slot (call site) reduced before
+  int64_t run_id;        // Identity
+  uint64_t occurrence;   //   "
+  uint32_t slot;         //   "
+  uint32_t instance;     //   "
+  uint32_t buffer;       //   "
   uint32_t src_rank;
   uint32_t stream;
   uint32_t part;         // which server's part
   uint32_t chunk;        // chunk index within the part
+  uint32_t contributors;  // devices summed into this message's data
   uint64_t payload_bytes;
   uint64_t total_elems;  // elements of the whole buffer being reduced
   uint8_t op;            // ReduceOp
   uint8_t reserved[3];
-  uint32_t contributors;  // devices summed into this message's data
-  uint32_t checksum;      // of all bytes above
-  uint32_t reserved2;     // zero: outside the checksum, so checked on its own
+  uint32_t checksum;     // of all bytes above
+  uint64_t reserved2;    // zero: outside the checksum, so checked on its own
 };
-static_assert(sizeof(WireHeader) == 80, "wire header layout changed");
+static_assert(sizeof(WireHeader) == 104, "wire header layout changed");
+
+inline Identity HeaderIdentity(const WireHeader& h) {
+  return Identity{h.run_id, h.slot, h.instance, h.occurrence, h.buffer};
+}
+inline void SetHeaderIdentity(WireHeader* h, const Identity& id) {
+  h->run_id = id.run_id;
+  h->slot = id.slot;
+  h->instance = id.instance;
+  h->occurrence = id.occurrence;
+  h->buffer = id.buffer;
+}
 
 uint32_t HeaderChecksum(const WireHeader& h);
 void SealHeader(WireHeader* h);
@@ -89,8 +141,9 @@ struct Expectation {
   MsgKind kind;
   uint64_t token;
   uint64_t key;
-  uint64_t round;
-  uint32_t src_rank;
+  Identity id;
+  uint32_t src_rank;   // the sender the tag names
+  uint32_t self_rank;  // the receiving rank (for messages)
   uint32_t stream;
   uint32_t part;
   uint32_t chunk;
@@ -105,9 +158,11 @@ enum class HeaderVerdict {
   kMalformed,  // too short, bad magic/version/checksum/enum values, reserved
                // bytes not zero: drop
   kStranger,   // wrong token, or sender/stream/part/chunk contradicting the
-               // tag it matched on: drop
+               // tag it was matched on: drop
+  kCollision,  // a genuine peer's message of another reduction (identity)
+               // whose tag bits collided with this receive's: fail the job
   kMismatch,   // a genuine peer reduced something different (key, shape,
-               // dtype, op, or its round of this call site): fail the job
+               // dtype, op) under the same identity: fail the job
 };
 
 // Checks a received control message of `kind` (header, then `received_len` -

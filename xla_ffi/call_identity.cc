@@ -1,0 +1,206 @@
+// What names an allreduce call the same way on every process, besides XLA's
+// run id: which instruction it is (numbered at XLA's instantiate stage) and
+// where the calling device stands among the call's participants (decoded from
+// attributes that are the same on every process).
+//
+// Why the attributes must be the same everywhere. XLA's RunId is jax's launch
+// id: a base derived from the executable's fingerprint plus that executable's
+// launch count. The fingerprint covers the custom call's attributes, so a
+// process-local value among them (a device id, a counter of lowerings) gives
+// each process its own run ids and no reduction would ever match. Measured
+// with jax 0.10.2 on two processes: equal attributes gave equal run ids (k-th
+// launch, also with other executables run in between on one process); a
+// single attribute that differed gave unrelated ones.
+//
+// Why instances. A jitted helper called twice inside another jitted function
+// is lowered once, so both calls carry the same attributes (slot included),
+// and XLA inlines them into two custom calls that may run concurrently.
+// XLA:CPU instantiates each custom-call instruction once, when it compiles the
+// executable, in the order of its thunk sequence (measured: 2 and 6 inlined
+// copies got 2 and 6 states, numbered in program order in every one of several
+// runs and on both processes; the local devices of a process share the
+// state). Numbering instructions with equal attributes in instantiate order
+// therefore tells the copies apart the same way on every process. The count
+// is per process, not per executable (the instantiate stage does not say which
+// executable it builds): processes must compile their reducing executables in
+// the same order, as they run them.
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "handler_common.h"
+#include "handlers.h"
+
+namespace herring {
+
+ffi::TypeId InstructionState::id = {};
+ffi::TypeId CudaInstructionState::id = {};
+
+namespace {
+
+constexpr int64_t kEveryProcess = -1;  // device_procs: each process's own device
+constexpr int64_t kAnyDevice = -1;     // device_locals: whichever device runs this
+
+const ffi::TypeInfo kStateInfo = ffi::MakeTypeInfo<InstructionState>();
+const ffi::TypeInfo kCudaStateInfo = ffi::MakeTypeInfo<CudaInstructionState>();
+
+// Numbers of the devices of this process, per platform, in jax's local order
+// (set by initialize(): global ids on XLA:CPU, local ordinals on XLA:CUDA).
+struct LocalDevices {
+  std::mutex mu;
+  std::map<std::string, std::vector<int64_t>> numbers;
+};
+LocalDevices& Devices() {
+  static auto* devices = new LocalDevices();  // never destroyed: handlers may run late
+  return *devices;
+}
+
+struct Instances {
+  std::mutex mu;
+  uint64_t next_uid = 1;
+  std::map<uint64_t, uint32_t> count;  // attribute hash -> instructions seen
+};
+Instances& InstanceTable() {
+  static auto* table = new Instances();
+  return *table;
+}
+
+uint64_t HashAttrs(const CallAttrs& a) {
+  uint64_t h = 14695981039346656037ull;  // FNV-1a over the values
+  auto add = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  auto add_span = [&](ffi::Span<const int64_t> s) {
+    add(static_cast<int64_t>(s.size()));
+    for (int64_t v : s) add(v);
+  };
+  add(a.comm);
+  add(a.op);
+  add(a.key);
+  add(a.slot);
+  add_span(a.device_procs);
+  add_span(a.device_locals);
+  add_span(a.device_groups);
+  add_span(a.group_streams);
+  add_span(a.group_ranks);
+  add_span(a.group_offsets);
+  return h;
+}
+
+template <typename State>
+ffi::ErrorOr<std::unique_ptr<State>> InstantiateImpl(
+    int64_t comm, int64_t op, int64_t key, int64_t slot, ffi::Span<const int64_t> device_procs,
+    ffi::Span<const int64_t> device_locals, ffi::Span<const int64_t> device_groups,
+    ffi::Span<const int64_t> group_streams, ffi::Span<const int64_t> group_ranks,
+    ffi::Span<const int64_t> group_offsets) {
+  return InstantiateCall<State>(CallAttrs{comm, op, key, slot, device_procs, device_locals,
+                                          device_groups, group_streams, group_ranks,
+                                          group_offsets});
+}
+
+}  // namespace
+
+template <typename State>
+ffi::ErrorOr<std::unique_ptr<State>> InstantiateCall(const CallAttrs& attrs) {
+  auto state = std::make_unique<State>();
+  Instances& table = InstanceTable();
+  std::lock_guard<std::mutex> lock(table.mu);
+  state->uid = table.next_uid++;
+  state->instance = table.count[HashAttrs(attrs)]++;
+  return state;
+}
+template ffi::ErrorOr<std::unique_ptr<InstructionState>> InstantiateCall(const CallAttrs&);
+template ffi::ErrorOr<std::unique_ptr<CudaInstructionState>> InstantiateCall(const CallAttrs&);
+
+ffi::Error LocateCall(const CallAttrs& attrs, int32_t device, const DecodedCall& call,
+                      CallPlace* place) {
+  const std::string& where = call.where;
+  const size_t n = attrs.device_procs.size();
+  const size_t groups = attrs.group_streams.size();
+  if (n == 0 || attrs.device_locals.size() != n || attrs.device_groups.size() != n ||
+      attrs.group_offsets.size() != groups + 1 || attrs.group_offsets[0] != 0 ||
+      attrs.group_offsets[groups] != static_cast<int64_t>(attrs.group_ranks.size())) {
+    return ffi::Error::InvalidArgument(where + "malformed group attributes");
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    if (attrs.group_offsets[g] > attrs.group_offsets[g + 1] || attrs.group_streams[g] < 0) {
+      return ffi::Error::InvalidArgument(where + "malformed group attributes");
+    }
+  }
+  const int me = call.comm->rank();
+  int64_t local = -1;  // the calling device's index among this process's devices
+  {
+    LocalDevices& devices = Devices();
+    std::lock_guard<std::mutex> lock(devices.mu);
+    auto it = devices.numbers.find(call.platform);
+    for (size_t i = 0; it != devices.numbers.end() && i < it->second.size(); ++i) {
+      if (it->second[i] == device) local = static_cast<int64_t>(i);
+    }
+  }
+  auto mine = [&](size_t j) {
+    return attrs.device_procs[j] == kEveryProcess || attrs.device_procs[j] == me;
+  };
+  // A single-device computation may be lowered before its device is known:
+  // Python then passes kAnyDevice, "whichever device runs this".
+  int index = n == 1 && mine(0) && attrs.device_locals[0] == kAnyDevice ? 0 : -1;
+  for (size_t j = 0; index < 0 && j < n; ++j) {
+    if (mine(j) && local >= 0 && attrs.device_locals[j] == local) index = static_cast<int>(j);
+  }
+  if (index < 0) {
+    return ffi::Error::InvalidArgument(
+        where + "device " + std::to_string(device) + " (local index " + std::to_string(local) +
+        ") is not among the participants of this call");
+  }
+  const int64_t group = attrs.device_groups[index];
+  if (group < 0 || group >= static_cast<int64_t>(groups)) {
+    return ffi::Error::InvalidArgument(where + "group out of range");
+  }
+  place->stream = static_cast<uint32_t>(attrs.group_streams[group]);
+  place->ranks.clear();
+  for (int64_t k = attrs.group_offsets[group]; k < attrs.group_offsets[group + 1]; ++k) {
+    const int64_t rank = attrs.group_ranks[k];
+    place->ranks.push_back(rank == kEveryProcess ? me : static_cast<int>(rank));
+  }
+  // Its place among the devices of this process in the same group: the order
+  // of the local sum.
+  place->position = 0;
+  place->local_count = 0;
+  for (size_t j = 0; j < n; ++j) {
+    if (!mine(j) || attrs.device_groups[j] != group) continue;
+    if (static_cast<int>(j) < index) ++place->position;
+    ++place->local_count;
+  }
+  return ffi::Error::Success();
+}
+
+void SetLocalDevices(const std::string& platform, std::vector<int64_t> numbers) {
+  LocalDevices& devices = Devices();
+  std::lock_guard<std::mutex> lock(devices.mu);
+  devices.numbers[platform] = std::move(numbers);
+}
+
+XLA_FFI_TypeId* InstructionStateTypeId(bool cuda) {
+  return cuda ? &CudaInstructionState::id : &InstructionState::id;
+}
+
+const XLA_FFI_TypeInfo* InstructionStateTypeInfo(bool cuda) {
+  return cuda ? &kCudaStateInfo : &kStateInfo;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    HerringAllReduceInstantiate, InstantiateImpl<InstructionState>,
+    BindAllReduceAttrs(ffi::Ffi::BindInstantiate()));  // the execute stage's attributes
+
+#ifdef HERRING_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    HerringAllReduceInstantiateCuda, InstantiateImpl<CudaInstructionState>,
+    BindAllReduceAttrs(ffi::Ffi::BindInstantiate()));  // the execute stage's attributes
+#endif
+
+}  // namespace herring
