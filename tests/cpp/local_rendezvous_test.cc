@@ -3,6 +3,7 @@
 // ThreadSanitizer and under AddressSanitizer + UBSan. Each check prints what
 // failed and the test exits non-zero; the last line on success is
 //   LOCAL_RENDEZVOUS_OK checks=<n>
+#include "check.h"
 #include "engine/local_rendezvous.h"
 
 #include <atomic>
@@ -19,16 +20,7 @@ using herring::engine::Status;
 
 namespace {
 
-int checks = 0;
-int failures = 0;
-
-void Check(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok) {
-    ++failures;
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-  }
-}
+using herring::test::Check;
 
 // Each device contributes one float; the work sums them into every output.
 struct Device {
@@ -178,10 +170,5 @@ int main() {
   TestTimeoutWithdraws();
   TestAbandonReleasesWaiters();
   TestBadArguments();
-  if (failures) {
-    std::fprintf(stderr, "LOCAL_RENDEZVOUS_FAILED failures=%d checks=%d\n", failures, checks);
-    return 1;
-  }
-  std::printf("LOCAL_RENDEZVOUS_OK checks=%d\n", checks);
-  return 0;
+  return herring::test::Finish("LOCAL_RENDEZVOUS");
 }

@@ -2,6 +2,7 @@
 // run by tests/test_cpp_units.py under AddressSanitizer + UBSan and
 // ThreadSanitizer. The last line on success is
 //   OCCURRENCE_TABLE_OK checks=<n>
+#include "check.h"
 #include "engine/occurrence_table.h"
 
 #include <cstdio>
@@ -12,16 +13,7 @@ using herring::engine::OccurrenceTable;
 
 namespace {
 
-int checks = 0;
-int failures = 0;
-
-void Check(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok) {
-    ++failures;
-    std::fprintf(stderr, "FAILED: %s\n", what.c_str());
-  }
-}
+using herring::test::Check;
 
 OccurrenceKey Key(int64_t run, uint32_t slot, uint32_t instance = 0, uint32_t stream = 0) {
   OccurrenceKey k;
@@ -66,10 +58,5 @@ int main() {
   Check(table.size() == 0, "prune of everything leaves nothing");
   Check(table.Take(Key(1, 0), 50) == 0, "empty table counts from 0");
 
-  if (failures > 0) {
-    std::fprintf(stderr, "%d of %d checks failed\n", failures, checks);
-    return 1;
-  }
-  std::printf("OCCURRENCE_TABLE_OK checks=%d\n", checks);
-  return 0;
+  return herring::test::Finish("OCCURRENCE_TABLE");
 }
