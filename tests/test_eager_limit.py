@@ -1,11 +1,14 @@
 """herring_jax makes ofi_rxm send every chunk eagerly (FI_OFI_RXM_EAGER_LIMIT =
 chunk + header) unless the user set the variable: with rxm's rendezvous, a
-connection busy in both directions carried half its rate each way."""
+connection busy in both directions carried half its rate each way. The
+header's size comes from the engine (sizeof(WireHeader)), never a copy."""
 
 import os
 import subprocess
 import sys
 import textwrap
+
+from herring_jax._herring_ffi import WIRE_HEADER_BYTES
 
 _PROBE = textwrap.dedent("""
     import ctypes, numpy as np, herring_jax
@@ -30,7 +33,7 @@ def _eager_limits(extra_env: dict) -> list[str]:
 
 def test_chunks_are_sent_eagerly_unless_the_user_says_otherwise():
     # 256 KiB chunks (300,000 floats make parts of 600 KB: several chunks).
-    assert _eager_limits({"HERRING_CHUNK_BYTES": "262144"}) == [str(262144 + 80)] * 2
+    assert _eager_limits({"HERRING_CHUNK_BYTES": "262144"}) == [str(262144 + WIRE_HEADER_BYTES)] * 2
     assert _eager_limits({"FI_OFI_RXM_EAGER_LIMIT": "32768"}) == ["32768"] * 2
 
 
@@ -44,7 +47,11 @@ def test_import_sets_the_variables_before_any_thread():
                          env=dict(env, HERRING_CHUNK_BYTES="65536", HERRING_FI_IFACE="lo"),
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == [str(65536 + 80), "lo"]
+    assert out.stdout.split() == [str(65536 + WIRE_HEADER_BYTES), "lo"]
     out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
                          env=dict(env, HERRING_FI_IFACE="127.0.0.1"), timeout=120)
-    assert out.stdout.split() == [str((1 << 20) + 80), "None"], out.stderr[-2000:]
+    assert out.stdout.split() == [str((1 << 20) + WIRE_HEADER_BYTES), "None"], out.stderr[-2000:]
+
+
+def test_header_size_is_the_engines():
+    assert WIRE_HEADER_BYTES == 104  # wire version 2 (engine/wire.h static_assert)

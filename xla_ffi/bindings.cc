@@ -10,6 +10,7 @@
 
 #include "engine/communicator.h"
 #include "engine/registry.h"
+#include "engine/wire.h"
 #include "engine/timeline.h"
 #include "handlers.h"
 
@@ -56,6 +57,9 @@ nb::dict StateType(bool cuda) {
 }  // namespace
 
 NB_MODULE(_herring_ffi, m) {
+  // Bytes in front of every chunk on the wire (the eager limit is chunk + this).
+  m.attr("WIRE_HEADER_BYTES") = sizeof(engine::WireHeader);
+
   m.def("registrations", []() {
     nb::dict d;
     d["herring_allreduce"] = Bundle(HerringAllReduceInstantiate, HerringAllReduce);

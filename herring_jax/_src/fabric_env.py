@@ -13,10 +13,11 @@ from __future__ import annotations
 import ipaddress
 import os
 
+from herring_jax import _herring_ffi
 from herring_jax._src import knobs
 
 # Bytes of herring's wire header in front of every chunk (engine/wire.h).
-WIRE_HEADER_BYTES = 80
+WIRE_HEADER_BYTES = _herring_ffi.WIRE_HEADER_BYTES
 # The variables herring_jax set and their values (VAR=value;...), so that a
 # child process recomputes them from its own knobs instead of taking them for
 # the user's.

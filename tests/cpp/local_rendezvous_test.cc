@@ -60,7 +60,7 @@ void Meet(LocalRendezvous& rv, const MeetingKey& key, int n, int rounds, float b
 
 // The crash of issue 14: two computations group the same 4 devices
 // differently (two groups of 2, then one of 4) with the same site-free
-// description. Keyed by run and site, both complete, in either order, and
+// description. Keyed by run and instruction, both complete, in either order, and
 // interleaved with each other.
 void TestDifferentGroupings() {
   LocalRendezvous rv;
@@ -123,7 +123,7 @@ void TestTimeoutWithdraws() {
   Check(work_runs == 0, "timeout: the work ran on a withdrawn buffer");
   Check(early.out == -1 && late.out == -1, "timeout: an output was written");
   Check(rv.PendingForTesting() == 0, "timeout: state left behind");
-  // The same site in the next run works again.
+  // The same instruction in the next run works again.
   std::vector<std::string> errors;
   Meet(rv, {43, 9, "0:0,"}, 2, 2, 0, &errors);
   for (const auto& e : errors) Check(false, "after timeout: " + e);

@@ -187,8 +187,10 @@ HeaderVerdict CheckHeaderChecked(HeaderBuffer& buf, size_t len, const Expectatio
     default:
       FUZZ_CHECK(false);  // not a HeaderVerdict
   }
-  // kMalformed covers "too short, bad magic/version/checksum/enum values".
-  if (!Intact(h, len) || !IsValidDType(h.dtype) || !IsValidOp(h.op)) {
+  // kMalformed covers "too short, bad magic/version/checksum/enum values",
+  // and a count of 0 contributing devices (it would divide a mean).
+  if (!Intact(h, len) || !IsValidDType(h.dtype) || !IsValidOp(h.op) ||
+      (len >= kHeaderSize && h.contributors == 0)) {
     FUZZ_CHECK(v == HeaderVerdict::kMalformed);
   }
   return v;
@@ -389,7 +391,8 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
       0, std::numeric_limits<size_t>::max() - kHeaderSize);
   h.total_elems = in.ConsumeIntegral<uint64_t>();
   for (uint8_t& r : h.reserved) r = in.ConsumeIntegral<uint8_t>();
-  h.contributors = in.ConsumeIntegral<uint32_t>();
+  // Every contribution and result sums at least one device (0 is malformed).
+  h.contributors = in.ConsumeIntegralInRange<uint32_t>(1, std::numeric_limits<uint32_t>::max());
   h.reserved2 = 0;  // as every sender leaves it (WireHeader{})
   SealHeader(&h);
   const size_t len = kHeaderSize + static_cast<size_t>(h.payload_bytes);

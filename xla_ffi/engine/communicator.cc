@@ -68,7 +68,9 @@ struct Job {
   std::vector<WireHeader> contrib_hdrs;  // [peer][chunk] contributions received
   std::vector<WireHeader> out_hdrs;      // [chunk] results this server sends
   std::vector<PooledBuffer> staging;     // [peer] contributions to this part
-  std::vector<uint32_t> contributors;    // [peer] devices in each contribution
+  // [peer] devices in each contribution: written by the progress thread at
+  // every chunk's arrival while a server thread may read it for another chunk.
+  std::unique_ptr<std::atomic<uint32_t>[]> contributors;
   std::unique_ptr<std::atomic<int>[]> arrivals;       // [chunk] of this part
   std::unique_ptr<std::atomic<int>[]> contribs_from;  // [peer] chunks received
   std::unique_ptr<std::atomic<int>[]> results_from;   // [part] chunks received
@@ -775,8 +777,9 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   job->result_hdrs.resize(n * job->max_chunks);
   job->contrib_hdrs.resize(n * job->max_chunks);
   job->out_hdrs.resize(job->max_chunks);
-  job->contributors.assign(n, 0);
-  job->contributors[me] = job->req.contributors;
+  job->contributors.reset(new std::atomic<uint32_t>[n]);
+  for (int p = 0; p < n; ++p) job->contributors[p].store(0, std::memory_order_relaxed);
+  job->contributors[me].store(job->req.contributors, std::memory_order_relaxed);
   job->arrivals.reset(new std::atomic<int>[std::max<size_t>(1, chunks_me)]());
   job->contribs_from.reset(new std::atomic<int>[n]());
   job->results_from.reset(new std::atomic<int>[n]());
@@ -947,7 +950,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
       return;
   }
   Heard(static_cast<uint32_t>(from));
-  job->contributors[p] = h.contributors;
+  job->contributors[p].store(h.contributors, std::memory_order_relaxed);
   job->contribs_from[p].fetch_add(1);
   if (job->arrivals[c].fetch_add(1) + 1 == job->n - 1) {
     batch->AddInflight(1);
@@ -973,7 +976,7 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   for (int p = 0; p < n; ++p) {
     srcs[p] = p == me ? static_cast<const void*>(job->InAt(begin))
                       : job->staging[p].data() + c * job->chunk_elems * job->elem;
-    contributors += job->contributors[p];
+    contributors += job->contributors[p].load(std::memory_order_relaxed);
   }
   const double divisor = job->req.op == ReduceOp::kMean ? contributors : 1.0;
   char* dst = job->OutAt(begin);

@@ -156,7 +156,7 @@ class LocalRendezvous {
   // Called with mu_ held by each participant when it is done with `slot`.
   // The slot goes once every expected device has touched it and left; the
   // meeting goes once it has no slot and no device is ahead of another, so the
-  // next call of the same site in the same run starts from 0 everywhere.
+  // next call of the same instruction in the same run starts from 0 everywhere.
   void Leave(std::map<MeetingKey, Meeting>::iterator it, uint64_t seq, Slot& slot) {
     Meeting& meeting = it->second;
     const int expected = static_cast<int>(meeting.next.size());

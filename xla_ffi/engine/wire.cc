@@ -98,6 +98,12 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
            std::to_string(len - sizeof(WireHeader)) + " arrived";
     return HeaderVerdict::kMalformed;
   }
+  if (h.contributors == 0) {
+    // Every contribution and result sums at least one device; 0 would become
+    // the divisor of a mean (inf/NaN, or SIGFPE for integers).
+    *why = "header counts 0 contributing devices";
+    return HeaderVerdict::kMalformed;
+  }
   if (h.token != want.token) {
     *why = "wrong job token (a process of another job or an old run)";
     return HeaderVerdict::kStranger;
