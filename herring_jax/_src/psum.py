@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
 from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import jax_compat
