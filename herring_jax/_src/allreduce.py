@@ -201,7 +201,8 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, root):
                                  transpose=transpose, root=root)
     # Zero-size operands need no reduction: the handler sees only the others.
     nonempty = [i for i, a in enumerate(ctx.avals_in) if np.prod(a.shape) > 0]
-    outs = [mlir.ir_constant(np.zeros(a.shape, a.dtype)) for a in ctx.avals_out]
+    outs = [None if i in nonempty else mlir.ir_constant(np.zeros(a.shape, a.dtype))
+            for i, a in enumerate(ctx.avals_out)]
     if not nonempty:
         return outs
     state = runtime.state()
