@@ -1,0 +1,116 @@
+// The state of one AllReduce call (a Batch) and of each buffer in it (a Job),
+// shared by the communicator's rooms: communicator.cc (set-up and the call
+// itself), data_path.cc (messages and sums), liveness.cc (heartbeats),
+// control.cc (failure and abort) and diagnostics.cc (what error texts say).
+// Internal to the engine.
+#ifndef HERRING_ENGINE_BATCH_H_
+#define HERRING_ENGINE_BATCH_H_
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/buffer_pool.h"
+#include "engine/communicator.h"
+#include "engine/wire.h"
+
+namespace herring::engine {
+
+// Everything one AllReduce call waits for. `remaining` counts the work that
+// must finish for success; `inflight` counts posted transport operations and
+// queued server tasks, which reference the batch and must drain before it
+// may be freed.
+struct Batch {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t remaining = 0;
+  size_t inflight = 0;
+  bool failed = false;
+  std::string error;
+  uint32_t stream = 0;
+  std::vector<int> group;
+  int64_t started_ns = 0;
+  std::vector<std::unique_ptr<Job>> jobs;
+  // Every job's per-peer counters exist (StartJob ran for all): from then on
+  // other threads may read them.
+  std::atomic<bool> started{false};
+
+  void AddInflight(size_t k) {
+    std::lock_guard<std::mutex> lock(mu);
+    inflight += k;
+  }
+  // `work` units of `remaining` and `ops` of `inflight` are done.
+  void Complete(size_t work, size_t ops) {
+    std::lock_guard<std::mutex> lock(mu);
+    remaining -= work;
+    inflight -= ops;
+    if (remaining == 0 || inflight == 0) cv.notify_all();
+  }
+  bool Failed() {
+    std::lock_guard<std::mutex> lock(mu);
+    return failed;
+  }
+};
+
+// One buffer's reduction within a batch: its geometry and per-message state.
+struct Job {
+  Batch* batch = nullptr;
+  ReduceRequest req;
+  Identity id;              // the request's, with its occurrence
+  uint64_t tag_bits = 0;    // IdentityTagBits(id, stream)
+  int n = 0;   // processes in the group
+  int me = 0;  // this process's index in the group (= the part it serves)
+  size_t elem = 0;
+  size_t part_elems = 0;
+  size_t chunk_elems = 0;
+  size_t max_chunks = 0;
+
+  std::vector<WireHeader> send_hdrs;     // [part][chunk] contributions sent
+  std::vector<WireHeader> result_hdrs;   // [part][chunk] results received
+  std::vector<WireHeader> contrib_hdrs;  // [peer][chunk] contributions received
+  std::vector<WireHeader> out_hdrs;      // [chunk] results this server sends
+  std::vector<PooledBuffer> staging;     // [peer] contributions to this part
+  // [peer] devices in each contribution: written by the progress thread at
+  // every chunk's arrival while a server thread may read it for another chunk.
+  std::unique_ptr<std::atomic<uint32_t>[]> contributors;
+  std::unique_ptr<std::atomic<int>[]> arrivals;       // [chunk] of this part
+  std::unique_ptr<std::atomic<int>[]> contribs_from;  // [peer] chunks received
+  std::unique_ptr<std::atomic<int>[]> results_from;   // [part] chunks received
+
+  size_t PartBegin(int i) const { return std::min(req.count, i * part_elems); }
+  size_t PartLen(int i) const {
+    return std::min(req.count, (i + 1) * part_elems) - PartBegin(i);
+  }
+  size_t Chunks(int i) const { return (PartLen(i) + chunk_elems - 1) / chunk_elems; }
+  size_t ChunkBegin(int i, size_t c) const { return PartBegin(i) + c * chunk_elems; }
+  size_t ChunkLen(int i, size_t c) const {
+    return std::min(chunk_elems, PartLen(i) - c * chunk_elems);
+  }
+  char* OutAt(size_t elem_index) const {
+    return static_cast<char*>(req.out) + elem_index * elem;
+  }
+  const char* InAt(size_t elem_index) const {
+    return static_cast<const char*>(req.in) + elem_index * elem;
+  }
+  std::string Describe() const {
+    return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " +
+           ReduceOpName(req.op) + " (key " + std::to_string(req.key) + "; " +
+           DescribeIdentity(id) + ")";
+  }
+};
+
+inline int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace herring::engine
+
+#endif  // HERRING_ENGINE_BATCH_H_

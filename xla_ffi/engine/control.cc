@@ -1,0 +1,110 @@
+// The abort control plane: a failing rank fails its batches and tells every
+// other rank at once, so that nobody waits for HERRING_TIMEOUT_S on a job that
+// cannot finish; and the dropped-message count.
+#include "engine/communicator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "engine/batch.h"
+
+namespace herring::engine {
+
+void Communicator::PostControlRecv(size_t slot) {
+  ControlBuffer& b = control_[slot];
+  transport::IoVec iov[2] = {{&b.header, sizeof(b.header)}, {b.text, sizeof(b.text)}};
+  // Any sender: the sender bits of the tag are ignored.
+  Status s = transport_->Recv(
+      MakeControlTag(0), kSenderBits, iov, 2,
+      [this, slot](const transport::Completion& c) { OnControl(slot, c); },
+      /*background=*/true);
+  if (!s.ok()) {
+    std::fprintf(stderr, "herring_jax rank %d: cannot post a control receive: %s\n",
+                 config_.rank, s.message().c_str());
+  }
+}
+
+void Communicator::OnControl(size_t slot, const transport::Completion& c) {
+  if (!c.ok) return;  // cancelled at shutdown or after a failure
+  const ControlBuffer& b = control_[slot];
+  const uint32_t sender = TagSender(c.tag);
+  std::string why;
+  if (!CheckControlHeader(b.header, c.len, MsgKind::kAbort, config_.token, sender,
+                          static_cast<uint32_t>(config_.size), &why)) {
+    CountDropped(why);
+    Enqueue([this, slot] { PostControlRecv(slot); });
+    return;
+  }
+  Heard(sender);
+  const std::string reason(b.text, c.len - sizeof(WireHeader));
+  const std::string mine = OldestWait();
+  const std::string message = "rank " + std::to_string(sender) + " failed: " + reason +
+                              (mine.empty() ? std::string()
+                                            : " [rank " + std::to_string(config_.rank) +
+                                                  " was waiting in " + mine + "]");
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_.empty()) broken_ = message;
+  }
+  std::lock_guard<std::mutex> lock(active_mu_);
+  for (Batch* batch : active_) Fail(batch, message, /*tell_peers=*/false);
+}
+
+void Communicator::CountDropped(const std::string& why) {
+  if (dropped_.fetch_add(1) < 10) {
+    std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
+                 why.c_str());
+  }
+}
+
+void Communicator::BroadcastAbort(const std::string& why) {
+  std::call_once(abort_once_, [&] {
+    const size_t len = std::min(why.size(), kAbortTextBytes);
+    std::memcpy(abort_out_.text, why.data(), len);
+    WireHeader& h = abort_out_.header;
+    h = WireHeader{};
+    h.magic = kMagic;
+    h.version = kWireVersion;
+    h.kind = static_cast<uint8_t>(MsgKind::kAbort);
+    h.dtype = static_cast<uint8_t>(DType::kFloat32);
+    h.token = config_.token;
+    h.src_rank = static_cast<uint32_t>(config_.rank);
+    h.stream = kControlStream;
+    h.payload_bytes = len;
+    SealHeader(&h);
+    for (int peer = 0; peer < config_.size; ++peer) {
+      if (peer == config_.rank) continue;
+      transport::IoVec iov[2] = {{&abort_out_.header, sizeof(WireHeader)},
+                                 {abort_out_.text, len}};
+      // Best effort: a dead peer never completes this, and nothing waits on it.
+      transport_->Send(peer, MakeControlTag(config_.rank), iov, len > 0 ? 2 : 1,
+                       [](const transport::Completion&) {});
+    }
+  });
+}
+
+void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
+  {
+    std::lock_guard<std::mutex> lock(batch->mu);
+    if (!batch->failed) {
+      batch->failed = true;
+      batch->error = why;
+    }
+  }
+  batch->cv.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_.empty()) broken_ = why;
+  }
+  // The communicator is unusable from here on: a post waiting for room in a
+  // queue (e.g. to a dead rank that this batch's failure did not name) must
+  // give up now, or the caller's thread stays in StartJob until the timeout.
+  transport_->StopWaiting();
+  // Sent from a server thread: Fail also runs on the progress thread, which
+  // must never wait on the transport's queues itself.
+  if (tell_peers && connected_) Enqueue([this, why] { BroadcastAbort(why); });
+}
+
+}  // namespace herring::engine

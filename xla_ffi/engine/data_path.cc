@@ -1,0 +1,335 @@
+// The data path: a job's contributions go to every part's server, the server
+// sums its part in rank order and sends the result back. Runs on the caller's
+// thread (StartJob), the transport's progress thread (On* callbacks) and the
+// server threads (ReduceChunk, re-posts).
+#include "engine/communicator.h"
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "engine/batch.h"
+#include "engine/reduce_kernels.h"
+
+namespace herring::engine {
+
+namespace {
+
+WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint32_t src, int part,
+                      size_t chunk, size_t payload_bytes, uint32_t contributors) {
+  WireHeader h{};
+  h.magic = kMagic;
+  h.version = kWireVersion;
+  h.kind = static_cast<uint8_t>(kind);
+  h.dtype = static_cast<uint8_t>(job.req.dtype);
+  h.token = token;
+  h.key = job.req.key;
+  SetHeaderIdentity(&h, job.id);
+  h.src_rank = src;
+  h.stream = job.batch->stream;
+  h.part = static_cast<uint32_t>(part);
+  h.chunk = static_cast<uint32_t>(chunk);
+  h.payload_bytes = payload_bytes;
+  h.total_elems = job.req.count;
+  h.op = static_cast<uint8_t>(job.req.op);
+  h.contributors = contributors;
+  SealHeader(&h);
+  return h;
+}
+
+}  // namespace
+
+void Communicator::DropAndRepost(Batch* batch, const std::string& why,
+                                 std::function<void()> repost) {
+  CountDropped(why);
+  // The completed receive leaves flight; the queued re-post enters it until
+  // it has posted the new receive (from a server thread: never post from the
+  // progress thread, which must not wait on the transport's queues).
+  batch->AddInflight(1);
+  batch->Complete(0, 1);
+  Enqueue([batch, repost = std::move(repost)] {
+    repost();
+    batch->Complete(0, 1);
+  });
+}
+
+Status Communicator::StartJob(Batch* batch, Job* job) {
+  const int n = job->n;
+  const int me = job->me;
+  const size_t chunks_me = job->Chunks(me);
+  job->send_hdrs.resize(n * job->max_chunks);
+  job->result_hdrs.resize(n * job->max_chunks);
+  job->contrib_hdrs.resize(n * job->max_chunks);
+  job->out_hdrs.resize(job->max_chunks);
+  job->contributors.reset(new std::atomic<uint32_t>[n]);
+  for (int p = 0; p < n; ++p) job->contributors[p].store(0, std::memory_order_relaxed);
+  job->contributors[me].store(job->req.contributors, std::memory_order_relaxed);
+  job->arrivals.reset(new std::atomic<int>[std::max<size_t>(1, chunks_me)]());
+  job->contribs_from.reset(new std::atomic<int>[n]());
+  job->results_from.reset(new std::atomic<int>[n]());
+  job->staging.resize(n);
+
+  // Receives before sends, so that peers' messages find posted buffers.
+  if (chunks_me > 0) {
+    for (int p = 0; p < n; ++p) {
+      if (p == me) continue;
+      job->staging[p] = PooledBuffer(&pool_, job->PartLen(me) * job->elem);
+      if (!job->staging[p].ok()) return Status::Error("out of memory for staging buffers");
+      for (size_t c = 0; c < chunks_me; ++c) PostContributionRecv(job, p, c);
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    if (i == me) continue;
+    for (size_t c = 0; c < job->Chunks(i); ++c) PostResultRecv(job, i, c);
+  }
+  // Contributions, chunk-major and starting at the next server, so that the
+  // processes do not all send to the same server at the same moment.
+  const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  for (size_t c = 0; c < job->max_chunks; ++c) {
+    for (int step = 1; step < n; ++step) {
+      const int i = (me + step) % n;
+      if (c >= job->Chunks(i)) continue;
+      const size_t len = job->ChunkLen(i, c) * job->elem;
+      WireHeader& h = job->send_hdrs[i * job->max_chunks + c];
+      h = MakeHeader(*job, MsgKind::kContribution, config_.token, my_rank, i, c, len,
+                     job->req.contributors);
+      transport::IoVec iov[2] = {{&h, sizeof(h)},
+                                 {const_cast<char*>(job->InAt(job->ChunkBegin(i, c))), len}};
+      batch->AddInflight(1);
+      Status s = transport_->Send(batch->group[i],
+                                  MakeTag(MsgKind::kContribution, my_rank, batch->stream,
+                                          job->tag_bits, c),
+                                  iov, len > 0 ? 2 : 1,
+                                  [this, job, to = batch->group[i]](
+                                      const transport::Completion& done) {
+                                    SendDone(job, to, done);
+                                  });
+      if (!s.ok()) {
+        batch->Complete(1, 1);
+        return Status::Error("sending to rank " + std::to_string(batch->group[i]) + ": " +
+                             s.message());
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
+  Batch* batch = job->batch;
+  const int me = job->me;
+  WireHeader* h = &job->contrib_hdrs[p * job->max_chunks + c];
+  const size_t len = job->ChunkLen(me, c) * job->elem;
+  transport::IoVec iov[2] = {{h, sizeof(*h)},
+                             {job->staging[p].data() + c * job->chunk_elems * job->elem, len}};
+  batch->AddInflight(1);
+  Status s = transport_->Recv(
+      MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->tag_bits, c), 0,
+      iov,
+      2, [this, job, p, c](const transport::Completion& done) {
+        OnContribution(job, p, c, done);
+      });
+  if (!s.ok()) {
+    Fail(batch, "posting a receive: " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+void Communicator::PostResultRecv(Job* job, int i, size_t c) {
+  Batch* batch = job->batch;
+  WireHeader* h = &job->result_hdrs[i * job->max_chunks + c];
+  const size_t len = job->ChunkLen(i, c) * job->elem;
+  transport::IoVec iov[2] = {{h, sizeof(*h)}, {job->OutAt(job->ChunkBegin(i, c)), len}};
+  batch->AddInflight(1);
+  Status s = transport_->Recv(
+      MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->tag_bits, c), 0, iov, 2,
+      [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); });
+  if (!s.ok()) {
+    Fail(batch, "posting a receive: " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+namespace {
+// Shared by both receive kinds: a failed or truncated completion is fatal
+// (unless the batch already failed and cancelled it).
+// `header` is the receive's header buffer: on truncation the provider fills
+// the posted buffers as far as they go, so a genuine peer's header is there
+// and says what that peer reduces.
+bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_rank,
+                   int my_rank, const WireHeader& header, uint64_t token, std::string* why) {
+  if (done.ok) return false;
+  if (!done.truncated) {
+    *why = "receive from rank " + std::to_string(from_rank) + " failed for " + job.Describe() +
+           ": " + done.error;
+    return true;
+  }
+  const bool readable = header.magic == kMagic && header.version == kWireVersion &&
+                        header.checksum == HeaderChecksum(header) && header.token == token &&
+                        IsValidDType(header.dtype) && IsValidOp(header.op);
+  std::string theirs;
+  if (readable) {
+    theirs = std::string(DTypeName(static_cast<DType>(header.dtype))) + "[" +
+             std::to_string(header.total_elems) + "] " +
+             ReduceOpName(static_cast<ReduceOp>(header.op)) + " (key " +
+             std::to_string(header.key) + "; " + DescribeIdentity(HeaderIdentity(header)) + ")";
+  }
+  const std::string mine = "rank " + std::to_string(my_rank) + "'s receive for " + job.Describe();
+  if (readable && HeaderIdentity(header) != job.id) {
+    *why = "tag collision: rank " + std::to_string(from_rank) + " sent " + theirs +
+           ", a larger message that matched " + mine + "; two reductions in flight at once "
+           "share their 30-bit tag hash. Rerunning will most likely not collide again";
+  } else {
+    *why = "mismatched reductions: rank " + std::to_string(from_rank) + " sent a larger "
+           "message than expected" + (readable ? " for " + theirs : std::string()) + " to " +
+           mine + "; every process must run the same reductions (shapes, dtypes, ops) in "
+           "the same executables";
+  }
+  return true;
+}
+
+}  // namespace
+
+Expectation Communicator::Expect(const Job& job, MsgKind kind, int from_rank, int part,
+                                 size_t chunk) const {
+  Expectation want;
+  want.kind = kind;
+  want.token = config_.token;
+  want.key = job.req.key;
+  want.id = job.id;
+  want.src_rank = static_cast<uint32_t>(from_rank);
+  want.self_rank = static_cast<uint32_t>(config_.rank);
+  want.stream = job.batch->stream;
+  want.part = static_cast<uint32_t>(part);
+  want.chunk = static_cast<uint32_t>(chunk);
+  want.dtype = job.req.dtype;
+  want.op = job.req.op;
+  want.payload_bytes = job.ChunkLen(part, chunk) * job.elem;
+  want.total_elems = job.req.count;
+  return want;
+}
+
+void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Completion& done) {
+  Batch* batch = job->batch;
+  const int from = batch->group[p];
+  std::string why;
+  const WireHeader& h = job->contrib_hdrs[p * job->max_chunks + c];
+  if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
+    if (!batch->Failed()) Fail(batch, why);
+    batch->Complete(1, 1);
+    return;
+  }
+  const Expectation want = Expect(*job, MsgKind::kContribution, from, job->me, c);
+  switch (CheckHeader(&h, done.len, want, &why)) {
+    case HeaderVerdict::kOk:
+      break;
+    case HeaderVerdict::kCollision:
+      Fail(batch, why);
+      batch->Complete(1, 1);
+      return;
+    case HeaderVerdict::kMismatch:
+      Fail(batch, "mismatched reductions: " + why);
+      batch->Complete(1, 1);
+      return;
+    default:
+      DropAndRepost(batch, why, [this, job, p, c] { PostContributionRecv(job, p, c); });
+      return;
+  }
+  Heard(static_cast<uint32_t>(from));
+  job->contributors[p].store(h.contributors, std::memory_order_relaxed);
+  job->contribs_from[p].fetch_add(1);
+  if (job->arrivals[c].fetch_add(1) + 1 == job->n - 1) {
+    batch->AddInflight(1);
+    Enqueue([this, job, c] { ReduceChunk(job, c); });
+  }
+  batch->Complete(1, 1);
+}
+
+void Communicator::ReduceChunk(Job* job, size_t c) {
+  Batch* batch = job->batch;
+  const int n = job->n;
+  const int me = job->me;
+  if (batch->Failed()) {
+    batch->Complete(1 + (n - 1), 1);
+    return;
+  }
+  const size_t begin = job->ChunkBegin(me, c);
+  const size_t count = job->ChunkLen(me, c);
+  // Rank order, whichever contribution arrived first: the sum is the same
+  // bits on every run.
+  std::vector<const void*> srcs(n);
+  uint32_t contributors = 0;
+  for (int p = 0; p < n; ++p) {
+    srcs[p] = p == me ? static_cast<const void*>(job->InAt(begin))
+                      : job->staging[p].data() + c * job->chunk_elems * job->elem;
+    contributors += job->contributors[p].load(std::memory_order_relaxed);
+  }
+  const double divisor = job->req.op == ReduceOp::kMean ? contributors : 1.0;
+  char* dst = job->OutAt(begin);
+  ReduceInto(job->req.dtype, dst, srcs.data(), n, count, divisor);
+
+  const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  WireHeader& h = job->out_hdrs[c];
+  h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, count * job->elem,
+                 contributors);
+  size_t unposted = n - 1;
+  for (int p = 0; p < n; ++p) {
+    if (p == me) continue;
+    transport::IoVec iov[2] = {{&h, sizeof(h)}, {dst, count * job->elem}};
+    batch->AddInflight(1);
+    Status s = transport_->Send(
+        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c),
+        iov,
+        count > 0 ? 2 : 1,
+        [this, job, to = batch->group[p]](const transport::Completion& done) {
+          SendDone(job, to, done);
+        });
+    --unposted;
+    if (!s.ok()) {
+      Fail(batch, "sending to rank " + std::to_string(batch->group[p]) + ": " + s.message());
+      batch->Complete(1, 1);
+    }
+  }
+  batch->Complete(1 + unposted, 1);
+}
+
+void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completion& done) {
+  Batch* batch = job->batch;
+  const int from = batch->group[i];
+  std::string why;
+  const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
+  if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
+    if (!batch->Failed()) Fail(batch, why);
+    batch->Complete(1, 1);
+    return;
+  }
+  const Expectation want = Expect(*job, MsgKind::kResult, from, i, c);
+  switch (CheckHeader(&h, done.len, want, &why)) {
+    case HeaderVerdict::kOk:
+      Heard(static_cast<uint32_t>(from));
+      job->results_from[i].fetch_add(1);
+      batch->Complete(1, 1);
+      return;
+    case HeaderVerdict::kCollision:
+      Fail(batch, why);
+      batch->Complete(1, 1);
+      return;
+    case HeaderVerdict::kMismatch:
+      Fail(batch, "mismatched reductions: " + why);
+      batch->Complete(1, 1);
+      return;
+    default:
+      DropAndRepost(batch, why, [this, job, i, c] { PostResultRecv(job, i, c); });
+      return;
+  }
+}
+
+void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& done) {
+  Batch* batch = job->batch;
+  if (!done.ok && !batch->Failed()) {
+    Fail(batch, "sending to rank " + std::to_string(to_rank) + " failed for " + job->Describe() +
+                    ": " + done.error);
+  }
+  batch->Complete(1, 1);
+}
+
+}  // namespace herring::engine

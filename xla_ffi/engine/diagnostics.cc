@@ -1,0 +1,123 @@
+// Diagnostic text: what a rank waits for and what its peers said they wait
+// for, for error messages and heartbeats.
+#include "engine/communicator.h"
+
+#include <set>
+#include <string>
+
+#include "engine/batch.h"
+
+namespace herring::engine {
+
+namespace {
+
+std::string RankList(const std::set<int>& ranks) {
+  std::string s;
+  for (int r : ranks) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  return "[" + s + "]";
+}
+
+}  // namespace
+
+std::string Communicator::OldestWait(WireHeader* h) {
+  std::lock_guard<std::mutex> lock(active_mu_);
+  const Batch* oldest = nullptr;
+  for (const Batch* batch : active_) {
+    if (oldest == nullptr || batch->started_ns < oldest->started_ns) oldest = batch;
+  }
+  if (oldest == nullptr) return "";
+  const Job& job = *oldest->jobs.front();
+  const double seconds = (NowNs() - oldest->started_ns) * 1e-9;
+  if (h != nullptr) {
+    h->contributors = 1;
+    h->dtype = static_cast<uint8_t>(job.req.dtype);
+    h->op = static_cast<uint8_t>(job.req.op);
+    h->total_elems = job.req.count;
+    h->key = job.req.key;
+    SetHeaderIdentity(h, job.id);
+    h->chunk = static_cast<uint32_t>(std::min(seconds, 4e9));
+  }
+  return job.Describe() + " for " + std::to_string(static_cast<int64_t>(seconds)) + " s";
+}
+
+std::string Communicator::PeerReport(const std::set<int>& ranks) const {
+  if (!last_heard_ || config_.heartbeat_s <= 0) return "";
+  const int64_t now = NowNs();
+  std::string report;
+  std::lock_guard<std::mutex> lock(peer_wait_mu_);
+  for (int rank : ranks) {
+    const double silent = (now - last_heard_[rank].load()) * 1e-9;
+    std::string line = "rank " + std::to_string(rank);
+    if (silent > 3 * config_.heartbeat_s + 1) {
+      line += " has sent nothing for " + std::to_string(static_cast<int64_t>(silent)) + " s";
+    } else if (peer_wait_[rank].what.empty()) {
+      line += " is alive and waits in no reduction";
+    } else {
+      line += " is alive and has waited " +
+              std::to_string(static_cast<int64_t>(peer_wait_[rank].seconds)) + " s in " +
+              peer_wait_[rank].what;
+    }
+    report += (report.empty() ? "" : "; ") + line;
+  }
+  return report;
+}
+
+std::set<int> Communicator::MissingRanks(const Batch& batch) {
+  std::set<int> missing;
+  if (!batch.started.load()) return missing;
+  for (const auto& job : batch.jobs) {
+    for (int p = 0; p < job->n; ++p) {
+      if (p == job->me) continue;
+      if (job->contribs_from[p].load() < static_cast<int>(job->Chunks(job->me)) ||
+          job->results_from[p].load() < static_cast<int>(job->Chunks(p))) {
+        missing.insert(batch.group[p]);
+      }
+    }
+  }
+  return missing;
+}
+
+std::string Communicator::MissingReport(const Batch& batch) const {
+  std::set<int> missing;
+  std::string what, detail;
+  for (const auto& job : batch.jobs) {
+    if (!job->contribs_from || !job->results_from) continue;  // never started
+    bool incomplete = false;
+    for (int p = 0; p < job->n; ++p) {
+      if (p == job->me) continue;
+      const int rank = batch.group[p];
+      const int contribs = job->contribs_from[p].load();
+      const int results = job->results_from[p].load();
+      const int want_contribs = static_cast<int>(job->Chunks(job->me));
+      const int want_results = static_cast<int>(job->Chunks(p));
+      if (contribs < want_contribs || results < want_results) {
+        missing.insert(rank);
+        if (what.empty() || incomplete) {
+          detail += std::string(detail.empty() ? "" : ", ") + "from rank " +
+                    std::to_string(rank) + ": " + std::to_string(contribs) + "/" +
+                    std::to_string(want_contribs) + " contribution and " +
+                    std::to_string(results) + "/" + std::to_string(want_results) +
+                    " result chunks";
+        }
+        incomplete = true;
+      }
+    }
+    if (incomplete && what.empty()) what = job->Describe();
+  }
+  size_t remaining, inflight;
+  {
+    std::lock_guard<std::mutex> lock(const_cast<Batch&>(batch).mu);
+    remaining = batch.remaining;
+    inflight = batch.inflight;
+  }
+  const std::string counts = " (" + std::to_string(remaining) + " operations left, " +
+                             std::to_string(inflight) + " in flight)";
+  if (missing.empty()) {
+    return "no data missing, but the reduction did not finish" + counts + ".";
+  }
+  const std::string peers = PeerReport(missing);
+  return "waiting for rank(s) " + RankList(missing) + " in " + what + " (" + detail + ")" +
+         counts + "." + (peers.empty() ? std::string() : " " + peers + ".");
+}
+
+}  // namespace herring::engine

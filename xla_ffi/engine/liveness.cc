@@ -1,0 +1,152 @@
+// Liveness: heartbeats between ranks, and the watch that declares a silent
+// rank dead when a reduction waits for it (CommConfig::heartbeat_s).
+#include "engine/communicator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "engine/batch.h"
+
+namespace herring::engine {
+
+void Communicator::Heard(uint32_t rank) {
+  if (last_heard_ && rank < static_cast<uint32_t>(config_.size)) last_heard_[rank] = NowNs();
+}
+
+// One receive per sender, posted again after each heartbeat. Not one
+// wildcard receive for all: with libfabric 1.17's shm provider, receives with
+// ignore bits that are re-posted often made data messages match receives
+// posted for another sender (seen as dropped chunks and hung reductions).
+void Communicator::PostHeartbeatRecv(size_t slot) {
+  transport::IoVec iov[1] = {{&heartbeat_in_[slot], sizeof(WireHeader)}};
+  Status s = transport_->Recv(
+      MakeHeartbeatTag(static_cast<uint32_t>(slot)), 0, iov, 1,
+      [this, slot](const transport::Completion& c) { OnHeartbeat(slot, c); },
+      /*background=*/true);
+  if (!s.ok()) {
+    std::fprintf(stderr, "herring_jax rank %d: cannot post a heartbeat receive: %s\n",
+                 config_.rank, s.message().c_str());
+  }
+}
+
+void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
+  if (!c.ok) {
+    // A heartbeat larger than a header is malformed; anything else is a
+    // cancellation (shutdown or failure), after which nothing is re-posted.
+    if (!c.truncated) return;
+    CountDropped("oversized heartbeat");
+  } else {
+    const uint32_t sender = TagSender(c.tag);
+    std::string why;
+    const WireHeader& h = heartbeat_in_[slot];
+    if (CheckControlHeader(h, c.len, MsgKind::kHeartbeat, config_.token, sender,
+                           static_cast<uint32_t>(config_.size), &why)) {
+      heartbeats_.fetch_add(1);
+      Heard(sender);
+      // A heartbeat also says what its sender waits for (contributors = 1):
+      // dtype, count, op, key, identity and seconds (chunk).
+      PeerWait wait;
+      if (h.contributors == 1 && IsValidDType(h.dtype) && IsValidOp(h.op)) {
+        wait.what = std::string(DTypeName(static_cast<DType>(h.dtype))) + "[" +
+                    std::to_string(h.total_elems) + "] " +
+                    ReduceOpName(static_cast<ReduceOp>(h.op)) + " (key " +
+                    std::to_string(h.key) + "; " + DescribeIdentity(HeaderIdentity(h)) + ")";
+        wait.seconds = h.chunk;
+      }
+      std::lock_guard<std::mutex> lock(peer_wait_mu_);
+      peer_wait_[sender] = std::move(wait);
+    } else {
+      CountDropped(why);
+    }
+  }
+  // Never post from the progress thread (see DropAndRepost).
+  Enqueue([this, slot] { PostHeartbeatRecv(slot); });
+}
+
+void Communicator::HeartbeatLoop() {
+  const auto interval = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(config_.heartbeat_s));
+  std::unique_lock<std::mutex> lock(heartbeat_mu_);
+  while (!heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; })) {
+    lock.unlock();
+    SendHeartbeats();
+    WatchPeers();
+    lock.lock();
+  }
+}
+
+void Communicator::SendHeartbeats() {
+  WireHeader base{};
+  base.magic = kMagic;
+  base.version = kWireVersion;
+  base.kind = static_cast<uint8_t>(MsgKind::kHeartbeat);
+  base.dtype = static_cast<uint8_t>(DType::kFloat32);
+  base.token = config_.token;
+  base.src_rank = static_cast<uint32_t>(config_.rank);
+  base.stream = kControlStream;
+  OldestWait(&base);
+  SealHeader(&base);
+  const int64_t now = NowNs();
+  const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
+  for (int peer = 0; peer < config_.size; ++peer) {
+    // A peer silent past the limit is presumed dead: a post to it can stall
+    // in the provider's connection attempts and delay the heartbeats to the
+    // live ones.
+    if (peer == config_.rank || (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
+    if (heartbeat_busy_[peer].exchange(true)) continue;
+    // Only now, with no heartbeat to `peer` in flight, may its buffer change.
+    heartbeat_out_[peer] = base;
+    transport::IoVec iov[1] = {{&heartbeat_out_[peer], sizeof(WireHeader)}};
+    // TrySend: a peer whose queue is full (dead, or busy with data that
+    // proves it alive anyway) must not hold up the heartbeats to the others.
+    Status s = transport_->TrySend(
+        peer, MakeHeartbeatTag(static_cast<uint32_t>(config_.rank)), iov, 1,
+        [this, peer](const transport::Completion&) { heartbeat_busy_[peer] = false; });
+    if (!s.ok()) heartbeat_busy_[peer] = false;
+  }
+}
+
+void Communicator::WatchPeers() {
+  const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
+  const int64_t now = NowNs();
+  auto silent_s = [&](int rank) { return (now - last_heard_[rank].load()) * 1e-9; };
+  std::lock_guard<std::mutex> lock(active_mu_);
+  for (Batch* batch : active_) {
+    if (batch->Failed()) continue;
+    // Blame a rank this batch still lacks data from first. Any other silent
+    // rank only holds it up through sends that cannot complete; and a live
+    // rank's heartbeats can be late while its heartbeat thread waits on a
+    // dead one's connection, so naming it first would name the wrong rank.
+    int dead = -1;
+    for (int rank : MissingRanks(*batch)) {
+      if (rank != config_.rank && silent_s(rank) > limit) {
+        dead = rank;
+        break;
+      }
+    }
+    for (size_t i = 0; dead < 0 && i < batch->group.size(); ++i) {
+      const int rank = batch->group[i];
+      if (rank != config_.rank && silent_s(rank) > limit) dead = rank;
+    }
+    if (dead < 0) continue;
+    declared_dead_.fetch_add(1);
+    const Job& job = *batch->jobs.front();
+    char silent[32];
+    std::snprintf(silent, sizeof(silent), "%.1f", silent_s(dead));
+    Fail(batch, "rank " + std::to_string(dead) + " has sent nothing (no data, no " +
+                    "heartbeat) for " + silent + " s while rank " +
+                    std::to_string(config_.rank) + " waits for it in " + job.Describe() +
+                    (batch->jobs.size() > 1
+                         ? " and " + std::to_string(batch->jobs.size() - 1) + " more"
+                         : std::string()) +
+                    ": it died, hung or its host is unreachable. HERRING_PEER_TIMEOUT_S "
+                    "(at most HERRING_TIMEOUT_S) sets the limit.");
+    // After the batch has its reason: sends to the dead rank that wait for
+    // queue room give up now (Fail has also told every waiting post to).
+    transport_->SetPeerUnreachable(dead);
+  }
+}
+
+}  // namespace herring::engine
