@@ -18,9 +18,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <list>
 #include <mutex>
 #include <thread>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "transport/transport.h"
 
@@ -29,7 +33,7 @@ namespace {
 
 constexpr uint32_t kFabricVersion = FI_VERSION(1, 9);
 constexpr int kCqBatch = 16;
-constexpr size_t kCqSize = 4096;
+constexpr size_t kCqSize = 16384;
 constexpr size_t kMaxIov = 4;
 
 std::string FiError(const char* what, int ret) {
@@ -44,7 +48,8 @@ struct FidCloser {
     if (obj == nullptr) return;
     int ret = fi_close(&obj->fid);
     if (ret != 0) {
-      std::fprintf(stderr, "herring_jax: fi_close failed: %s\n", fi_strerror(-ret));
+      std::fprintf(stderr, "herring_jax: fi_close of a libfabric object (class %zu) failed: %s\n",
+                   obj->fid.fclass, fi_strerror(-ret));
     }
   }
 };
@@ -61,22 +66,49 @@ bool LooksLikeIpAddress(const std::string& s) {
   return inet_pton(AF_INET, s.c_str(), buf) == 1 || inet_pton(AF_INET6, s.c_str(), buf) == 1;
 }
 
-// One posted operation. fi_context2 comes first so the provider's
-// FI_CONTEXT/FI_CONTEXT2 scratch space is the op itself.
+// One operation, from Post to its completion. fi_context2 comes first so the
+// provider's FI_CONTEXT/FI_CONTEXT2 scratch space is the op itself.
+//
+// Ops are recycled, never freed before Close, and reused oldest first with at
+// least kRecycleDistance others in between: a second completion for one
+// context (which libfabric promises never to deliver; the engine once crashed
+// on what looked like one) then finds its op not `live` and is counted and
+// dropped, instead of running a callback twice or on freed memory.
 struct Op {
   fi_context2 ctx;
   Callback done;
   std::vector<fid_mr*> mrs;
   bool is_recv = false;
   bool counted = true;  // in outstanding_ (background receives are not)
+  // What to post, kept for a post the provider refused with -FI_EAGAIN.
+  fi_addr_t addr = FI_ADDR_UNSPEC;
+  uint64_t tag = 0;
+  uint64_t ignore = 0;
+  iovec iovs[kMaxIov];
+  void* desc[kMaxIov];
+  size_t iov_count = 0;
+  int peer = -1;             // destination rank of a send; -1 for receives
+  int64_t deadline_ns = 0;   // a queued send gives up after it
+  bool cancel = false;       // a queued receive was cancelled (post_mu_)
+  std::atomic<bool> posted{false};  // handed to the provider
+  std::atomic<bool> live{false};    // between Post and its one completion
 };
+
+constexpr size_t kRecycleDistance = 1024;
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 class FabricTransport final : public Transport {
  public:
-  ~FabricTransport() override { Close(); }
+  ~FabricTransport() override { Shutdown(); }
 
   Status Open(const TransportOptions& options) {
     force_mr_ = options.force_mr;
+    max_posted_ = options.max_posted;
     post_timeout_s_ = options.post_timeout_s;
     InfoPtr hints(fi_allocinfo());
     if (!hints) return Status::Error("fi_allocinfo failed");
@@ -84,8 +116,15 @@ class FabricTransport final : public Transport {
     hints->ep_attr->type = FI_EP_RDM;
     // Only the mode bits this file honours (FI_CONTEXT/2 via Op::ctx).
     hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode =
-        FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    // Without FI_MR_LOCAL first: a provider that needs registered buffers
+    // (EFA) then registers them itself, through its registration cache and
+    // the memory monitor that invalidates it when XLA frees and reuses memory.
+    // EFA opens that cache only when the application did not take FI_MR_LOCAL
+    // (efa_domain.c, libfabric 1.17), so asking for it meant one fi_mr_reg and
+    // one deregistration per message. Providers that cannot work that way are
+    // asked again with FI_MR_LOCAL; HERRING_FI_FORCE_MR takes it always.
+    const uint64_t mr_mode = FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
+    hints->domain_attr->mr_mode = force_mr_ ? mr_mode | FI_MR_LOCAL : mr_mode;
     hints->domain_attr->threading = FI_THREAD_SAFE;
     hints->fabric_attr->prov_name = strdup(options.provider.c_str());
 
@@ -118,6 +157,10 @@ class FabricTransport final : public Transport {
     }
     fi_info* raw = nullptr;
     int ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
+    if ((ret != 0 || raw == nullptr) && !force_mr_) {
+      hints->domain_attr->mr_mode = mr_mode | FI_MR_LOCAL;
+      ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
+    }
     if (ret != 0 || raw == nullptr) {
       return Status::Error("no libfabric provider '" + options.provider +
                            "' with FI_EP_RDM and FI_TAGGED" +
@@ -142,14 +185,31 @@ class FabricTransport final : public Transport {
       return Status::Error(FiError("fi_domain", ret));
     domain_.reset(domain);
 
+    // Each direction may hand the provider as many operations as its queue
+    // holds, and both together never more than the completion queue holds,
+    // so that no completion can find the queue full. More wait in pending_.
+    const size_t tx_size = info_->tx_attr->size > 0 ? info_->tx_attr->size : kCqSize / 2;
+    const size_t rx_size = info_->rx_attr->size > 0 ? info_->rx_attr->size : kCqSize / 2;
+    send_budget_ = std::min(tx_size, kCqSize / 2);
+    recv_budget_ = std::min(rx_size, kCqSize / 2);
+    if (max_posted_ > 0) {
+      send_budget_ = std::min(send_budget_, max_posted_);
+      recv_budget_ = std::min(recv_budget_, max_posted_);
+    }
     fi_cq_attr cq_attr{};
     cq_attr.format = FI_CQ_FORMAT_TAGGED;
     cq_attr.size = kCqSize;
     // A wait object lets the progress thread sleep in the kernel until data
-    // arrives instead of spinning; providers without one (EFA) are polled.
+    // arrives instead of spinning; providers without one (EFA) are polled,
+    // and so is shm: its fi_cq_sread (libfabric 1.17) did not return within
+    // its timeout while nothing completed, so the progress thread never came
+    // back to post a send that waited in the queue (its first send to a peer
+    // returns -FI_EAGAIN until the peer has mapped its region); 1 reduction
+    // in 3 hung at its first message.
+    const bool shm = std::string(info_->fabric_attr->prov_name).rfind("shm", 0) == 0;
     cq_attr.wait_obj = FI_WAIT_UNSPEC;
     fid_cq* cq = nullptr;
-    ret = fi_cq_open(domain_.get(), &cq_attr, &cq, nullptr);
+    ret = shm ? -FI_ENOSYS : fi_cq_open(domain_.get(), &cq_attr, &cq, nullptr);
     if (ret != 0) {
       cq_attr.wait_obj = FI_WAIT_NONE;
       if ((ret = fi_cq_open(domain_.get(), &cq_attr, &cq, nullptr)) != 0)
@@ -190,9 +250,17 @@ class FabricTransport final : public Transport {
 
   std::vector<uint8_t> Address() const override { return address_; }
 
+  void SetFatalHandler(std::function<void(const std::string&)> handler) override {
+    fatal_handler_ = std::move(handler);
+  }
+
   Status SetPeers(const std::vector<std::vector<uint8_t>>& addrs) override {
     peers_.assign(addrs.size(), FI_ADDR_NOTAVAIL);
     unreachable_.reset(new std::atomic<bool>[addrs.size()]());
+    {
+      std::lock_guard<std::mutex> lock(post_mu_);
+      lane_pending_.assign(addrs.size() + 1, 0);
+    }
     for (size_t i = 0; i < addrs.size(); ++i) {
       int ret = fi_av_insert(av_.get(), addrs[i].data(), 1, &peers_[i], 0, nullptr);
       if (ret != 1) {
@@ -208,7 +276,7 @@ class FabricTransport final : public Transport {
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
       return Status::Error("send to unknown rank " + std::to_string(peer));
     return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
-                /*background=*/false, peer, /*may_wait=*/true);
+                /*background=*/false, peer, /*may_queue=*/true);
   }
 
   Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
@@ -216,14 +284,18 @@ class FabricTransport final : public Transport {
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
       return Status::Error("send to unknown rank " + std::to_string(peer));
     return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
-                /*background=*/false, peer, /*may_wait=*/false);
+                /*background=*/false, peer, /*may_queue=*/false);
   }
 
   void SetPeerUnreachable(int peer) override {
     if (peer >= 0 && static_cast<size_t>(peer) < peers_.size()) unreachable_[peer] = true;
+    work_cv_.notify_one();
   }
 
-  void StopWaiting() override { stop_waiting_ = true; }
+  void StopWaiting() override {
+    stop_waiting_ = true;
+    work_cv_.notify_one();
+  }
 
   Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov, size_t iov_count,
               Callback done, bool background) override {
@@ -232,10 +304,52 @@ class FabricTransport final : public Transport {
   }
 
   void CancelAll() override {
+    // Queued receives are completed by the progress thread (callbacks run
+    // there only); posted ones are cancelled in the provider, which reports
+    // them as failed completions.
+    std::lock_guard<std::mutex> post_lock(post_mu_);
+    for (Op* op : pending_) {
+      if (op->is_recv) op->cancel = true;
+    }
     std::lock_guard<std::mutex> lock(live_mu_);
     for (Op* op : live_) {
-      if (op->is_recv) fi_cancel(&ep_->fid, op);
+      if (op->is_recv && op->posted.load()) fi_cancel(&ep_->fid, op);
     }
+    work_cv_.notify_one();
+  }
+
+  void Shutdown() override {
+    if (progress_.joinable()) {
+      CancelAll();
+      // Give canceled and in-flight operations a moment to complete so their
+      // callbacks (which reference engine state) run before teardown.
+      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (LiveOps() > 0 && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      running_ = false;
+      work_cv_.notify_all();
+      progress_.join();
+    }
+    // The endpoint first: it holds the contexts of operations still posted,
+    // which may be freed only once the provider has let go of them.
+    ep_.reset();
+    {
+      std::lock_guard<std::mutex> lock(post_mu_);
+      pending_.clear();
+      pending_count_ = 0;
+    }
+    {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      live_.clear();
+    }
+    for (auto& op : all_ops_) ReleaseRegistrations(op.get());
+    all_ops_.clear();
+    free_ops_.clear();
+    av_.reset();
+    cq_.reset();
+    domain_.reset();
+    fabric_.reset();
   }
 
   size_t MaxMessageBytes() const override { return info_->ep_attr->max_msg_size; }
@@ -249,82 +363,198 @@ class FabricTransport final : public Transport {
 
   size_t Outstanding() const override { return outstanding_.load(); }
 
+  TransportStats Stats() const override {
+    return TransportStats{posts_queued_.load(), duplicates_.load(), queue_errors_.load()};
+  }
+
  private:
+  Op* NewOp() {
+    std::lock_guard<std::mutex> lock(ops_mu_);
+    if (free_ops_.size() > kRecycleDistance) {
+      Op* op = free_ops_.front();
+      free_ops_.pop_front();
+      return op;
+    }
+    all_ops_.push_back(std::make_unique<Op>());
+    return all_ops_.back().get();
+  }
+
+  void Recycle(Op* op) {
+    op->done = nullptr;
+    op->mrs.clear();
+    op->cancel = false;
+    op->posted = false;
+    std::lock_guard<std::mutex> lock(ops_mu_);
+    free_ops_.push_back(op);
+  }
+
   // `peer` is the destination rank of a send (-1 for receives); a send with
-  // `may_wait` false gives up at the first -FI_EAGAIN.
+  // `may_queue` false fails at once where it would have to queue.
   Status Post(bool is_recv, fi_addr_t addr, uint64_t tag, uint64_t ignore, const IoVec* iov,
               size_t iov_count, Callback done, bool background = false, int peer = -1,
-              bool may_wait = true) {
+              bool may_queue = true) {
     if (iov_count == 0 || iov_count > kMaxIov || iov_count > info_->tx_attr->iov_limit)
       return Status::Error("bad iov count " + std::to_string(iov_count));
-    auto op = std::make_unique<Op>();
+    if (!running_) return Status::Error("the transport is shut down");
+    Op* op = NewOp();
     std::memset(&op->ctx, 0, sizeof(op->ctx));
     op->done = std::move(done);
     op->is_recv = is_recv;
     op->counted = !background;
-    iovec iovs[kMaxIov];
-    void* desc[kMaxIov] = {};
+    op->addr = addr;
+    op->tag = tag;
+    op->ignore = ignore;
+    op->iov_count = iov_count;
+    op->peer = peer;
     for (size_t i = 0; i < iov_count; ++i) {
-      iovs[i].iov_base = iov[i].base;
-      iovs[i].iov_len = iov[i].len;
+      op->iovs[i].iov_base = iov[i].base;
+      op->iovs[i].iov_len = iov[i].len;
+      op->desc[i] = nullptr;
       if (need_mr_ && iov[i].len > 0) {
         fid_mr* mr = nullptr;
         uint64_t key = prov_key_ ? 0 : next_key_.fetch_add(1);
         int ret = fi_mr_reg(domain_.get(), iov[i].base, iov[i].len, FI_SEND | FI_RECV, 0, key,
                             0, &mr, nullptr);
         if (ret != 0) {
-          ReleaseRegistrations(op.get());
+          ReleaseRegistrations(op);
+          Recycle(op);
           return Status::Error(FiError("fi_mr_reg", ret));
         }
         op->mrs.push_back(mr);
-        desc[i] = fi_mr_desc(mr);
+        op->desc[i] = fi_mr_desc(mr);
       }
     }
-    Op* raw = op.release();
     {
       std::lock_guard<std::mutex> lock(live_mu_);
-      live_.insert(raw);
+      live_.insert(op);
     }
-    if (raw->counted) outstanding_.fetch_add(1);
-    // -FI_EAGAIN means the provider's queues are full: the progress thread
-    // drains them, so wait for it rather than fail, but not forever (a peer
-    // that died keeps its connection's queue full).
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(post_timeout_s_));
-    for (int spins = 0;; ++spins) {
-      ssize_t ret = is_recv
-                        ? fi_trecvv(ep_.get(), iovs, desc, iov_count, addr, tag, ignore, raw)
-                        : fi_tsendv(ep_.get(), iovs, desc, iov_count, addr, tag, raw);
-      if (ret == 0) break;
-      const bool busy = ret == -FI_EAGAIN;
-      const bool expired = busy && std::chrono::steady_clock::now() > deadline;
-      const bool give_up =
-          busy && (stop_waiting_.load() ||
-                   (peer >= 0 && (!may_wait || unreachable_[peer].load())));
-      if (!busy || !running_ || expired || give_up) {
-        Forget(raw);
-        ReleaseRegistrations(raw);
-        delete raw;
-        const char* what = is_recv ? "fi_trecvv" : "fi_tsendv";
-        if (give_up) {
-          return Status::Error(
-              std::string(what) + " is busy (-FI_EAGAIN)" +
-              (stop_waiting_.load() ? " after a failure"
-               : may_wait           ? " and rank " + std::to_string(peer) + " is unreachable"
-                                    : std::string()));
+    op->live = true;
+    if (op->counted) outstanding_.fetch_add(1);
+
+    std::string refused;
+    {
+      std::lock_guard<std::mutex> lock(post_mu_);
+      const size_t lane = Lane(*op);
+      // Behind queued operations of its lane, or over budget: queue (keeps a
+      // lane's order). Else try the provider once. A send that may not queue
+      // (a heartbeat, an abort: one per peer at most) tries at once, whatever
+      // waits in its lane and whatever the budget.
+      if (!may_queue || (lane_pending_[lane] == 0 && HasBudget(*op))) {
+        const ssize_t ret = PostToProvider(op);
+        if (ret == 0) {
+          work_cv_.notify_one();
+          return Status::Ok();
         }
-        return Status::Error(
-            expired ? std::string(what) + " stayed busy (-FI_EAGAIN) for " +
-                          std::to_string(static_cast<int>(post_timeout_s_)) +
-                          " s: the peer is unreachable or not making progress"
-                    : FiError(what, static_cast<int>(ret)));
+        if (ret != -FI_EAGAIN) {
+          refused = FiError(is_recv ? "fi_trecvv" : "fi_tsendv", static_cast<int>(ret));
+        }
       }
-      if (spins > 64) std::this_thread::sleep_for(std::chrono::microseconds(20));
-      else sched_yield();
+      if (refused.empty()) {
+        if (!is_recv && (!may_queue || stop_waiting_.load() || unreachable_[peer].load())) {
+          refused = std::string("fi_tsendv is busy (-FI_EAGAIN)") +
+                    (!may_queue              ? std::string()
+                     : stop_waiting_.load() ? " after a failure"
+                                            : " and rank " + std::to_string(peer) +
+                                                  " is unreachable");
+        } else {
+          // The progress thread posts it when the provider has room.
+          op->deadline_ns = SteadyNs() + static_cast<int64_t>(post_timeout_s_ * 1e9);
+          pending_.push_back(op);
+          pending_count_.fetch_add(1);
+          ++lane_pending_[lane];
+          posts_queued_.fetch_add(1);
+          work_cv_.notify_one();
+          return Status::Ok();
+        }
+      }
     }
-    work_cv_.notify_one();
-    return Status::Ok();
+    op->live = false;
+    Forget(op);
+    ReleaseRegistrations(op);
+    Recycle(op);
+    return Status::Error(refused);
+  }
+
+  size_t Lane(const Op& op) const { return op.is_recv ? 0 : static_cast<size_t>(op.peer) + 1; }
+
+  // post_mu_ held. Background receives (one per peer and a few for control,
+  // completing at heartbeat rate) are outside the budgets: they would take
+  // all of it in a large job.
+  bool HasBudget(const Op& op) const {
+    if (!op.counted) return true;
+    return op.is_recv ? posted_recvs_ < recv_budget_ : posted_sends_ < send_budget_;
+  }
+
+  // post_mu_ held. 0, -FI_EAGAIN or another error. The op counts as posted
+  // before the provider sees it: its completion may arrive (Finish, on the
+  // progress thread) before the provider's call returns here.
+  ssize_t PostToProvider(Op* op) {
+    op->posted = true;
+    size_t& posted = op->is_recv ? posted_recvs_ : posted_sends_;
+    if (op->counted) ++posted;
+    ssize_t ret = op->is_recv ? fi_trecvv(ep_.get(), op->iovs, op->desc, op->iov_count,
+                                          op->addr, op->tag, op->ignore, op)
+                              : fi_tsendv(ep_.get(), op->iovs, op->desc, op->iov_count,
+                                          op->addr, op->tag, op);
+    if (ret != 0) {
+      op->posted = false;
+      if (op->counted) --posted;
+    }
+    return ret;
+  }
+
+  // Progress thread: posts queued operations the provider now has room for,
+  // in order within each lane; a lane the provider refuses waits for the next
+  // round without holding up the others. Fails queued sends that gave up.
+  void PostQueued() {
+    std::vector<std::pair<Op*, std::string>> failed;
+    {
+      std::lock_guard<std::mutex> lock(post_mu_);
+      if (pending_.empty()) return;
+      const int64_t now = SteadyNs();
+      std::vector<bool> blocked(lane_pending_.size(), false);
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        Op* op = *it;
+        const size_t lane = Lane(*op);
+        std::string why;
+        if (op->cancel) {
+          why = "cancelled";
+        } else if (!op->is_recv && stop_waiting_.load()) {
+          why = "fi_tsendv is busy (-FI_EAGAIN) after a failure";
+        } else if (!op->is_recv && unreachable_[op->peer].load()) {
+          why = "fi_tsendv is busy (-FI_EAGAIN) and rank " + std::to_string(op->peer) +
+                " is unreachable";
+        } else if (!op->is_recv && now > op->deadline_ns) {
+          why = "fi_tsendv stayed busy (-FI_EAGAIN) for " +
+                std::to_string(static_cast<int>(post_timeout_s_)) +
+                " s: the peer is unreachable or not making progress";
+        } else if (blocked[lane] || !HasBudget(*op)) {
+          // Over budget: wait, but let the lane's background receives (which
+          // need none) pass. Refused by the provider: the lane waits.
+          ++it;
+          continue;
+        } else {
+          const ssize_t ret = PostToProvider(op);
+          if (ret == -FI_EAGAIN) {
+            blocked[lane] = true;
+            ++it;
+            continue;
+          }
+          if (ret != 0) why = FiError(op->is_recv ? "fi_trecvv" : "fi_tsendv",
+                                      static_cast<int>(ret));
+        }
+        if (!why.empty()) failed.emplace_back(op, why);
+        --lane_pending_[lane];
+        pending_count_.fetch_sub(1);
+        it = pending_.erase(it);
+      }
+    }
+    for (auto& [op, why] : failed) {
+      Completion c;
+      c.ok = false;
+      c.error = why;
+      Finish(op, c);
+    }
   }
 
   size_t LiveOps() {
@@ -346,10 +576,32 @@ class FabricTransport final : public Transport {
   }
 
   void Finish(Op* op, const Completion& c) {
+    if (!op->live.exchange(false)) {
+      if (duplicates_.fetch_add(1) < 10) {
+        std::fprintf(stderr, "herring_jax: the provider completed an operation twice "
+                     "(tag %llx, %s); the second completion is ignored\n",
+                     static_cast<unsigned long long>(c.tag), c.ok ? "ok" : c.error.c_str());
+      }
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(post_mu_);
+      if (op->posted.load() && op->counted) --(op->is_recv ? posted_recvs_ : posted_sends_);
+    }
     Forget(op);
     ReleaseRegistrations(op);
-    op->done(c);
-    delete op;
+    Callback done = std::move(op->done);
+    Recycle(op);
+    done(c);
+  }
+
+  // A failure of the completion queue itself: operations in flight may never
+  // complete, so the engine must fail what waits for them (once).
+  void Fatal(const std::string& why) {
+    std::fprintf(stderr, "herring_jax: transport failure: %s\n", why.c_str());
+    std::call_once(fatal_once_, [&] {
+      if (fatal_handler_) fatal_handler_(why);
+    });
   }
 
   // Returns the number of completions handled. With `wait_ms` > 0 and a
@@ -368,21 +620,40 @@ class FabricTransport final : public Transport {
       }
       return static_cast<int>(n);
     }
-    if (n == -FI_EAVAIL) {
-      fi_cq_err_entry err{};
-      if (fi_cq_readerr(cq_.get(), &err, 0) > 0 && err.op_context != nullptr) {
-        Completion c;
-        c.ok = false;
-        c.len = err.len;
-        c.tag = err.tag;
-        c.truncated = err.err == FI_ETRUNC;
-        const char* detail = fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0);
-        c.error = std::string(fi_strerror(err.err)) + (detail ? std::string(": ") + detail : "");
-        Finish(static_cast<Op*>(err.op_context), c);
-        return 1;
-      }
+    if (n == -FI_EAGAIN || n == -FI_ETIMEDOUT || n == -FI_EINTR || n == 0) return 0;
+    if (n != -FI_EAVAIL) {
+      Fatal(FiError("fi_cq_read", static_cast<int>(n)));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return 0;
     }
-    return 0;
+    fi_cq_err_entry err{};
+    const ssize_t got = fi_cq_readerr(cq_.get(), &err, 0);
+    if (got <= 0) {
+      Fatal(FiError("fi_cq_readerr after -FI_EAVAIL", static_cast<int>(got == 0 ? -FI_EOTHER
+                                                                                 : got)));
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return 0;
+    }
+    const char* detail = fi_cq_strerror(cq_.get(), err.prov_errno, err.err_data, nullptr, 0);
+    const std::string error =
+        std::string(fi_strerror(err.err)) + (detail ? std::string(": ") + detail : "");
+    if (err.op_context == nullptr) {
+      // An error of the provider's own (e.g. a connection it gave up on),
+      // tied to no operation: the operations it affects fail on their own.
+      if (queue_errors_.fetch_add(1) < 10) {
+        std::fprintf(stderr, "herring_jax: completion-queue error without an operation: %s\n",
+                     error.c_str());
+      }
+      return 1;
+    }
+    Completion c;
+    c.ok = false;
+    c.len = err.len;
+    c.tag = err.tag;
+    c.truncated = err.err == FI_ETRUNC;
+    c.error = error;
+    Finish(static_cast<Op*>(err.op_context), c);
+    return 1;
   }
 
   // Drives the provider. Providers such as tcp;ofi_rxm and EFA make progress
@@ -393,10 +664,12 @@ class FabricTransport final : public Transport {
   // the queue every millisecond, so that peers' connection requests and early
   // messages are answered. Some providers' sread spins (shm), which is why an
   // idle endpoint never calls it: an idle process must leave the cores to
-  // XLA and to the other processes.
+  // XLA and to the other processes. Every round also posts what waits in the
+  // transport's queue.
   void ProgressLoop() {
     int idle = 0;
     while (running_) {
+      PostQueued();
       if (outstanding_.load() == 0) {
         {
           std::unique_lock<std::mutex> lock(work_mu_);
@@ -407,7 +680,10 @@ class FabricTransport final : public Transport {
         idle = 0;
         continue;
       }
-      if (can_wait_) {
+      // Never block in sread while posts wait in the queue: shm's sread
+      // does not return within its timeout when nothing completes, and the
+      // queued post that would complete something would never be retried.
+      if (can_wait_ && pending_count_.load() == 0) {
         PollOnce(/*wait_ms=*/1);
         continue;
       }
@@ -419,34 +695,6 @@ class FabricTransport final : public Transport {
         std::this_thread::sleep_for(std::chrono::microseconds(10));
       }
     }
-  }
-
-  void Close() {
-    if (progress_.joinable()) {
-      CancelAll();
-      // Give canceled and in-flight operations a moment to complete so their
-      // callbacks (which reference engine state) run before teardown.
-      auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-      while (LiveOps() > 0 && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      }
-      running_ = false;
-      work_cv_.notify_all();
-      progress_.join();
-    }
-    {
-      std::lock_guard<std::mutex> lock(live_mu_);
-      for (Op* op : live_) {
-        ReleaseRegistrations(op);
-        delete op;
-      }
-      live_.clear();
-    }
-    ep_.reset();
-    av_.reset();
-    cq_.reset();
-    domain_.reset();
-    fabric_.reset();
   }
 
   InfoPtr info_;
@@ -464,10 +712,32 @@ class FabricTransport final : public Transport {
   bool prov_key_ = false;
   bool can_wait_ = false;
   std::atomic<uint64_t> next_key_{1};
+  std::function<void(const std::string&)> fatal_handler_;
+  std::once_flag fatal_once_;
+
+  // Posting (post_mu_): operations handed to the provider per direction
+  // (at most its budget), and those waiting for room, with their count per
+  // lane (0: receives; 1 + rank: sends to that rank).
+  std::mutex post_mu_;
+  size_t max_posted_ = 0;
+  size_t send_budget_ = kCqSize / 2;
+  size_t recv_budget_ = kCqSize / 2;
+  size_t posted_sends_ = 0;
+  size_t posted_recvs_ = 0;
+  std::list<Op*> pending_;
+  std::atomic<size_t> pending_count_{0};  // pending_.size(), read without post_mu_
+  std::vector<size_t> lane_pending_ = std::vector<size_t>(1, 0);
+
+  std::mutex ops_mu_;
+  std::vector<std::unique_ptr<Op>> all_ops_;
+  std::deque<Op*> free_ops_;
 
   std::atomic<bool> running_{false};
   std::atomic<bool> stop_waiting_{false};
   std::atomic<size_t> outstanding_{0};
+  std::atomic<uint64_t> posts_queued_{0};
+  std::atomic<uint64_t> duplicates_{0};
+  std::atomic<uint64_t> queue_errors_{0};
   std::thread progress_;
   std::mutex work_mu_;
   std::condition_variable work_cv_;

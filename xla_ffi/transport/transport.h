@@ -2,7 +2,7 @@
 // connectionless messages between ranks, completed through callbacks.
 //
 // The engine never sees libfabric. Everything provider-specific (memory
-// registration, progress, message size limits, retries on -FI_EAGAIN) lives
+// registration, progress, message size limits, queueing on -FI_EAGAIN) lives
 // behind this interface, so that a provider feature such as FI_HMEM (device
 // memory sent directly) can be added inside the transport alone.
 #ifndef HERRING_TRANSPORT_TRANSPORT_H_
@@ -64,6 +64,16 @@ struct TransportOptions {
   // Messages up to this size should be sent eagerly rather than by
   // rendezvous where the provider lets the transport choose (0: its default).
   size_t eager_bytes = 0;
+  // At most this many operations of each direction (sends, receives) handed
+  // to the provider at once; more wait in the transport's queue. 0: the
+  // provider's queue sizes, within the completion queue's.
+  size_t max_posted = 0;
+};
+
+struct TransportStats {
+  uint64_t posts_queued = 0;           // posts that waited in the transport's queue
+  uint64_t duplicate_completions = 0;  // second completions of one operation, ignored
+  uint64_t queue_errors = 0;           // completion-queue errors without an operation
 };
 
 class Transport {
@@ -77,25 +87,39 @@ class Transport {
   // before any send.
   virtual Status SetPeers(const std::vector<std::vector<uint8_t>>& addrs) = 0;
 
+  // Called at most once, on the progress thread, when the transport cannot go
+  // on (its completion queue failed): operations in flight may never
+  // complete. Set before SetPeers.
+  virtual void SetFatalHandler(std::function<void(const std::string&)> handler) = 0;
+
   // Posts a send of the concatenation of `iov` to `peer` with `tag`. The
   // buffers must stay valid and unmodified until the callback runs.
+  //
+  // Posting never waits for the provider: where its queues are full
+  // (-FI_EAGAIN) the operation waits in the transport's queue, one lane per
+  // destination (receives share one), and the progress thread posts it when
+  // there is room. A queued send gives up (its callback reports the error)
+  // after post_timeout_s, after StopWaiting, or when its peer is declared
+  // unreachable. Ok means the callback runs exactly once; an error means it
+  // never runs.
   virtual Status Send(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
                       Callback done) = 0;
 
-  // Like Send, but never waits for room in the provider's queues: returns an
-  // error at once where Send would wait (for best-effort messages such as
-  // heartbeats, which must not stall on one unreachable peer).
+  // Like Send, but never queued: tries the provider at once (ahead of queued
+  // sends to `peer`) and returns an error where Send would queue. For
+  // best-effort messages such as heartbeats and aborts, which must not pile
+  // up behind one unreachable peer.
   virtual Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
                          Callback done) = 0;
 
   // Declares `peer` unreachable: sends to it stop waiting for queue room
-  // (including sends already waiting) and fail instead.
+  // (including queued sends) and fail instead.
   virtual void SetPeerUnreachable(int peer) = 0;
 
-  // Posts stop waiting for queue room, to any peer, from now on (including
-  // posts already waiting): after a failure nothing is worth the wait, and a
-  // post to a dead peer that no watchdog has named yet must not hold its
-  // caller until the post timeout.
+  // Sends stop waiting for queue room, to any peer, from now on (including
+  // queued ones): after a failure nothing is worth the wait, and a send to a
+  // dead peer that no watchdog has named yet must not wait for the post
+  // timeout.
   virtual void StopWaiting() = 0;
 
   // Posts a receive matching any sender's message whose tag equals `tag` on
@@ -105,8 +129,15 @@ class Transport {
   virtual Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov,
                       size_t iov_count, Callback done, bool background = false) = 0;
 
-  // Cancels every posted receive; their callbacks run with ok == false.
+  // Cancels every posted or queued receive; their callbacks run with
+  // ok == false.
   virtual void CancelAll() = 0;
+
+  // Cancels receives, lets their callbacks run (up to 2 s), stops the
+  // progress thread and closes the endpoint. No callback runs afterwards;
+  // operations still in flight are freed without one. Idempotent; the
+  // destructor calls it.
+  virtual void Shutdown() = 0;
 
   // Largest message (all iov entries together) the provider accepts.
   virtual size_t MaxMessageBytes() const = 0;
@@ -116,6 +147,8 @@ class Transport {
 
   // Operations posted and not yet completed (background receives excluded).
   virtual size_t Outstanding() const = 0;
+
+  virtual TransportStats Stats() const = 0;
 };
 
 // Opens a libfabric RDM endpoint with tagged messages.
