@@ -96,7 +96,8 @@ NB_MODULE(_herring_ffi, m) {
       "create_communicator",
       [](int rank, int size, uint64_t token, const std::string& provider,
          const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
-         double timeout_s, double heartbeat_s, double peer_timeout_s) {
+         double timeout_s, double heartbeat_s, double peer_timeout_s, size_t max_posted,
+         bool test_stale_copies) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -109,6 +110,8 @@ NB_MODULE(_herring_ffi, m) {
         config.transport.provider = provider;
         config.transport.interface = interface;
         config.transport.force_mr = force_mr;
+        config.transport.max_posted = max_posted;
+        config.test_stale_copies = test_stale_copies;
         engine::Status status;
         std::unique_ptr<engine::Communicator> comm;
         {
@@ -121,7 +124,8 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("rank"), nb::arg("size"), nb::arg("token"), nb::arg("provider"),
       nb::arg("interface"), nb::arg("force_mr"), nb::arg("chunk_bytes"),
       nb::arg("server_threads"), nb::arg("timeout_s"), nb::arg("heartbeat_s"),
-      nb::arg("peer_timeout_s"),
+      nb::arg("peer_timeout_s"), nb::arg("max_posted") = 0,
+      nb::arg("test_stale_copies") = false,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {
@@ -147,6 +151,11 @@ NB_MODULE(_herring_ffi, m) {
     d["heartbeats_received"] = s.heartbeats_received;
     d["peers_declared_dead"] = s.peers_declared_dead;
     d["occurrence_entries"] = s.occurrence_entries;
+    d["heartbeats_sent"] = s.heartbeats_sent;
+    d["failed_batches_kept"] = s.failed_batches_kept;
+    d["posts_queued"] = s.transport.posts_queued;
+    d["duplicate_completions"] = s.transport.duplicate_completions;
+    d["queue_errors"] = s.transport.queue_errors;
     return d;
   });
 

@@ -42,6 +42,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -72,10 +79,18 @@ KNOBS: dict[str, Knob] = {
              "for this long is declared dead: every surviving rank raises HerringError "
              "naming it (at most HERRING_TIMEOUT_S)."),
         Knob("HERRING_HEARTBEAT_S", None, _non_negative_float,
-             "Interval of the liveness messages each rank sends every other rank; 0 turns "
-             "them off (then only HERRING_TIMEOUT_S detects a dead peer). Unset: 1 s, but "
-             "off over shm, whose libfabric 1.17 provider lost data messages between "
-             "heartbeats."),
+             "Interval of the liveness messages a rank sends the members of the reductions "
+             "it is in, and the ranks waiting for it (every other rank gets one each quarter "
+             "of HERRING_PEER_TIMEOUT_S); 0 turns them off (then only HERRING_TIMEOUT_S "
+             "detects a dead peer). Unset: 1 s, but off over shm, whose libfabric 1.17 "
+             "provider lost data messages between heartbeats."),
+        Knob("HERRING_MAX_POSTED", 0, _non_negative_int,
+             "At most this many sends, and this many receives, handed to the libfabric "
+             "provider at once; more wait in herring_jax's queue (posting never blocks). "
+             "0: the provider's queue sizes, at most 8192 each."),
+        Knob("HERRING_TEST_STALE_COPIES", False, _bool,
+             "Tests only: before each data message, send a copy with another job's token, "
+             "which the receiver must drop."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError ends the process at once (status 1) instead of "
              "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "

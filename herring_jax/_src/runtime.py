@@ -175,7 +175,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 rank, size, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
                 knobs.get("HERRING_CHUNK_BYTES"), knobs.get("HERRING_SERVER_THREADS"),
                 knobs.get("HERRING_TIMEOUT_S"), _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
-                knobs.get("HERRING_PEER_TIMEOUT_S"))
+                knobs.get("HERRING_PEER_TIMEOUT_S"), knobs.get("HERRING_MAX_POSTED"),
+                knobs.get("HERRING_TEST_STALE_COPIES"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
@@ -229,8 +230,11 @@ def describe() -> str:
 
 def stats() -> dict:
     """Counters of this process's communicator: reductions, bytes, dropped messages,
-    heartbeats, peers declared dead, occurrence counters held (bounded: idle
-    ones are pruned)."""
+    heartbeats received and sent, peers declared dead, occurrence counters held
+    (bounded: idle ones are pruned), failed batches kept because their
+    operations never drained, posts that waited in the transport's queue,
+    duplicate completions ignored and completion-queue errors without an
+    operation."""
     return dict(_ext.stats(state().handle))
 
 

@@ -44,6 +44,10 @@ def main() -> int:
                         help="local devices per process that contribute")
     parser.add_argument("--describe", action="store_true",
                         help="also report herring_jax.describe() (provider, registration)")
+    parser.add_argument("--stats", action="store_true",
+                        help="also report herring_jax.stats() after the cases")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="then stay idle this long and report the heartbeats sent meanwhile")
     args = parser.parse_args()
 
     jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
@@ -88,6 +92,16 @@ def main() -> int:
                       devices=len(got))
     if args.describe:
         common.report("describe", True, describe=herring_jax.describe())
+    if args.stats:
+        common.report("stats", True, stats=herring_jax.stats())
+    if args.idle_s > 0:
+        import time
+        # First let the full-rate heartbeats of the reductions just done end
+        # (ranks that waited asked for them for 3 intervals).
+        time.sleep(1.0)
+        before = herring_jax.stats()["heartbeats_sent"]
+        time.sleep(args.idle_s)
+        common.report("idle", True, heartbeats_sent=herring_jax.stats()["heartbeats_sent"] - before)
     herring_jax.shutdown()
     return 0
 

@@ -42,6 +42,9 @@ struct CommConfig {
   double heartbeat_s = 1.0;
   double peer_timeout_s = 30.0;
   transport::TransportOptions transport;
+  // Tests only: before every data message, send one copy with a stale job
+  // token, which the receiver must drop (and re-post its receive for).
+  bool test_stale_copies = false;
 };
 
 // One buffer to reduce. `in` holds this process's contribution (already summed
@@ -69,6 +72,9 @@ struct CommStats {
   uint64_t heartbeats_received = 0;
   uint64_t peers_declared_dead = 0;
   uint64_t occurrence_entries = 0;  // counters held: bounded, however many runs go by
+  uint64_t heartbeats_sent = 0;
+  uint64_t failed_batches_kept = 0;  // failed batches whose operations never drained
+  transport::TransportStats transport;
 };
 
 struct Job;
@@ -112,6 +118,8 @@ class Communicator {
   // and its receive posted again.
   void CountDropped(const std::string& why);
   void DropAndRepost(Batch* batch, const std::string& why, std::function<void()> repost);
+  // Tests (CommConfig::test_stale_copies): sends a stale copy of `real`.
+  void SendStaleCopy(Batch* batch, int to_rank, uint64_t tag, const WireHeader& real);
   // Liveness (see CommConfig::heartbeat_s).
   void PostHeartbeatRecv(size_t slot);
   void OnHeartbeat(size_t slot, const transport::Completion& c);
@@ -130,6 +138,11 @@ class Communicator {
   // Fails the batch; the first failure of this process also breaks the
   // communicator and (with `tell_peers`) is broadcast to every other rank.
   void Fail(Batch* batch, const std::string& why, bool tell_peers = true);
+  // Breaks the communicator and fails every batch in flight with `why`.
+  void FailAll(const std::string& why, bool tell_peers);
+  // Shutting down (the destructor runs): failures of background posts are
+  // expected then, not errors.
+  bool ShuttingDown();
   void Enqueue(std::function<void()> task);
   void ServerLoop();
   std::string MissingReport(const Batch& batch) const;
@@ -145,7 +158,7 @@ class Communicator {
   CommConfig config_;
   std::unique_ptr<transport::Transport> transport_;
   BufferPool pool_;
-  bool connected_ = false;
+  std::atomic<bool> connected_{false};
 
   // Occurrences: how often each (run, stream, group, slot, instance) was
   // reduced before. Not keyed by the request's key, which stays a checked
@@ -180,6 +193,9 @@ class Communicator {
 
   std::vector<WireHeader> heartbeat_in_;  // [sender] posted receives
   std::vector<WireHeader> heartbeat_out_;  // [rank] rewritten only when not busy
+  // Heartbeats scale with what reductions need (see SendHeartbeats): [rank]
+  // steady_clock nanoseconds of the last heartbeat sent to it, and until when
+  // it asked for heartbeats at the full rate (it waits in a reduction).
   // [rank] what its last heartbeat said it waits for (empty: nothing).
   struct PeerWait {
     std::string what;
@@ -191,6 +207,8 @@ class Communicator {
   std::unique_ptr<std::atomic<int64_t>[]> last_heard_;
   // [rank] a heartbeat to it is still in flight: send no other.
   std::unique_ptr<std::atomic<bool>[]> heartbeat_busy_;
+  std::unique_ptr<std::atomic<int64_t>[]> last_sent_;
+  std::unique_ptr<std::atomic<int64_t>[]> waiter_until_;
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
   bool heartbeat_stop_ = false;
@@ -207,6 +225,8 @@ class Communicator {
   std::atomic<uint64_t> dropped_{0};
   std::atomic<uint64_t> heartbeats_{0};
   std::atomic<uint64_t> declared_dead_{0};
+  std::atomic<uint64_t> heartbeats_sent_{0};
+  std::atomic<uint64_t> kept_batches_{0};
 };
 
 }  // namespace herring::engine

@@ -20,17 +20,27 @@ void Communicator::PostControlRecv(size_t slot) {
       MakeControlTag(0), kSenderBits, iov, 2,
       [this, slot](const transport::Completion& c) { OnControl(slot, c); },
       /*background=*/true);
-  if (!s.ok()) {
-    std::fprintf(stderr, "herring_jax rank %d: cannot post a control receive: %s\n",
-                 config_.rank, s.message().c_str());
+  // Without it this rank would never hear another rank's abort and would wait
+  // for HERRING_TIMEOUT_S instead: no silent degradation, break now.
+  if (!s.ok() && !ShuttingDown()) {
+    FailAll("rank " + std::to_string(config_.rank) + " cannot post a control receive: " +
+                s.message(),
+            /*tell_peers=*/true);
   }
 }
 
 void Communicator::OnControl(size_t slot, const transport::Completion& c) {
-  if (!c.ok) return;  // cancelled at shutdown or after a failure
   const ControlBuffer& b = control_[slot];
   const uint32_t sender = TagSender(c.tag);
   std::string why;
+  if (!c.ok && !c.truncated) return;  // cancelled at shutdown or after a failure
+  if (c.truncated) {
+    // Longer than any abort (a header and kAbortTextBytes of text): not one
+    // of ours. Dropped; the receive is posted again like any other drop.
+    CountDropped("oversized control message from rank " + std::to_string(sender));
+    Enqueue([this, slot] { PostControlRecv(slot); });
+    return;
+  }
   if (!CheckControlHeader(b.header, c.len, MsgKind::kAbort, config_.token, sender,
                           static_cast<uint32_t>(config_.size), &why)) {
     CountDropped(why);
@@ -44,12 +54,7 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
                               (mine.empty() ? std::string()
                                             : " [rank " + std::to_string(config_.rank) +
                                                   " was waiting in " + mine + "]");
-  {
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    if (broken_.empty()) broken_ = message;
-  }
-  std::lock_guard<std::mutex> lock(active_mu_);
-  for (Batch* batch : active_) Fail(batch, message, /*tell_peers=*/false);
+  FailAll(message, /*tell_peers=*/false);
 }
 
 void Communicator::CountDropped(const std::string& why) {
@@ -78,11 +83,33 @@ void Communicator::BroadcastAbort(const std::string& why) {
       if (peer == config_.rank) continue;
       transport::IoVec iov[2] = {{&abort_out_.header, sizeof(WireHeader)},
                                  {abort_out_.text, len}};
-      // Best effort: a dead peer never completes this, and nothing waits on it.
-      transport_->Send(peer, MakeControlTag(config_.rank), iov, len > 0 ? 2 : 1,
-                       [](const transport::Completion&) {});
+      // Best effort, never queued: a dead peer never completes this, nothing
+      // waits on it, and the peers it does not reach learn of the failure
+      // from their own timeout or peer watch. Failures are logged.
+      auto report = [rank = config_.rank, peer](const std::string& error) {
+        std::fprintf(stderr, "herring_jax rank %d: could not tell rank %d of the failure: %s\n",
+                     rank, peer, error.c_str());
+      };
+      Status s = transport_->TrySend(peer, MakeControlTag(config_.rank), iov, len > 0 ? 2 : 1,
+                                     [report](const transport::Completion& c) {
+                                       if (!c.ok) report(c.error);
+                                     });
+      if (!s.ok()) report(s.message());
     }
   });
+}
+
+void Communicator::FailAll(const std::string& why, bool tell_peers) {
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (broken_.empty()) broken_ = why;
+  }
+  transport_->StopWaiting();
+  {
+    std::lock_guard<std::mutex> lock(active_mu_);
+    for (Batch* batch : active_) Fail(batch, why, /*tell_peers=*/false);
+  }
+  if (tell_peers && connected_) Enqueue([this, why] { BroadcastAbort(why); });
 }
 
 void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {

@@ -5,7 +5,9 @@
 #include "engine/communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/batch.h"
@@ -47,10 +49,35 @@ void Communicator::DropAndRepost(Batch* batch, const std::string& why,
   // progress thread, which must not wait on the transport's queues).
   batch->AddInflight(1);
   batch->Complete(0, 1);
-  Enqueue([batch, repost = std::move(repost)] {
-    repost();
+  Enqueue([this, batch, repost = std::move(repost)] {
+    if (!batch->Failed()) repost();
+    // Tests: widen the window between the new receive and the end of this
+    // task, in which a success path that waited only for `remaining` once
+    // freed the batch under it.
+    if (config_.test_stale_copies) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     batch->Complete(0, 1);
   });
+}
+
+void Communicator::SendStaleCopy(Batch* batch, int to_rank, uint64_t tag,
+                                 const WireHeader& real) {
+  // A header-only message with the tag of `real` and another job's token:
+  // it matches the receive posted for `real`, which must drop it and post
+  // again (HeaderVerdict::kStranger), as for a process of an old run.
+  auto* stale = new WireHeader(real);
+  stale->token ^= 0x5bd1e995u;
+  stale->payload_bytes = 0;
+  SealHeader(stale);
+  transport::IoVec iov[1] = {{stale, sizeof(*stale)}};
+  batch->AddInflight(1);
+  Status s = transport_->Send(to_rank, tag, iov, 1, [batch, stale](const transport::Completion&) {
+    delete stale;
+    batch->Complete(0, 1);
+  });
+  if (!s.ok()) {
+    delete stale;
+    batch->Complete(0, 1);
+  }
 }
 
 Status Communicator::StartJob(Batch* batch, Job* job) {
@@ -95,11 +122,11 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
                      job->req.contributors);
       transport::IoVec iov[2] = {{&h, sizeof(h)},
                                  {const_cast<char*>(job->InAt(job->ChunkBegin(i, c))), len}};
+      const uint64_t tag =
+          MakeTag(MsgKind::kContribution, my_rank, batch->stream, job->tag_bits, c);
+      if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[i], tag, h);
       batch->AddInflight(1);
-      Status s = transport_->Send(batch->group[i],
-                                  MakeTag(MsgKind::kContribution, my_rank, batch->stream,
-                                          job->tag_bits, c),
-                                  iov, len > 0 ? 2 : 1,
+      Status s = transport_->Send(batch->group[i], tag, iov, len > 0 ? 2 : 1,
                                   [this, job, to = batch->group[i]](
                                       const transport::Completion& done) {
                                     SendDone(job, to, done);
@@ -275,11 +302,10 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
     transport::IoVec iov[2] = {{&h, sizeof(h)}, {dst, count * job->elem}};
+    const uint64_t tag = MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c);
+    if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[p], tag, h);
     batch->AddInflight(1);
-    Status s = transport_->Send(
-        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c),
-        iov,
-        count > 0 ? 2 : 1,
+    Status s = transport_->Send(batch->group[p], tag, iov, count > 0 ? 2 : 1,
         [this, job, to = batch->group[p]](const transport::Completion& done) {
           SendDone(job, to, done);
         });

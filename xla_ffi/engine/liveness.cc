@@ -6,13 +6,14 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "engine/batch.h"
 
 namespace herring::engine {
 
 void Communicator::Heard(uint32_t rank) {
-  if (last_heard_ && rank < static_cast<uint32_t>(config_.size)) last_heard_[rank] = NowNs();
+  if (rank < static_cast<uint32_t>(config_.size)) last_heard_[rank] = NowNs();
 }
 
 // One receive per sender, posted again after each heartbeat. Not one
@@ -25,9 +26,12 @@ void Communicator::PostHeartbeatRecv(size_t slot) {
       MakeHeartbeatTag(static_cast<uint32_t>(slot)), 0, iov, 1,
       [this, slot](const transport::Completion& c) { OnHeartbeat(slot, c); },
       /*background=*/true);
-  if (!s.ok()) {
-    std::fprintf(stderr, "herring_jax rank %d: cannot post a heartbeat receive: %s\n",
-                 config_.rank, s.message().c_str());
+  // Without it rank `slot` would look dead to this rank's peer watch: no
+  // silent degradation, break now.
+  if (!s.ok() && !ShuttingDown()) {
+    FailAll("rank " + std::to_string(config_.rank) + " cannot post a heartbeat receive for " +
+                "rank " + std::to_string(slot) + ": " + s.message(),
+            /*tell_peers=*/true);
   }
 }
 
@@ -48,6 +52,10 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
       // A heartbeat also says what its sender waits for (contributors = 1):
       // dtype, count, op, key, identity and seconds (chunk).
       PeerWait wait;
+      if (h.contributors == 1) {
+        // It waits in a reduction: answer at the full rate for a while.
+        waiter_until_[sender] = NowNs() + static_cast<int64_t>(3e9 * config_.heartbeat_s);
+      }
       if (h.contributors == 1 && IsValidDType(h.dtype) && IsValidOp(h.op)) {
         wait.what = std::string(DTypeName(static_cast<DType>(h.dtype))) + "[" +
                     std::to_string(h.total_elems) + "] " +
@@ -77,6 +85,14 @@ void Communicator::HeartbeatLoop() {
   }
 }
 
+// Heartbeats scale with what reductions need. A rank hears from a peer at the
+// full rate (every heartbeat_s) only while one of them waits in a reduction
+// the other belongs to: this rank sends at the full rate to the members of its
+// batches in flight, and to ranks whose last heartbeat said they wait. Every
+// other peer gets one every quarter of the peer limit, enough for the peer
+// watch never to call a live rank dead. An idle job of N ranks sends
+// N(N-1) / (limit / 4) heartbeats a second instead of N(N-1) / heartbeat_s, and
+// a reduction over small groups keeps the full rate inside its groups.
 void Communicator::SendHeartbeats() {
   WireHeader base{};
   base.magic = kMagic;
@@ -90,11 +106,23 @@ void Communicator::SendHeartbeats() {
   SealHeader(&base);
   const int64_t now = NowNs();
   const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
+  std::vector<bool> busy_with(config_.size, false);
+  {
+    std::lock_guard<std::mutex> lock(active_mu_);
+    for (const Batch* batch : active_) {
+      for (int rank : batch->group) busy_with[rank] = true;
+    }
+  }
+  // 0.9: the loop ticks every heartbeat_s, a little late each time.
+  const int64_t full_ns = static_cast<int64_t>(0.9e9 * config_.heartbeat_s);
+  const int64_t slow_ns = std::max(full_ns, static_cast<int64_t>(1e9 * limit / 4));
   for (int peer = 0; peer < config_.size; ++peer) {
     // A peer silent past the limit is presumed dead: a post to it can stall
     // in the provider's connection attempts and delay the heartbeats to the
     // live ones.
     if (peer == config_.rank || (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
+    const bool full = busy_with[peer] || waiter_until_[peer].load() > now;
+    if (now - last_sent_[peer].load() < (full ? full_ns : slow_ns)) continue;
     if (heartbeat_busy_[peer].exchange(true)) continue;
     // Only now, with no heartbeat to `peer` in flight, may its buffer change.
     heartbeat_out_[peer] = base;
@@ -104,7 +132,12 @@ void Communicator::SendHeartbeats() {
     Status s = transport_->TrySend(
         peer, MakeHeartbeatTag(static_cast<uint32_t>(config_.rank)), iov, 1,
         [this, peer](const transport::Completion&) { heartbeat_busy_[peer] = false; });
-    if (!s.ok()) heartbeat_busy_[peer] = false;
+    if (!s.ok()) {
+      heartbeat_busy_[peer] = false;
+    } else {
+      last_sent_[peer] = now;
+      heartbeats_sent_.fetch_add(1);
+    }
   }
 }
 

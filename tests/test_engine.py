@@ -1,0 +1,59 @@
+"""The engine under conditions a healthy run rarely shows, on real processes:
+messages from strangers matched by posted receives, a provider whose queues
+are full, and heartbeats in an idle job. Results stay bitwise exact."""
+
+from multiproc import assert_all_ok, launch
+
+CASES = ["--dtypes", "float32,int32", "--ops", "sum", "--counts", "1,4097", "--mib", "4"]
+
+
+def _stats(run, case="stats"):
+    return {rank: next(r for r in rs if r["case"] == case) for rank, rs in run.results.items()}
+
+
+def test_stale_messages_are_dropped_and_the_sums_stay_exact():
+    # Before each contribution and result, every rank sends a copy with another
+    # job's token and the same tag: it matches the receive posted for the real
+    # message, which drops it and posts again (DropAndRepost). The re-post task
+    # once outlived a batch that the success path freed while it ran.
+    run = launch("reduce_worker.py", CASES + ["--stats"], nproc=4,
+                 env={"HERRING_TEST_STALE_COPIES": "1",
+                      "HERRING_CHUNK_BYTES": str(256 * 1024)})
+    digests = assert_all_ok(run, expected_cases=2 * 3 + 1)
+    assert all(len(d) == 1 for case, d in digests.items() if case != "stats"), digests
+    for rank, r in _stats(run).items():
+        stats = r["stats"]
+        # 4 MiB in 256 KiB chunks over 4 ranks: dozens of stale messages each.
+        assert stats["messages_dropped"] >= 10, (rank, stats)
+        assert stats["failed_batches_kept"] == 0, (rank, stats)
+        assert stats["duplicate_completions"] == 0, (rank, stats)
+
+
+def test_posts_beyond_the_providers_queues_wait_in_herrings_queue():
+    # Two operations of each direction in the provider at once: every other
+    # post of a 16 MiB reduction in 64 KiB chunks waits in the transport's
+    # queue, which the progress thread drains in order.
+    run = launch("reduce_worker.py",
+                 ["--dtypes", "float32,bfloat16", "--ops", "sum,mean", "--counts", "4097",
+                  "--mib", "16", "--stats"],
+                 nproc=4, env={"HERRING_MAX_POSTED": "2",
+                               "HERRING_CHUNK_BYTES": str(64 * 1024)})
+    digests = assert_all_ok(run, expected_cases=2 * 2 * 2 + 1)
+    assert all(len(d) == 1 for case, d in digests.items() if case != "stats"), digests
+    for rank, r in _stats(run).items():
+        assert r["stats"]["posts_queued"] > 100, (rank, r["stats"])
+
+
+def test_idle_ranks_send_heartbeats_at_a_quarter_of_the_peer_limit():
+    # Heartbeats every 0.2 s, peer limit 8 s: an idle rank sends each peer one
+    # every 2 s (at least), not every 0.2 s. 6 idle seconds: at most 4 per
+    # peer (about 3), where the full rate would be 30.
+    idle_s, nproc = 6.0, 4
+    run = launch("reduce_worker.py",
+                 ["--dtypes", "float32", "--ops", "sum", "--counts", "7",
+                  "--idle-s", str(idle_s)],
+                 nproc=nproc, env={"HERRING_HEARTBEAT_S": "0.2", "HERRING_PEER_TIMEOUT_S": "8"})
+    assert_all_ok(run, expected_cases=2)
+    for rank, r in _stats(run, "idle").items():
+        sent = r["heartbeats_sent"]
+        assert 1 <= sent <= 4 * (nproc - 1), (rank, sent)
