@@ -98,6 +98,7 @@ for name in "${which_sanitizers[@]}"; do
       ;;
   esac
   echo "== [$name] building the extension with -fsanitize=$flag ($cxx) in $build"
+  mkdir -p "$build"
   generator=()
   command -v ninja >/dev/null && generator=(-G Ninja)
   cmake -S xla_ffi -B "$build" "${generator[@]}" -DCMAKE_CXX_COMPILER="$cxx" \
