@@ -12,7 +12,8 @@ The partition test does the same in the simulated network (one network
 namespace per process, herring_jax/_src/netns.py): one host's link to the
 bridge goes down while its process lives on.
 
-CI runs 3 kills and 1 partition; HERRING_LONG_TESTS=1 runs 20 and 5.
+CI runs 3 kills and 1 partition; HERRING_LONG_TESTS=1 runs 20 and 5; the
+sanitizer jobs (.ci/sanitizers.sh) run 1 kill.
 """
 
 import os
@@ -35,7 +36,9 @@ WORKER = Path(__file__).resolve().parent / "workers" / "chaos_worker.py"
 LONG = os.environ.get("HERRING_LONG_TESTS") == "1"
 PEER_TIMEOUT_S = 3.0
 SLACK_S = 40.0  # 4 processes on 2 shared cores
-KILLS, PARTITIONS = (20, 5) if LONG else (3, 1)
+# Short mode under .ci/sanitizers.sh (HERRING_SANITIZER set): one kill.
+SANITIZER = os.environ.get("HERRING_SANITIZER")
+KILLS, PARTITIONS = (20, 5) if LONG else (1, 1) if SANITIZER else (3, 1)
 # What one trial may take at most: 4 processes starting on 2 shared cores,
 # then each of the 3 survivors (and the cut-off victim) within the deadline
 # _trial gives it. The long runs' pytest timeout (tests/conftest.py) is the

@@ -113,6 +113,7 @@ ffi::ErrorOr<std::unique_ptr<State>> InstantiateCall(const CallAttrs& attrs) {
   std::lock_guard<std::mutex> lock(table.mu);
   state->uid = table.next_uid++;
   state->instance = table.count[HashAttrs(attrs)]++;
+  PublishInstructionState(state.get());
   return state;
 }
 template ffi::ErrorOr<std::unique_ptr<InstructionState>> InstantiateCall(const CallAttrs&);

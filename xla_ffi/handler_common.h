@@ -17,6 +17,17 @@
 #include "engine/local_rendezvous.h"
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__SANITIZE_THREAD__)
+#define HERRING_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define HERRING_TSAN 1
+#endif
+#endif
+#ifdef HERRING_TSAN
+#include <sanitizer/tsan_interface.h>
+#endif
+
 namespace herring {
 
 namespace ffi = xla::ffi;
@@ -46,6 +57,25 @@ struct InstructionState {
   uint64_t uid = 0;       // unique in this process: names the local meeting
   uint32_t instance = 0;  // its number among instructions with equal attributes
 };
+// XLA hands the state from its instantiate stage (often a compile thread) to
+// the execute stage (another thread) through its own synchronisation, which
+// ThreadSanitizer cannot see: jaxlib is not instrumented. In a TSan build
+// (.ci/sanitizers.sh) these tell it about that hand-off, and nothing else;
+// otherwise they are empty.
+inline void PublishInstructionState(InstructionState* state) {
+#ifdef HERRING_TSAN
+  __tsan_release(state);
+#else
+  (void)state;
+#endif
+}
+inline void ReceiveInstructionState(InstructionState* state) {
+#ifdef HERRING_TSAN
+  __tsan_acquire(state);
+#else
+  (void)state;
+#endif
+}
 // The same for XLA's CUDA platform, whose plugin numbers types on its own.
 struct CudaInstructionState : InstructionState {
   static ffi::TypeId id;

@@ -249,6 +249,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* i
     auto task = std::make_shared<AsyncCall>();
     task->run_id = run_id.run_id;
     task->device = device;
+    ReceiveInstructionState(instruction);
     task->instruction = *instruction;
     task->comm = comm_handle;
     task->op = op;
