@@ -31,6 +31,7 @@ struct Batch {
   std::condition_variable cv;
   size_t remaining = 0;
   size_t inflight = 0;
+  size_t tasks = 0;  // server tasks among `inflight` (AddTask)
   bool failed = false;
   std::string error;
   uint32_t stream = 0;
@@ -51,6 +52,22 @@ struct Batch {
     remaining -= work;
     inflight -= ops;
     if (remaining == 0 || inflight == 0) cv.notify_all();
+  }
+  // A server task that touches the caller's buffers (a sum, a re-post) is in
+  // flight, and counted apart: a failed call waits for these without a short
+  // limit before it returns (they never block), since XLA frees the buffers
+  // once it has.
+  void AddTask() {
+    std::lock_guard<std::mutex> lock(mu);
+    ++inflight;
+    ++tasks;
+  }
+  void CompleteTask(size_t work) {
+    std::lock_guard<std::mutex> lock(mu);
+    remaining -= work;
+    --inflight;
+    --tasks;
+    cv.notify_all();
   }
   bool Failed() {
     std::lock_guard<std::mutex> lock(mu);

@@ -320,6 +320,10 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   // the transport has let go of every buffer before returning.
   transport_->CancelAll();
   lock.lock();
+  // Sums and re-posts first, however long: they write into XLA's buffers,
+  // which XLA frees once this returns, and they cannot block (posting never
+  // waits), so only a stalled thread (a debugger, SIGSTOP) makes this wait.
+  batch->cv.wait(lock, [&] { return batch->tasks == 0; });
   const bool drained =
       batch->cv.wait_for(lock, std::chrono::seconds(5), [&] { return batch->inflight == 0; });
   const size_t left = batch->inflight;

@@ -47,7 +47,7 @@ void Communicator::DropAndRepost(Batch* batch, const std::string& why,
   // The completed receive leaves flight; the queued re-post enters it until
   // it has posted the new receive (from a server thread: never post from the
   // progress thread, which must not wait on the transport's queues).
-  batch->AddInflight(1);
+  batch->AddTask();
   batch->Complete(0, 1);
   Enqueue([this, batch, repost = std::move(repost)] {
     if (!batch->Failed()) repost();
@@ -55,7 +55,7 @@ void Communicator::DropAndRepost(Batch* batch, const std::string& why,
     // task, in which a success path that waited only for `remaining` once
     // freed the batch under it.
     if (config_.test_stale_copies) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    batch->Complete(0, 1);
+    batch->CompleteTask(0);
   });
 }
 
@@ -265,7 +265,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
   job->contributors[p].store(h.contributors, std::memory_order_relaxed);
   job->contribs_from[p].fetch_add(1);
   if (job->arrivals[c].fetch_add(1) + 1 == job->n - 1) {
-    batch->AddInflight(1);
+    batch->AddTask();
     Enqueue([this, job, c] { ReduceChunk(job, c); });
   }
   batch->Complete(1, 1);
@@ -276,7 +276,7 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   const int n = job->n;
   const int me = job->me;
   if (batch->Failed()) {
-    batch->Complete(1 + (n - 1), 1);
+    batch->CompleteTask(1 + (n - 1));
     return;
   }
   const size_t begin = job->ChunkBegin(me, c);
@@ -315,7 +315,7 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
       batch->Complete(1, 1);
     }
   }
-  batch->Complete(1 + unposted, 1);
+  batch->CompleteTask(1 + unposted);
 }
 
 void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completion& done) {
