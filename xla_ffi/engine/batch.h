@@ -122,6 +122,20 @@ struct Job {
   }
 };
 
+// A control message's header (heartbeat or abort) from `rank` of the job
+// `token`, before its kind-specific fields and SealHeader.
+inline WireHeader ControlHeader(MsgKind kind, uint64_t token, int rank) {
+  WireHeader h{};
+  h.magic = kMagic;
+  h.version = kWireVersion;
+  h.kind = static_cast<uint8_t>(kind);
+  h.dtype = static_cast<uint8_t>(DType::kFloat32);
+  h.token = token;
+  h.src_rank = static_cast<uint32_t>(rank);
+  h.stream = kControlStream;
+  return h;
+}
+
 inline int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())

@@ -118,6 +118,11 @@ class Communicator {
   // and its receive posted again.
   void CountDropped(const std::string& why);
   void DropAndRepost(Batch* batch, const std::string& why, std::function<void()> repost);
+  // The header check of a completed data receive: true if the message is the
+  // one expected; otherwise fails the batch (collision, mismatch) or drops the
+  // message and re-posts the receive, and completes the receive's work.
+  bool AcceptHeader(Batch* batch, const WireHeader& h, size_t len, const Expectation& want,
+                    std::function<void()> repost);
   // Tests (CommConfig::test_stale_copies): sends a stale copy of `real`.
   void SendStaleCopy(Batch* batch, int to_rank, uint64_t tag, const WireHeader& real);
   // Liveness (see CommConfig::heartbeat_s).

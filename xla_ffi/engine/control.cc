@@ -69,14 +69,7 @@ void Communicator::BroadcastAbort(const std::string& why) {
     const size_t len = std::min(why.size(), kAbortTextBytes);
     std::memcpy(abort_out_.text, why.data(), len);
     WireHeader& h = abort_out_.header;
-    h = WireHeader{};
-    h.magic = kMagic;
-    h.version = kWireVersion;
-    h.kind = static_cast<uint8_t>(MsgKind::kAbort);
-    h.dtype = static_cast<uint8_t>(DType::kFloat32);
-    h.token = config_.token;
-    h.src_rank = static_cast<uint32_t>(config_.rank);
-    h.stream = kControlStream;
+    h = ControlHeader(MsgKind::kAbort, config_.token, config_.rank);
     h.payload_bytes = len;
     SealHeader(&h);
     for (int peer = 0; peer < config_.size; ++peer) {

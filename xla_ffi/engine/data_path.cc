@@ -59,6 +59,26 @@ void Communicator::DropAndRepost(Batch* batch, const std::string& why,
   });
 }
 
+bool Communicator::AcceptHeader(Batch* batch, const WireHeader& h, size_t len,
+                                const Expectation& want, std::function<void()> repost) {
+  std::string why;
+  switch (CheckHeader(&h, len, want, &why)) {
+    case HeaderVerdict::kOk:
+      return true;
+    case HeaderVerdict::kCollision:
+      Fail(batch, why);
+      batch->Complete(1, 1);
+      return false;
+    case HeaderVerdict::kMismatch:
+      Fail(batch, "mismatched reductions: " + why);
+      batch->Complete(1, 1);
+      return false;
+    default:
+      DropAndRepost(batch, why, std::move(repost));
+      return false;
+  }
+}
+
 void Communicator::SendStaleCopy(Batch* batch, int to_rank, uint64_t tag,
                                  const WireHeader& real) {
   // A header-only message with the tag of `real` and another job's token:
@@ -245,21 +265,10 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
     batch->Complete(1, 1);
     return;
   }
-  const Expectation want = Expect(*job, MsgKind::kContribution, from, job->me, c);
-  switch (CheckHeader(&h, done.len, want, &why)) {
-    case HeaderVerdict::kOk:
-      break;
-    case HeaderVerdict::kCollision:
-      Fail(batch, why);
-      batch->Complete(1, 1);
-      return;
-    case HeaderVerdict::kMismatch:
-      Fail(batch, "mismatched reductions: " + why);
-      batch->Complete(1, 1);
-      return;
-    default:
-      DropAndRepost(batch, why, [this, job, p, c] { PostContributionRecv(job, p, c); });
-      return;
+  if (!AcceptHeader(batch, h, done.len,
+                    Expect(*job, MsgKind::kContribution, from, job->me, c),
+                    [this, job, p, c] { PostContributionRecv(job, p, c); })) {
+    return;
   }
   Heard(static_cast<uint32_t>(from));
   job->contributors[p].store(h.contributors, std::memory_order_relaxed);
@@ -328,25 +337,13 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
     batch->Complete(1, 1);
     return;
   }
-  const Expectation want = Expect(*job, MsgKind::kResult, from, i, c);
-  switch (CheckHeader(&h, done.len, want, &why)) {
-    case HeaderVerdict::kOk:
-      Heard(static_cast<uint32_t>(from));
-      job->results_from[i].fetch_add(1);
-      batch->Complete(1, 1);
-      return;
-    case HeaderVerdict::kCollision:
-      Fail(batch, why);
-      batch->Complete(1, 1);
-      return;
-    case HeaderVerdict::kMismatch:
-      Fail(batch, "mismatched reductions: " + why);
-      batch->Complete(1, 1);
-      return;
-    default:
-      DropAndRepost(batch, why, [this, job, i, c] { PostResultRecv(job, i, c); });
-      return;
+  if (!AcceptHeader(batch, h, done.len, Expect(*job, MsgKind::kResult, from, i, c),
+                    [this, job, i, c] { PostResultRecv(job, i, c); })) {
+    return;
   }
+  Heard(static_cast<uint32_t>(from));
+  job->results_from[i].fetch_add(1);
+  batch->Complete(1, 1);
 }
 
 void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& done) {

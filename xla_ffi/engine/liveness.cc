@@ -94,14 +94,7 @@ void Communicator::HeartbeatLoop() {
 // N(N-1) / (limit / 4) heartbeats a second instead of N(N-1) / heartbeat_s, and
 // a reduction over small groups keeps the full rate inside its groups.
 void Communicator::SendHeartbeats() {
-  WireHeader base{};
-  base.magic = kMagic;
-  base.version = kWireVersion;
-  base.kind = static_cast<uint8_t>(MsgKind::kHeartbeat);
-  base.dtype = static_cast<uint8_t>(DType::kFloat32);
-  base.token = config_.token;
-  base.src_rank = static_cast<uint32_t>(config_.rank);
-  base.stream = kControlStream;
+  WireHeader base = ControlHeader(MsgKind::kHeartbeat, config_.token, config_.rank);
   OldestWait(&base);
   SealHeader(&base);
   const int64_t now = NowNs();
