@@ -8,7 +8,11 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "engine/communicator.h"
+#include "engine/cross_memory.h"
+#include "engine/host_topology.h"
 #include "engine/registry.h"
 #include "engine/wire.h"
 #include "engine/timeline.h"
@@ -43,6 +47,13 @@ nb::dict Bundle(I* instantiate, E* execute) {
   stages["instantiate"] = EncapsulateFfiHandler(instantiate);
   stages["execute"] = EncapsulateFfiHandler(execute);
   return stages;
+}
+
+// A word other processes of the host read to find out whether they can read
+// this one's memory (initialize's probe); its value names this process.
+uint64_t& ProbeWord() {
+  static uint64_t word = 0x48524e4700000000ull ^ static_cast<uint64_t>(getpid());
+  return word;
 }
 
 // The state type of a platform's handler, as jax.ffi.register_ffi_type takes it.
@@ -140,6 +151,38 @@ NB_MODULE(_herring_ffi, m) {
     if (!s.ok()) throw std::runtime_error(s.message());
   });
 
+  m.def(
+      "set_topology",
+      [](int64_t handle, const std::vector<int>& host_of, const std::vector<int64_t>& pid_of,
+         const std::vector<bool>& memory_shared) {
+        engine::HostTopology topology{host_of, pid_of, memory_shared};
+        engine::Status s = Find(handle)->SetTopology(topology);
+        if (!s.ok()) throw std::runtime_error(s.message());
+      },
+      nb::arg("handle"), nb::arg("host_of"), nb::arg("pid_of"), nb::arg("memory_shared"),
+      "Which ranks share a host (host index per rank), their pids, and per host whether "
+      "its processes read each other's memory; before connect.");
+
+  m.def("memory_probe", []() {
+    return nb::make_tuple(reinterpret_cast<uint64_t>(&ProbeWord()), ProbeWord());
+  }, "(address, value) of this process's probe word, for other processes to read.");
+  m.def(
+      "read_memory_probe",
+      [](int64_t pid, uint64_t address) {
+        uint64_t value = 0;
+        engine::Status s;
+        {
+          nb::gil_scoped_release release;
+          s = engine::ReadProcessMemory(pid, address, &value, sizeof(value));
+        }
+        if (!s.ok()) throw std::runtime_error(s.message());
+        return value;
+      },
+      nb::arg("pid"), nb::arg("address"),
+      "Reads another process's probe word (process_vm_readv); raises with the reason.");
+  m.def("allow_peers_to_read", &engine::AllowPeersToRead,
+        "Under Yama's ptrace_scope 1, lets this user's processes read this one's memory.");
+
   m.def("describe", [](int64_t handle) { return Find(handle)->Describe(); });
 
   m.def("stats", [](int64_t handle) {
@@ -153,6 +196,8 @@ NB_MODULE(_herring_ffi, m) {
     d["occurrence_entries"] = s.occurrence_entries;
     d["heartbeats_sent"] = s.heartbeats_sent;
     d["failed_batches_kept"] = s.failed_batches_kept;
+    d["host_stage_calls"] = s.host_stage_calls;
+    d["host_bytes_read"] = s.host_bytes_read;
     d["posts_queued"] = s.transport.posts_queued;
     d["duplicate_completions"] = s.transport.duplicate_completions;
     d["queue_errors"] = s.transport.queue_errors;

@@ -372,7 +372,7 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   std::memset(&h, 0, sizeof(h));
   h.magic = kMagic;
   h.version = kWireVersion;
-  h.kind = in.ConsumeIntegralInRange<uint8_t>(1, 3);  // the kinds CheckHeader takes
+  h.kind = in.ConsumeIntegralInRange<uint8_t>(1, 7);  // the kinds CheckHeader takes
   h.dtype = in.ConsumeIntegralInRange<uint8_t>(1, 12);
   h.op = in.ConsumeIntegralInRange<uint8_t>(0, 1);
   h.token = in.ConsumeIntegral<uint64_t>();
@@ -479,7 +479,7 @@ void FuzzTags(FuzzedDataProvider& in) {
   const uint64_t any_tag = in.ConsumeIntegral<uint64_t>();
   const uint32_t s = TagSender(any_tag);
   FUZZ_CHECK(s < static_cast<uint32_t>(kMaxRanks));
-  FUZZ_CHECK(s == ((any_tag & kSenderBits) >> 50));
+  FUZZ_CHECK(s == ((any_tag & kSenderBits) >> 49));
 
   const MsgKind kind = static_cast<MsgKind>(in.ConsumeIntegral<uint8_t>());
   const uint32_t src = in.ConsumeIntegral<uint32_t>();
@@ -487,12 +487,20 @@ void FuzzTags(FuzzedDataProvider& in) {
   const uint64_t bits = in.ConsumeIntegral<uint64_t>();
   const uint64_t chunk = in.ConsumeIntegral<uint64_t>();
   const uint64_t tag = MakeTag(kind, src, stream, bits, chunk);
-  // Each field lands in its own bits, truncated to their width.
-  FUZZ_CHECK((tag >> 63) == (kind == MsgKind::kResult ? 1u : 0u));
+  // Each field lands in its own bits, truncated to their width (wire.h):
+  // kind 63..62, sender 61..49, stream 48..43, identity 42..13, chunk 12..0;
+  // a host-stage message carries its step where a chunk index would be.
+  const bool host = kind == MsgKind::kHostArrive || kind == MsgKind::kHostReady ||
+                    kind == MsgKind::kHostDone;
+  FUZZ_CHECK((tag >> 62) == (kind == MsgKind::kResult ? 1u : host ? 2u : 0u));
   FUZZ_CHECK(TagSender(tag) == (src & 0x1fff));
-  FUZZ_CHECK(((tag >> 44) & 0x3f) == (stream & 0x3f));
-  FUZZ_CHECK(((tag >> 14) & 0x3fffffff) == (bits & 0x3fffffff));
-  FUZZ_CHECK((tag & 0x3fff) == (chunk & 0x3fff));
+  FUZZ_CHECK(((tag >> 43) & 0x3f) == (stream & 0x3f));
+  FUZZ_CHECK(((tag >> 13) & 0x3fffffff) == (bits & 0x3fffffff));
+  if (host) {
+    FUZZ_CHECK((tag & 0x1fff) == static_cast<uint64_t>(kind) - 5);
+  } else {
+    FUZZ_CHECK((tag & 0x1fff) == (chunk & 0x1fff));
+  }
 
   // The identity's tag bits: 30 of them, a function of identity and stream.
   Identity id;
@@ -510,10 +518,10 @@ void FuzzTags(FuzzedDataProvider& in) {
   const uint64_t control = MakeControlTag(src);
   const uint64_t heartbeat = MakeHeartbeatTag(src);
   FUZZ_CHECK(TagSender(control) == (src & 0x1fff) && TagSender(heartbeat) == (src & 0x1fff));
-  FUZZ_CHECK(((control >> 44) & 0x3f) == kControlStream);
-  FUZZ_CHECK(((heartbeat >> 44) & 0x3f) == kControlStream);
-  FUZZ_CHECK((control & ~kSenderBits) == (uint64_t{kControlStream} << 44));
-  FUZZ_CHECK((heartbeat & ~kSenderBits) == ((uint64_t{kControlStream} << 44) | (1ull << 14)));
+  FUZZ_CHECK(((control >> 43) & 0x3f) == kControlStream);
+  FUZZ_CHECK(((heartbeat >> 43) & 0x3f) == kControlStream);
+  FUZZ_CHECK((control & ~kSenderBits) == (uint64_t{kControlStream} << 43));
+  FUZZ_CHECK((heartbeat & ~kSenderBits) == ((uint64_t{kControlStream} << 43) | (1ull << 13)));
   if ((stream & 0x3f) != kControlStream) FUZZ_CHECK(tag != control && tag != heartbeat);
 }
 

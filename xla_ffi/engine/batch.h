@@ -22,6 +22,8 @@
 
 namespace herring::engine {
 
+struct HostWait;
+
 // Everything one AllReduce call waits for. `remaining` counts the work that
 // must finish for success; `inflight` counts posted transport operations and
 // queued server tasks, which reference the batch and must drain before it
@@ -41,6 +43,9 @@ struct Batch {
   // Every job's per-peer counters exist (StartJob ran for all): from then on
   // other threads may read them.
   std::atomic<bool> started{false};
+  // The host stage's state (host_stage.cc); null for a flat batch, whose jobs
+  // then carry the per-peer counters. A host batch's jobs only describe.
+  std::unique_ptr<HostWait> host;
 
   void AddInflight(size_t k) {
     std::lock_guard<std::mutex> lock(mu);
@@ -122,6 +127,30 @@ struct Job {
   }
 };
 
+// The host stage of one call (host_stage.cc): the messages exchanged with the
+// other processes of the host that reduce in the same group. Steps: 0 arrive
+// (inputs), 1 ready (result slices), 2 done (slice read).
+struct HostWait {
+  static constexpr int kSteps = 3;
+  std::vector<int> local;  // ranks by local index
+  int me = 0;              // this process's local index
+  int hosts = 1;           // hosts of the group
+  std::vector<int64_t> pids;  // [local index]
+  // [local index] the steps received from that process, one bit each; set
+  // under the batch's mutex (waiters check it there), read anywhere.
+  std::unique_ptr<std::atomic<uint8_t>[]> got;
+  // The step the caller waits for now (-1: none), for the peer watch.
+  std::atomic<int> waiting{-1};
+  std::vector<WireHeader> in_headers;               // [step * P + q]
+  std::vector<std::vector<HostEntry>> in_entries;   // [step * P + q]
+  WireHeader out_headers[kSteps];                   // sent to every peer
+  std::vector<HostEntry> out_entries[kSteps];
+  std::vector<PooledBuffer> staging;  // [buffer] this process's slice of the result
+
+  int size() const { return static_cast<int>(local.size()); }
+  bool Got(int q, int step) const { return (got[q].load() >> step) & 1; }
+};
+
 // A control message's header (heartbeat or abort) from `rank` of the job
 // `token`, before its kind-specific fields and SealHeader.
 inline WireHeader ControlHeader(MsgKind kind, uint64_t token, int rank) {
@@ -135,6 +164,38 @@ inline WireHeader ControlHeader(MsgKind kind, uint64_t token, int rank) {
   h.stream = kControlStream;
   return h;
 }
+
+// A data message's header (contribution, result or host stage) for `job`.
+inline WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint32_t src,
+                             int part, size_t chunk, size_t payload_bytes,
+                             uint32_t contributors) {
+  WireHeader h{};
+  h.magic = kMagic;
+  h.version = kWireVersion;
+  h.kind = static_cast<uint8_t>(kind);
+  h.dtype = static_cast<uint8_t>(job.req.dtype);
+  h.token = token;
+  h.key = job.req.key;
+  SetHeaderIdentity(&h, job.id);
+  h.src_rank = src;
+  h.stream = job.batch->stream;
+  h.part = static_cast<uint32_t>(part);
+  h.chunk = static_cast<uint32_t>(chunk);
+  h.payload_bytes = payload_bytes;
+  h.total_elems = job.req.count;
+  h.op = static_cast<uint8_t>(job.req.op);
+  h.contributors = contributors;
+  SealHeader(&h);
+  return h;
+}
+
+// Whether a completed data receive failed: a failed or truncated completion is
+// fatal (unless the batch already failed and cancelled it), and `why` says
+// what happened. `header` is the receive's header buffer: on truncation the
+// provider fills the posted buffers as far as they go, so a genuine peer's
+// header is there and says what that peer reduces (data_path.cc).
+bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_rank,
+                   int my_rank, const WireHeader& header, uint64_t token, std::string* why);
 
 inline int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(

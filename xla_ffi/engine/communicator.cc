@@ -131,6 +131,8 @@ CommStats Communicator::Stats() const {
   stats.peers_declared_dead = declared_dead_.load();
   stats.heartbeats_sent = heartbeats_sent_.load();
   stats.failed_batches_kept = kept_batches_.load();
+  stats.host_stage_calls = host_calls_.load();
+  stats.host_bytes_read = host_bytes_read_.load();
   stats.transport = transport_->Stats();
   std::lock_guard<std::mutex> lock(occurrences_mu_);
   stats.occurrence_entries = occurrences_.size();
@@ -178,6 +180,23 @@ void Communicator::ServerLoop() {
   }
 }
 
+Status Communicator::SetTopology(const HostTopology& topology) {
+  if (connected_) return Status::Error("the host topology must be set before Connect");
+  const std::string invalid = topology.Validate(config_.size);
+  if (!invalid.empty()) return Status::Error(invalid);
+  topology_ = topology;
+  return Status::Ok();
+}
+
+const GroupPlan& Communicator::PlanFor(const std::vector<int>& group) {
+  std::lock_guard<std::mutex> lock(plans_mu_);
+  auto it = plans_.find(group);
+  if (it == plans_.end()) {
+    it = plans_.emplace(group, PlanGroup(topology_, group, config_.rank)).first;
+  }
+  return it->second;
+}
+
 Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
                                std::vector<ReduceRequest>& requests) {
   {
@@ -211,54 +230,59 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
     }
     return Status::Ok();
   }
+  if (requests.empty()) return Status::Ok();
+  const std::vector<Identity> ids = TakeIdentities(stream, group, requests);
+  const GroupPlan& plan = PlanFor(group);
+  if (plan.hierarchical) return ReduceInHosts(stream, plan, requests, ids);
+  return ReduceFlat(stream, group, requests, ids);
+}
 
+std::vector<Identity> Communicator::TakeIdentities(uint32_t stream,
+                                                   const std::vector<int>& group,
+                                                   const std::vector<ReduceRequest>& requests) {
+  std::vector<Identity> ids;
+  std::lock_guard<std::mutex> lock(occurrences_mu_);
+  const int64_t now = NowNs();
+  PruneOccurrences(now);
+  const uint32_t group_id =
+      group_ids_.emplace(group, static_cast<uint32_t>(group_ids_.size())).first->second;
+  // One occurrence per call: the buffers of one (run, slot, instance) share
+  // it (they come one after another in `requests`).
+  OccurrenceKey last;
+  uint64_t occurrence = 0;
+  for (size_t k = 0; k < requests.size(); ++k) {
+    const ReduceRequest& r = requests[k];
+    const OccurrenceKey key{r.run_id, stream, group_id, r.slot, r.instance};
+    if (k == 0 || !(key == last)) occurrence = occurrences_.Take(key, now);
+    last = key;
+    ids.push_back(Identity{r.run_id, r.slot, r.instance, occurrence, r.buffer});
+  }
+  return ids;
+}
+
+Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
+                                const std::vector<ReduceRequest>& requests,
+                                const std::vector<Identity>& ids) {
   auto batch = std::make_unique<Batch>();
   batch->stream = stream;
-  batch->group = group;
+  batch->group = order;
   batch->started_ns = NowNs();
-  {
-    std::lock_guard<std::mutex> lock(occurrences_mu_);
-    const int64_t now = NowNs();
-    PruneOccurrences(now);
-    const uint32_t group_id =
-        group_ids_.emplace(group, static_cast<uint32_t>(group_ids_.size())).first->second;
-    // One occurrence per call: the buffers of one (run, slot, instance) share
-    // it (they come one after another in `requests`).
-    OccurrenceKey last;
-    uint64_t occurrence = 0;
-    for (size_t k = 0; k < requests.size(); ++k) {
-      const ReduceRequest& r = requests[k];
-      const OccurrenceKey key{r.run_id, stream, group_id, r.slot, r.instance};
-      if (k == 0 || !(key == last)) occurrence = occurrences_.Take(key, now);
-      last = key;
-      auto job = std::make_unique<Job>();
-      job->batch = batch.get();
-      job->req = r;
-      job->id = Identity{r.run_id, r.slot, r.instance, occurrence, r.buffer};
-      job->tag_bits = IdentityTagBits(job->id, stream);
-      batch->jobs.push_back(std::move(job));
-    }
+  for (size_t k = 0; k < requests.size(); ++k) {
+    auto job = std::make_unique<Job>();
+    job->batch = batch.get();
+    job->req = requests[k];
+    job->id = ids[k];
+    job->tag_bits = IdentityTagBits(job->id, stream);
+    batch->jobs.push_back(std::move(job));
   }
-  if (batch->jobs.empty()) return Status::Ok();
-  // Active (visible to aborts and the peer watch) once `jobs` is complete:
-  // from here on only the jobs' own atomics change under other threads.
-  {
-    std::lock_guard<std::mutex> lock(active_mu_);
-    active_.insert(batch.get());
-  }
-  struct Deactivate {
-    Communicator* comm;
-    Batch* batch;
-    ~Deactivate() {
-      std::lock_guard<std::mutex> lock(comm->active_mu_);
-      comm->active_.erase(batch);
-    }
-  } deactivate{this, batch.get()};
+  const int n = static_cast<int>(order.size());
+  const int me =
+      static_cast<int>(std::find(order.begin(), order.end(), config_.rank) - order.begin());
   // Geometry first, so that `remaining` is complete before anything is posted.
   for (auto& job : batch->jobs) {
     Job& j = *job;
     j.n = n;
-    j.me = static_cast<int>(self - group.begin());
+    j.me = me;
     j.elem = ElementSize(j.req.dtype);
     const size_t align = std::max<size_t>(1, 64 / j.elem);
     j.part_elems = ((j.req.count + n - 1) / n + align - 1) / align * align;
@@ -274,6 +298,10 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
       if (i != j.me) batch->remaining += 2 * j.Chunks(i);
     }
   }
+  if (batch->remaining == 0) return Status::Ok();  // only empty parts
+  // Active (visible to aborts and the peer watch) once `jobs` is complete:
+  // from here on only the jobs' own atomics change under other threads.
+  Activate(batch.get());
 
   Status status;
   for (auto& job : batch->jobs) {
@@ -285,19 +313,40 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   }
   if (status.ok()) batch->started = true;
 
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(config_.timeout_s));
   std::unique_lock<std::mutex> lock(batch->mu);
   // Success needs every operation drained too, not only the work done: a
   // re-post task of DropAndRepost ends (batch->Complete) after its receive was
   // posted, and that receive can complete the work first.
-  bool done = batch->cv.wait_until(lock, deadline, [&] {
+  bool done = batch->cv.wait_until(lock, Deadline(), [&] {
     return (batch->remaining == 0 && batch->inflight == 0) || batch->failed;
   });
-  if (done && !batch->failed) return Status::Ok();
-  if (!done) {
-    lock.unlock();
+  const bool ok = done && !batch->failed;
+  lock.unlock();
+  if (ok) {
+    Deactivate(batch.get());
+    return Status::Ok();
+  }
+  return EndFailed(std::move(batch), /*timed_out=*/!done);
+}
+
+std::chrono::steady_clock::time_point Communicator::Deadline() const {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+             std::chrono::duration<double>(config_.timeout_s));
+}
+
+void Communicator::Activate(Batch* batch) {
+  std::lock_guard<std::mutex> lock(active_mu_);
+  active_.insert(batch);
+}
+
+void Communicator::Deactivate(Batch* batch) {
+  std::lock_guard<std::mutex> lock(active_mu_);
+  active_.erase(batch);
+}
+
+Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
+  if (timed_out) {
     Fail(batch.get(), "herring allreduce timed out after " +
                           std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
                           std::to_string(config_.rank) + ": " + MissingReport(*batch) +
@@ -305,15 +354,13 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
                           "different reductions (different executables or shapes, or "
                           "launches of a reducing executable a different number of times). "
                           "HERRING_TIMEOUT_S sets the limit.");
-    lock.lock();
   } else {
     // Failed by a peer's abort, a mismatch or the peer watch: the error
     // names the cause; this rank's own view goes to the log.
-    lock.unlock();
     std::fprintf(stderr, "herring_jax rank %d: state of the failed reduction: %s\n",
                  config_.rank, MissingReport(*batch).c_str());
-    lock.lock();
   }
+  std::unique_lock<std::mutex> lock(batch->mu);
   std::string error = batch->error;
   lock.unlock();
   // Receives may still point into XLA's buffers: cancel them and wait until
@@ -328,6 +375,7 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
       batch->cv.wait_for(lock, std::chrono::seconds(5), [&] { return batch->inflight == 0; });
   const size_t left = batch->inflight;
   lock.unlock();
+  Deactivate(batch.get());
   if (!drained) {
     // Sends to a dead peer may never complete, and their callbacks reference
     // the batch: it is kept (the communicator is unusable from here on, so

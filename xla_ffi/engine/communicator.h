@@ -5,6 +5,7 @@
 #define HERRING_ENGINE_COMMUNICATOR_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -20,6 +21,7 @@
 
 #include "engine/buffer_pool.h"
 #include "engine/dtype.h"
+#include "engine/host_topology.h"
 #include "engine/occurrence_table.h"
 #include "engine/wire.h"
 #include "transport/transport.h"
@@ -74,6 +76,8 @@ struct CommStats {
   uint64_t occurrence_entries = 0;  // counters held: bounded, however many runs go by
   uint64_t heartbeats_sent = 0;
   uint64_t failed_batches_kept = 0;  // failed batches whose operations never drained
+  uint64_t host_stage_calls = 0;     // calls reduced through the host stage
+  uint64_t host_bytes_read = 0;      // bytes read from other processes' memory
   transport::TransportStats transport;
 };
 
@@ -86,12 +90,17 @@ class Communicator {
   ~Communicator();
 
   std::vector<uint8_t> Address() const { return transport_->Address(); }
+  // Which processes share a host (see host_topology.h); before Connect. Never
+  // set: every group reduces flat.
+  Status SetTopology(const HostTopology& topology);
   // Installs every rank's address (index = rank) and enables reductions.
   Status Connect(const std::vector<std::vector<uint8_t>>& addrs);
 
   // Reduces every request across the processes of `group` (sorted ranks that
   // include this one) with all requests in flight at once; returns when all
-  // are done. `stream` separates groups of one call that share processes.
+  // are done: through the host stage where the group's hosts allow it (see
+  // host_topology.h), else flat. `stream` separates groups of one call that
+  // share processes.
   // Thread-safe: calls may run concurrently and start in any order. Requests
   // of one (run, slot, instance) made one after another (a loop) are told
   // apart by their occurrence; every process must make them equally often.
@@ -107,6 +116,41 @@ class Communicator {
 
  private:
   explicit Communicator(const CommConfig& config);
+
+  // The identities of a call's requests: one occurrence per (run, stream,
+  // group, slot, instance), shared by the buffers of the call.
+  std::vector<Identity> TakeIdentities(uint32_t stream, const std::vector<int>& group,
+                                       const std::vector<ReduceRequest>& requests);
+  const GroupPlan& PlanFor(const std::vector<int>& group);
+  // The sharded parameter-server reduction (data_path.cc) over `order`: the
+  // group's processes in summation order (server i is order[i]).
+  Status ReduceFlat(uint32_t stream, const std::vector<int>& order,
+                    const std::vector<ReduceRequest>& requests,
+                    const std::vector<Identity>& ids);
+  // The hierarchical reduction (host_stage.cc): through memory inside the
+  // host, each process's slice across hosts with ReduceFlat, then the slices
+  // gathered through memory.
+  Status ReduceInHosts(uint32_t stream, const GroupPlan& plan,
+                       const std::vector<ReduceRequest>& requests,
+                       const std::vector<Identity>& ids);
+  // Host-stage messages (host_stage.cc).
+  void PostHostRecv(Batch* batch, int step, int peer);
+  void OnHostMessage(Batch* batch, int step, int peer, const transport::Completion& c);
+  void SendHost(Batch* batch, int step, int peer);
+  // Waits until every local peer's message of `step` arrived (or the batch
+  // failed, or timeout_s passed: false).
+  bool WaitHost(Batch* batch, int step);
+  // Reads peer `q`'s slices of the result (its kHostReady entries) into the
+  // outputs, then tells it.
+  Status GatherFrom(Batch* batch, int q, const std::vector<ReduceRequest>& requests);
+  std::chrono::steady_clock::time_point Deadline() const;  // now + timeout_s
+  // Batches in flight are visible to aborts, the peer watch and heartbeats.
+  void Activate(Batch* batch);
+  void Deactivate(Batch* batch);
+  // After a batch failed (or `timed_out`): reports, cancels receives, waits
+  // until nothing references the batch, frees it (or keeps it when its
+  // operations never drain); returns its error.
+  Status EndFailed(std::unique_ptr<Batch> batch, bool timed_out);
 
   Status StartJob(Batch* batch, Job* job);
   // Control plane: a failing rank tells every other rank at once, so that
@@ -164,6 +208,15 @@ class Communicator {
   std::unique_ptr<transport::Transport> transport_;
   BufferPool pool_;
   std::atomic<bool> connected_{false};
+
+  HostTopology topology_;  // set before Connect, read-only afterwards
+  std::mutex plans_mu_;
+  std::map<std::vector<int>, GroupPlan> plans_;  // per group (groups are few)
+  // Result slices of failed host-stage calls: other processes of the host may
+  // still read them (they know the address), so they are never reused while
+  // this communicator lives. After pool_: destroyed before it.
+  std::mutex kept_mu_;
+  std::vector<PooledBuffer> kept_staging_;
 
   // Occurrences: how often each (run, stream, group, slot, instance) was
   // reduced before. Not keyed by the request's key, which stays a checked
@@ -232,6 +285,8 @@ class Communicator {
   std::atomic<uint64_t> declared_dead_{0};
   std::atomic<uint64_t> heartbeats_sent_{0};
   std::atomic<uint64_t> kept_batches_{0};
+  std::atomic<uint64_t> host_calls_{0};
+  std::atomic<uint64_t> host_bytes_read_{0};
 };
 
 }  // namespace herring::engine

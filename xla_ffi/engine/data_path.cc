@@ -15,32 +15,6 @@
 
 namespace herring::engine {
 
-namespace {
-
-WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint32_t src, int part,
-                      size_t chunk, size_t payload_bytes, uint32_t contributors) {
-  WireHeader h{};
-  h.magic = kMagic;
-  h.version = kWireVersion;
-  h.kind = static_cast<uint8_t>(kind);
-  h.dtype = static_cast<uint8_t>(job.req.dtype);
-  h.token = token;
-  h.key = job.req.key;
-  SetHeaderIdentity(&h, job.id);
-  h.src_rank = src;
-  h.stream = job.batch->stream;
-  h.part = static_cast<uint32_t>(part);
-  h.chunk = static_cast<uint32_t>(chunk);
-  h.payload_bytes = payload_bytes;
-  h.total_elems = job.req.count;
-  h.op = static_cast<uint8_t>(job.req.op);
-  h.contributors = contributors;
-  SealHeader(&h);
-  return h;
-}
-
-}  // namespace
-
 void Communicator::DropAndRepost(Batch* batch, const std::string& why,
                                  std::function<void()> repost) {
   CountDropped(why);
@@ -196,12 +170,6 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   }
 }
 
-namespace {
-// Shared by both receive kinds: a failed or truncated completion is fatal
-// (unless the batch already failed and cancelled it).
-// `header` is the receive's header buffer: on truncation the provider fills
-// the posted buffers as far as they go, so a genuine peer's header is there
-// and says what that peer reduces.
 bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_rank,
                    int my_rank, const WireHeader& header, uint64_t token, std::string* why) {
   if (done.ok) return false;
@@ -233,8 +201,6 @@ bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_r
   }
   return true;
 }
-
-}  // namespace
 
 Expectation Communicator::Expect(const Job& job, MsgKind kind, int from_rank, int part,
                                  size_t chunk) const {

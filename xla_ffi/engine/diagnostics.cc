@@ -65,6 +65,15 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
 std::set<int> Communicator::MissingRanks(const Batch& batch) {
   std::set<int> missing;
   if (!batch.started.load()) return missing;
+  if (batch.host) {
+    // The processes of the host whose message of the awaited step is due.
+    const HostWait& w = *batch.host;
+    const int step = w.waiting.load();
+    for (int q = 0; step >= 0 && q < w.size(); ++q) {
+      if (q != w.me && !w.Got(q, step)) missing.insert(w.local[q]);
+    }
+    return missing;
+  }
   for (const auto& job : batch.jobs) {
     for (int p = 0; p < job->n; ++p) {
       if (p == job->me) continue;
@@ -80,6 +89,23 @@ std::set<int> Communicator::MissingRanks(const Batch& batch) {
 std::string Communicator::MissingReport(const Batch& batch) const {
   std::set<int> missing;
   std::string what, detail;
+  if (batch.host) {
+    static constexpr const char* kWhat[HostWait::kSteps] = {
+        "its inputs", "its slice of the result", "word that it read this rank's slice"};
+    const HostWait& w = *batch.host;
+    const int step = w.waiting.load();
+    missing = MissingRanks(batch);
+    if (missing.empty()) {
+      return "no process of this host is missing in the host stage of " +
+             batch.jobs.front()->Describe() + ".";
+    }
+    const std::string peers = PeerReport(missing);
+    return "waiting in the host stage for rank(s) " + RankList(missing) + " (" +
+           std::string(kWhat[step]) + ") in " + batch.jobs.front()->Describe() +
+           (batch.jobs.size() > 1 ? " and " + std::to_string(batch.jobs.size() - 1) + " more"
+                                  : std::string()) +
+           "." + (peers.empty() ? std::string() : " " + peers + ".");
+  }
   for (const auto& job : batch.jobs) {
     if (!job->contribs_from || !job->results_from) continue;  // never started
     bool incomplete = false;

@@ -96,10 +96,12 @@ inline uint16_t FloatToBF16(float f) {
 constexpr size_t kTile = 1024;
 
 // Storage type T, accumulator A; Load/Store convert between them.
+// `copy` (may be null) receives the same bits as `dst`.
 template <typename T, typename A, typename Load, typename Store, typename Divide>
-void Reduce(void* dst_v, const void* const* srcs_v, size_t n, size_t count, Load load,
-            Store store, Divide divide) {
+void Reduce(void* dst_v, void* copy_v, const void* const* srcs_v, size_t n, size_t count,
+            Load load, Store store, Divide divide) {
   T* dst = static_cast<T*>(dst_v);
+  T* copy = static_cast<T*>(copy_v);
   A acc[kTile];
   for (size_t base = 0; base < count; base += kTile) {
     const size_t m = std::min(kTile, count - base);
@@ -110,6 +112,7 @@ void Reduce(void* dst_v, const void* const* srcs_v, size_t n, size_t count, Load
       for (size_t i = 0; i < m; ++i) acc[i] += load(s[i]);
     }
     for (size_t i = 0; i < m; ++i) dst[base + i] = store(divide(acc[i]));
+    if (copy != nullptr) std::memcpy(copy + base, dst + base, m * sizeof(T));
   }
 }
 
@@ -137,25 +140,26 @@ struct ToBF16 {
 // Integers add in unsigned arithmetic so overflow wraps like numpy's instead
 // of being undefined behaviour; a mean divides as signed.
 template <typename U, typename S>
-void ReduceInt(void* dst, const void* const* srcs, size_t n, size_t count, double divisor,
-               bool div) {
+void ReduceInt(void* dst, void* copy, const void* const* srcs, size_t n, size_t count,
+               double divisor, bool div) {
   if (div) {
     const S d = static_cast<S>(divisor);
-    Reduce<U, U>(dst, srcs, n, count, Same(), Same(),
+    Reduce<U, U>(dst, copy, srcs, n, count, Same(), Same(),
                  [=](U a) { return static_cast<U>(static_cast<S>(a) / d); });
   } else {
-    Reduce<U, U>(dst, srcs, n, count, Same(), Same(), Same());
+    Reduce<U, U>(dst, copy, srcs, n, count, Same(), Same(), Same());
   }
 }
 
 // The divide-or-not decision is a template parameter so that the common
 // sum case has no per-element branch.
 template <typename T, typename A, typename Load, typename Store>
-void Dispatch(void* dst, const void* const* srcs, size_t n, size_t count, A divisor, bool div) {
+void Dispatch(void* dst, void* copy, const void* const* srcs, size_t n, size_t count,
+              A divisor, bool div) {
   if (div) {
-    Reduce<T, A>(dst, srcs, n, count, Load(), Store(), [=](A a) { return a / divisor; });
+    Reduce<T, A>(dst, copy, srcs, n, count, Load(), Store(), [=](A a) { return a / divisor; });
   } else {
-    Reduce<T, A>(dst, srcs, n, count, Load(), Store(), Same());
+    Reduce<T, A>(dst, copy, srcs, n, count, Load(), Store(), Same());
   }
 }
 
@@ -163,47 +167,52 @@ void Dispatch(void* dst, const void* const* srcs, size_t n, size_t count, A divi
 
 void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t n, size_t count,
                 double divisor) {
+  ReduceIntoTwo(dtype, dst, nullptr, srcs, n, count, divisor);
+}
+
+void ReduceIntoTwo(DType dtype, void* dst, void* copy, const void* const* srcs, size_t n,
+                   size_t count, double divisor) {
   if (n == 0 || count == 0) return;
   IeeeDenormals ieee;
   const bool div = divisor != 1.0;
   switch (dtype) {
     case DType::kFloat32:
-      Dispatch<float, float, Same, Same>(dst, srcs, n, count, static_cast<float>(divisor), div);
+      Dispatch<float, float, Same, Same>(dst, copy, srcs, n, count, static_cast<float>(divisor), div);
       break;
     case DType::kFloat64:
-      Dispatch<double, double, Same, Same>(dst, srcs, n, count, divisor, div);
+      Dispatch<double, double, Same, Same>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kFloat16:
-      Dispatch<uint16_t, float, FromHalf, ToHalf>(dst, srcs, n, count,
+      Dispatch<uint16_t, float, FromHalf, ToHalf>(dst, copy, srcs, n, count,
                                                   static_cast<float>(divisor), div);
       break;
     case DType::kBFloat16:
-      Dispatch<uint16_t, float, FromBF16, ToBF16>(dst, srcs, n, count,
+      Dispatch<uint16_t, float, FromBF16, ToBF16>(dst, copy, srcs, n, count,
                                                   static_cast<float>(divisor), div);
       break;
     case DType::kInt32:
-      ReduceInt<uint32_t, int32_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint32_t, int32_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kInt64:
-      ReduceInt<uint64_t, int64_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint64_t, int64_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kInt8:
-      ReduceInt<uint8_t, int8_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint8_t, int8_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kInt16:
-      ReduceInt<uint16_t, int16_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint16_t, int16_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kUInt8:
-      ReduceInt<uint8_t, uint8_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint8_t, uint8_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kUInt16:
-      ReduceInt<uint16_t, uint16_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint16_t, uint16_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kUInt32:
-      ReduceInt<uint32_t, uint32_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint32_t, uint32_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     case DType::kUInt64:
-      ReduceInt<uint64_t, uint64_t>(dst, srcs, n, count, divisor, div);
+      ReduceInt<uint64_t, uint64_t>(dst, copy, srcs, n, count, divisor, div);
       break;
     default:
       break;

@@ -19,6 +19,11 @@ namespace herring::engine {
 void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t num_srcs,
                 size_t count, double divisor);
 
+// The same, storing the result to `dst` and to `copy` (neither may alias a
+// source): one pass where a sum and a copy of it would read it again.
+void ReduceIntoTwo(DType dtype, void* dst, void* copy, const void* const* srcs,
+                   size_t num_srcs, size_t count, double divisor);
+
 }  // namespace herring::engine
 
 #endif  // HERRING_ENGINE_REDUCE_KERNELS_H_

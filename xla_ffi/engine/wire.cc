@@ -89,7 +89,7 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
   }
   if (!IsValidDType(h.dtype) || !IsValidOp(h.op) ||
       h.kind < static_cast<uint8_t>(MsgKind::kContribution) ||
-      h.kind > static_cast<uint8_t>(MsgKind::kAbort)) {
+      h.kind > static_cast<uint8_t>(MsgKind::kHostDone)) {
     *why = "invalid dtype, op or kind";
     return HeaderVerdict::kMalformed;
   }

@@ -16,7 +16,30 @@ enum class MsgKind : uint8_t {
   kResult = 2,        // server -> worker: the reduced chunk
   kAbort = 3,         // any -> all: this rank failed; payload is the reason (text)
   kHeartbeat = 4,     // any -> all, every HERRING_HEARTBEAT_S: this rank is alive
+  // The host stage (host_stage.cc) between the processes of one host, whose
+  // data moves through memory; payload: one HostEntry per buffer of the call.
+  kHostArrive = 5,    // here are my inputs (addresses in my process)
+  kHostReady = 6,     // my slice of the result is ready (in my staging buffer)
+  kHostDone = 7,      // I have read your slice: you may let go of it (no payload)
 };
+
+inline bool IsHostKind(MsgKind kind) {
+  return kind == MsgKind::kHostArrive || kind == MsgKind::kHostReady ||
+         kind == MsgKind::kHostDone;
+}
+
+// One buffer of a call in a host-stage message. Addresses are in the sender's
+// address space and are only read (process_vm_readv), never written.
+struct HostEntry {
+  uint64_t addr;          // arrive: the sender's input; ready: its result slice
+  uint64_t key;           // the buffer's description (checked, as in the header)
+  uint64_t count;         // elements of the whole buffer
+  uint32_t contributors;  // arrive: devices summed into the input; ready: all of them
+  uint8_t dtype;          // DType
+  uint8_t op;             // ReduceOp
+  uint16_t reserved;      // zero
+};
+static_assert(sizeof(HostEntry) == 32, "host entry layout changed");
 
 // Which reduction a message belongs to, derived the same way on every process
 // and never from the order in which reductions happen to start (XLA runs
@@ -50,48 +73,61 @@ struct Identity {
 std::string DescribeIdentity(const Identity& id);
 
 // Tag layout (matching only; the header is authoritative):
-//   bit 63       kind (0 contribution, 1 result)
-//   bits 62..50  sender rank (13 bits)
-//   bits 49..44  stream: which group of the call (6 bits)
-//   bits 43..14  a 30-bit hash of the identity and the stream
-//   bits 13..0   chunk index within the part (14 bits)
+//   bits 63..62  kind (0 contribution, 1 result, 2 host stage)
+//   bits 61..49  sender rank (13 bits)
+//   bits 48..43  stream: which group of the call (6 bits)
+//   bits 42..13  a 30-bit hash of the identity and the stream
+//   bits 12..0   chunk index within the part (13 bits); for host-stage
+//                messages the step (0 arrive, 1 ready, 2 done)
 // The hash can collide: two reductions in flight at once whose hashes agree
 // could match each other's messages. The header carries the whole identity and
 // the receiver compares it exactly, so a collision fails the job with both
 // identities named (HeaderVerdict::kCollision); it is never a wrong sum.
 constexpr int kMaxRanks = 1 << 13;
 constexpr uint32_t kMaxStreams = 1u << 6;
-constexpr uint64_t kMaxChunksPerPart = 1ull << 14;
+constexpr uint64_t kMaxChunksPerPart = 1ull << 13;
 constexpr uint64_t kIdentityBits = 0x3fffffffull;
+constexpr int kSenderShift = 49;
+constexpr int kStreamShift = 43;
+constexpr int kIdentityShift = 13;
 
 // The identity's 30 tag bits (mixed so that neighbouring run ids, slots and
 // occurrences differ in many bits).
 uint64_t IdentityTagBits(const Identity& id, uint32_t stream);
 
+inline uint64_t TagKindBits(MsgKind kind) {
+  return kind == MsgKind::kResult ? 1 : IsHostKind(kind) ? 2 : 0;
+}
+
 inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t identity_bits,
                         uint64_t chunk) {
-  return (static_cast<uint64_t>(kind == MsgKind::kResult) << 63) |
-         (static_cast<uint64_t>(src & 0x1fff) << 50) |
-         (static_cast<uint64_t>(stream & 0x3f) << 44) | ((identity_bits & kIdentityBits) << 14) |
-         (chunk & 0x3fff);
+  if (IsHostKind(kind)) {
+    chunk = static_cast<uint64_t>(kind) - static_cast<uint64_t>(MsgKind::kHostArrive);
+  }
+  return (TagKindBits(kind) << 62) | (static_cast<uint64_t>(src & 0x1fff) << kSenderShift) |
+         (static_cast<uint64_t>(stream & 0x3f) << kStreamShift) |
+         ((identity_bits & kIdentityBits) << kIdentityShift) | (chunk & 0x1fff);
 }
 
 // The last stream is reserved for control messages (aborts with identity bits
 // 0, heartbeats with 1); reductions use streams 0 .. kMaxStreams - 2.
 constexpr uint32_t kControlStream = kMaxStreams - 1;
-constexpr uint64_t kSenderBits = 0x1fffull << 50;
+constexpr uint64_t kSenderBits = 0x1fffull << kSenderShift;
 inline uint64_t MakeControlTag(uint32_t src) {
   return MakeTag(MsgKind::kContribution, src, kControlStream, 0, 0);
 }
 inline uint64_t MakeHeartbeatTag(uint32_t src) {
   return MakeTag(MsgKind::kContribution, src, kControlStream, 1, 0);
 }
-inline uint32_t TagSender(uint64_t tag) { return static_cast<uint32_t>((tag >> 50) & 0x1fff); }
+inline uint32_t TagSender(uint64_t tag) {
+  return static_cast<uint32_t>((tag >> kSenderShift) & 0x1fff);
+}
 
 constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // Version 2: the header carries the whole identity (run id, slot, instance,
-// occurrence, buffer) instead of version 1's per-slot round.
-constexpr uint16_t kWireVersion = 2;
+// occurrence, buffer) instead of version 1's per-slot round. Version 3: the
+// host stage's kinds, and a 2-bit kind in the tag (13-bit chunk index).
+constexpr uint16_t kWireVersion = 3;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.

@@ -1,0 +1,46 @@
+#include "engine/cross_memory.h"
+
+#include <sys/prctl.h>
+#include <sys/uio.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+
+namespace herring::engine {
+
+Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len) {
+  size_t done = 0;
+  while (done < len) {
+    struct iovec to = {static_cast<char*>(local) + done, len - done};
+    struct iovec from = {reinterpret_cast<void*>(remote + done), len - done};
+    const ssize_t got = process_vm_readv(static_cast<pid_t>(pid), &to, 1, &from, 1, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      const int err = got < 0 ? errno : EFAULT;
+      return Status::Error("reading " + std::to_string(len) + " bytes of process " +
+                           std::to_string(pid) + "'s memory failed after " +
+                           std::to_string(done) + ": " + std::strerror(err) +
+                           (err == ESRCH ? " (the process has exited)" : ""));
+    }
+    done += static_cast<size_t>(got);  // partial: the rest lies on a later page
+  }
+  return Status::Ok();
+}
+
+std::string AllowPeersToRead() {
+#ifdef PR_SET_PTRACER
+  std::ifstream scope("/proc/sys/kernel/yama/ptrace_scope");
+  int value = 0;
+  if (!(scope >> value) || value != 1) return "";
+  if (prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0) {
+    return std::string("prctl(PR_SET_PTRACER) failed: ") + std::strerror(errno);
+  }
+  return "kernel.yama.ptrace_scope is 1: allowed processes of this user to read this "
+         "process's memory (PR_SET_PTRACER_ANY) for the host stage";
+#else
+  return "";
+#endif
+}
+
+}  // namespace herring::engine

@@ -1,0 +1,424 @@
+// The host stage of the hierarchical reduction: the processes of one host that
+// reduce in the same group do so through memory, and only each host's share
+// crosses the network. For a call (one or more buffers):
+//
+//   1. arrive: every process tells the others where its inputs are
+//      (kHostArrive, one HostEntry per buffer);
+//   2. reduce-scatter: process j owns slice j of every buffer (equal slices,
+//      64-byte aligned) and sums it over the host's processes in local order,
+//      reading the others' inputs with process_vm_readv (cross_memory.h) in
+//      cache-sized pieces, into a staging buffer of its own;
+//   3. across hosts: that slice is reduced with the same slice of every other
+//      host by ReduceFlat over the processes with local index j, one per host,
+//      in host order. Every process of a host serves and sends its slice, so
+//      all of them keep the host's flows busy, as Herring's balanced fusion
+//      buffers spread a node's data over its GPUs;
+//   4. ready: it tells the others that its slice is final (kHostReady, the
+//      staging address) and copies the slice into its own output (with one
+//      host, step 2 already wrote it there);
+//   5. all-gather: every process reads the others' slices into its output and
+//      tells each owner when it is done (kHostDone). A call returns once every
+//      other process has read its slice.
+// Only the small messages go through the transport (they also carry the
+// checks, liveness and abort of the flat path); the bytes go through memory.
+//
+// Order of the sum (the numpy reference in tests/workers/common.py): the
+// devices of a process, then the processes of a host in rank order, then the
+// hosts in the order of their lowest rank. float16/bfloat16 accumulate in
+// float32 and round once per stage. With one host a mean divides in step 2;
+// across hosts the servers of step 3 divide.
+//
+// Safety: a process reads other processes' memory, never writes it.
+// - Inputs are read while their owner is inside the call, whenever the reader
+//   succeeds: reader r reads q's input in r's step 2, and r succeeds only after
+//   q's kHostDone, which q sends from inside its call after reading r's slice,
+//   i.e. after r's kHostReady, i.e. after r's step 2.
+// - Result slices are read from the owner's staging buffer, never from XLA's
+//   output: a successful owner waits for every reader's kHostDone before the
+//   buffer goes back to the pool, and a failed call keeps its staging buffers
+//   as long as the communicator lives (a reader may still be at it). So a
+//   process whose peer failed can read stale bytes only in a call that fails.
+// - A dead process is named: its memory can no longer be read (ESRCH), and the
+//   peer watch sees its heartbeats stop.
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "engine/batch.h"
+#include "engine/communicator.h"
+#include "engine/cross_memory.h"
+#include "engine/reduce_kernels.h"
+
+namespace herring::engine {
+
+namespace {
+
+// Pieces of the reduce-scatter: one per process at a time stays in L2.
+constexpr size_t kPieceBytes = 256 << 10;
+
+constexpr MsgKind kStepKinds[HostWait::kSteps] = {MsgKind::kHostArrive, MsgKind::kHostReady,
+                                                  MsgKind::kHostDone};
+
+// Slices of a buffer among `p` processes: equal, 64-byte aligned, the last
+// ones possibly shorter or empty (as the flat path's parts).
+size_t SliceElems(const ReduceRequest& r, int p) {
+  const size_t align = std::max<size_t>(1, 64 / ElementSize(r.dtype));
+  return ((r.count + p - 1) / p + align - 1) / align * align;
+}
+size_t SliceBegin(const ReduceRequest& r, int p, int i) {
+  return std::min(r.count, i * SliceElems(r, p));
+}
+size_t SliceLen(const ReduceRequest& r, int p, int i) {
+  return std::min(r.count, (i + 1) * SliceElems(r, p)) - SliceBegin(r, p, i);
+}
+
+std::string DescribeEntry(const HostEntry& e) {
+  if (!IsValidDType(e.dtype) || !IsValidOp(e.op)) return "an invalid buffer";
+  return std::string(DTypeName(static_cast<DType>(e.dtype))) + "[" + std::to_string(e.count) +
+         "] " + ReduceOpName(static_cast<ReduceOp>(e.op)) + " (key " + std::to_string(e.key) +
+         ")";
+}
+
+}  // namespace
+
+void Communicator::PostHostRecv(Batch* batch, int step, int q) {
+  HostWait& w = *batch->host;
+  const Job& job = *batch->jobs.front();
+  WireHeader* h = &w.in_headers[step * w.size() + q];
+  std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
+  transport::IoVec iov[2] = {{h, sizeof(*h)},
+                             {entries.data(), entries.size() * sizeof(HostEntry)}};
+  batch->AddInflight(1);
+  Status s = transport_->Recv(
+      MakeTag(kStepKinds[step], static_cast<uint32_t>(w.local[q]), batch->stream, job.tag_bits,
+              0),
+      0, iov, entries.empty() ? 1 : 2,
+      [this, batch, step, q](const transport::Completion& c) {
+        OnHostMessage(batch, step, q, c);
+      });
+  if (!s.ok()) {
+    Fail(batch, "posting a receive: " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+void Communicator::OnHostMessage(Batch* batch, int step, int q,
+                                 const transport::Completion& done) {
+  HostWait& w = *batch->host;
+  const Job& job = *batch->jobs.front();
+  const int from = w.local[q];
+  const WireHeader& h = w.in_headers[step * w.size() + q];
+  std::string why;
+  if (ReceiveFailed(done, job, from, config_.rank, h, config_.token, &why)) {
+    if (!batch->Failed()) Fail(batch, why);
+    batch->Complete(1, 1);
+    return;
+  }
+  Expectation want = Expect(job, kStepKinds[step], from, q, 0);
+  want.payload_bytes = w.in_entries[step * w.size() + q].size() * sizeof(HostEntry);
+  if (!AcceptHeader(batch, h, done.len, want,
+                    [this, batch, step, q] { PostHostRecv(batch, step, q); })) {
+    return;
+  }
+  Heard(static_cast<uint32_t>(from));
+  // The header described the first buffer; the entries describe them all.
+  const std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
+  for (size_t k = 0; k < entries.size() && why.empty(); ++k) {
+    const HostEntry& e = entries[k];
+    const ReduceRequest& mine = batch->jobs[k]->req;
+    if (e.key != mine.key || e.count != mine.count ||
+        e.dtype != static_cast<uint8_t>(mine.dtype) || e.op != static_cast<uint8_t>(mine.op)) {
+      why = "mismatched reductions: rank " + std::to_string(from) + " reduces " +
+            DescribeEntry(e) + " as buffer " + std::to_string(k) + " where rank " +
+            std::to_string(config_.rank) + " reduces " + batch->jobs[k]->Describe() +
+            "; every process must run the same reductions (shapes, dtypes, ops) in the "
+            "same executables";
+    } else if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
+      why = "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
+            batch->jobs[k]->Describe();
+    }
+  }
+  if (!why.empty()) {
+    Fail(batch, why);
+    batch->Complete(1, 1);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(batch->mu);
+    w.got[q].fetch_or(static_cast<uint8_t>(1u << step));
+  }
+  batch->cv.notify_all();
+  batch->Complete(1, 1);
+}
+
+void Communicator::SendHost(Batch* batch, int step, int q) {
+  HostWait& w = *batch->host;
+  Job* job = batch->jobs.front().get();
+  const int to = w.local[q];
+  std::vector<HostEntry>& entries = w.out_entries[step];
+  const uint64_t tag =
+      MakeTag(kStepKinds[step], static_cast<uint32_t>(config_.rank), batch->stream,
+              job->tag_bits, 0);
+  if (config_.test_stale_copies) SendStaleCopy(batch, to, tag, w.out_headers[step]);
+  transport::IoVec iov[2] = {{&w.out_headers[step], sizeof(WireHeader)},
+                             {entries.data(), entries.size() * sizeof(HostEntry)}};
+  batch->AddInflight(1);
+  Status s = transport_->Send(
+      to, tag, iov, entries.empty() ? 1 : 2,
+      [this, job, to](const transport::Completion& c) { SendDone(job, to, c); });
+  if (!s.ok()) {
+    Fail(batch, "sending to rank " + std::to_string(to) + ": " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+bool Communicator::WaitHost(Batch* batch, int step) {
+  HostWait& w = *batch->host;
+  w.waiting = step;
+  std::unique_lock<std::mutex> lock(batch->mu);
+  const bool arrived = batch->cv.wait_until(lock, Deadline(), [&] {
+    if (batch->failed) return true;
+    for (int q = 0; q < w.size(); ++q) {
+      if (q != w.me && !w.Got(q, step)) return false;
+    }
+    return true;
+  });
+  return arrived;
+}
+
+Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceRequest>& requests) {
+  HostWait& w = *batch->host;
+  const std::vector<HostEntry>& ready = w.in_entries[1 * w.size() + q];
+  for (size_t k = 0; k < requests.size(); ++k) {
+    const ReduceRequest& r = requests[k];
+    const size_t elem = ElementSize(r.dtype);
+    const size_t len = SliceLen(r, w.size(), q) * elem;
+    if (len == 0) continue;
+    Status s = ReadProcessMemory(w.pids[q], ready[k].addr,
+                                 static_cast<char*>(r.out) + SliceBegin(r, w.size(), q) * elem,
+                                 len);
+    if (!s.ok()) {
+      return Status::Error("rank " + std::to_string(config_.rank) + " cannot read rank " +
+                           std::to_string(w.local[q]) + "'s slice of " +
+                           batch->jobs[k]->Describe() + ": " + s.message());
+    }
+    host_bytes_read_ += len;
+  }
+  SendHost(batch, 2, q);
+  return Status::Ok();
+}
+
+Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
+                                   const std::vector<ReduceRequest>& requests,
+                                   const std::vector<Identity>& ids) {
+  host_calls_ += 1;
+  const int p = static_cast<int>(plan.local.size());
+  const int me = plan.local_index;
+  const size_t num = requests.size();
+  auto batch = std::make_unique<Batch>();
+  batch->stream = stream;
+  batch->group = plan.local;
+  batch->started_ns = NowNs();
+  for (size_t k = 0; k < num; ++k) {
+    auto job = std::make_unique<Job>();
+    job->batch = batch.get();
+    job->req = requests[k];
+    job->id = ids[k];
+    job->tag_bits = IdentityTagBits(job->id, stream);
+    job->elem = ElementSize(job->req.dtype);
+    batch->jobs.push_back(std::move(job));
+  }
+  auto host = std::make_unique<HostWait>();
+  HostWait& w = *host;
+  w.local = plan.local;
+  w.me = me;
+  w.hosts = plan.hosts;
+  for (int r : plan.local) w.pids.push_back(topology_.pid_of[r]);
+  w.got.reset(new std::atomic<uint8_t>[p]());
+  w.in_headers.resize(HostWait::kSteps * p);
+  w.in_entries.resize(HostWait::kSteps * p);
+  for (int q = 0; q < p; ++q) {
+    w.in_entries[0 * p + q].resize(num);
+    w.in_entries[1 * p + q].resize(num);
+  }
+  for (size_t k = 0; k < num; ++k) {
+    const ReduceRequest& r = requests[k];
+    w.staging.emplace_back(&pool_, std::max<size_t>(1, SliceLen(r, p, me) * ElementSize(r.dtype)));
+    if (!w.staging.back().ok()) return Status::Error("out of memory for the host stage");
+    HostEntry e{};
+    e.addr = reinterpret_cast<uint64_t>(r.in);
+    e.key = r.key;
+    e.count = r.count;
+    e.contributors = r.contributors;
+    e.dtype = static_cast<uint8_t>(r.dtype);
+    e.op = static_cast<uint8_t>(r.op);
+    w.out_entries[0].push_back(e);
+  }
+  const Job& first = *batch->jobs.front();
+  const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  w.out_headers[0] = MakeHeader(first, MsgKind::kHostArrive, config_.token, my_rank, me, 0,
+                                num * sizeof(HostEntry), 1);
+  w.out_headers[2] = MakeHeader(first, MsgKind::kHostDone, config_.token, my_rank, me, 0, 0, 1);
+  batch->host = std::move(host);
+  // Each step: a receive from and a send to every other process.
+  batch->remaining = 2 * HostWait::kSteps * (p - 1);
+  batch->started = true;
+  Activate(batch.get());
+
+  for (int step = 0; step < HostWait::kSteps; ++step) {
+    for (int q = 0; q < p; ++q) {
+      if (q != me) PostHostRecv(batch.get(), step, q);
+    }
+  }
+  for (int q = 0; q < p; ++q) {
+    if (q != me) SendHost(batch.get(), 0, q);
+  }
+
+  bool timed_out = false;
+  bool ok = true;
+  auto wait = [&](int step) {
+    if (ok && !WaitHost(batch.get(), step)) timed_out = true;
+    ok = ok && !timed_out && !batch->Failed();
+  };
+  auto fail = [&](const Status& s, bool tell_peers) {
+    if (!s.ok() && ok) {
+      Fail(batch.get(), s.message(), tell_peers);
+      ok = false;
+    }
+  };
+
+  // 2. reduce-scatter.
+  wait(0);
+  std::vector<uint32_t> contributors(num, 0);
+  if (ok) {
+    for (size_t k = 0; k < num; ++k) {
+      for (int q = 0; q < p; ++q) {
+        contributors[k] +=
+            q == me ? requests[k].contributors : w.in_entries[0 * p + q][k].contributors;
+      }
+    }
+    PooledBuffer pieces(&pool_, std::max<size_t>(1, (p - 1) * kPieceBytes));
+    if (!pieces.ok()) fail(Status::Error("out of memory for the host stage"), true);
+    std::vector<const void*> srcs(p);
+    for (size_t k = 0; ok && k < num; ++k) {
+      const ReduceRequest& r = requests[k];
+      const size_t elem = ElementSize(r.dtype);
+      const size_t piece = std::max<size_t>(1, kPieceBytes / elem);
+      const size_t begin = SliceBegin(r, p, me);
+      const size_t len = SliceLen(r, p, me);
+      const double divisor =
+          r.op == ReduceOp::kMean && w.hosts == 1 ? static_cast<double>(contributors[k]) : 1.0;
+      for (size_t off = 0; ok && off < len; off += piece) {
+        const size_t n = std::min(piece, len - off);
+        const size_t at = (begin + off) * elem;
+        for (int q = 0, slot = 0; ok && q < p; ++q) {
+          if (q == me) {
+            srcs[q] = static_cast<const char*>(r.in) + at;
+            continue;
+          }
+          // The arrive entries of process q (step 0).
+          const uint64_t from = w.in_entries[0 * p + q][k].addr + at;
+          char* into = pieces.data() + (slot++) * kPieceBytes;
+          Status s = ReadProcessMemory(w.pids[q], from, into, n * elem);
+          if (!s.ok()) {
+            fail(Status::Error("rank " + std::to_string(config_.rank) + " cannot read rank " +
+                               std::to_string(w.local[q]) + "'s input of " +
+                               batch->jobs[k]->Describe() + ": " + s.message()),
+                 true);
+            break;
+          }
+          host_bytes_read_ += n * elem;
+          srcs[q] = into;
+        }
+        // With one host the slice is final: into the output at once too.
+        char* out = w.hosts == 1 ? static_cast<char*>(r.out) + (begin + off) * elem : nullptr;
+        if (ok) {
+          ReduceIntoTwo(r.dtype, w.staging[k].data() + off * elem, out, srcs.data(), p, n,
+                        divisor);
+        }
+      }
+    }
+  }
+
+  // 3. across hosts: this process's slice with the same slice of every host.
+  if (ok && w.hosts > 1) {
+    std::vector<ReduceRequest> slices(requests);
+    for (size_t k = 0; k < num; ++k) {
+      slices[k].count = SliceLen(requests[k], p, me);
+      slices[k].in = w.staging[k].data();
+      slices[k].out = w.staging[k].data();
+      slices[k].contributors = contributors[k];
+    }
+    // Its failure has been told to every rank already.
+    fail(ReduceFlat(stream, plan.cross, slices, ids), /*tell_peers=*/false);
+  }
+
+  // 4. ready, and this process's own slice into its output.
+  if (ok) {
+    for (size_t k = 0; k < num; ++k) {
+      HostEntry e = w.out_entries[0][k];
+      e.addr = reinterpret_cast<uint64_t>(w.staging[k].data());
+      e.contributors = contributors[k];
+      w.out_entries[1].push_back(e);
+    }
+    w.out_headers[1] = MakeHeader(first, MsgKind::kHostReady, config_.token, my_rank, me, 0,
+                                  num * sizeof(HostEntry), 1);
+    for (int q = 0; q < p; ++q) {
+      if (q != me) SendHost(batch.get(), 1, q);
+    }
+    for (size_t k = 0; w.hosts > 1 && k < num; ++k) {
+      const ReduceRequest& r = requests[k];
+      const size_t elem = ElementSize(r.dtype);
+      std::memcpy(static_cast<char*>(r.out) + SliceBegin(r, p, me) * elem, w.staging[k].data(),
+                  SliceLen(r, p, me) * elem);
+    }
+  }
+
+  // 5. all-gather, in the order the slices become ready.
+  std::vector<bool> gathered(p, false);
+  gathered[me] = true;
+  for (int left = p - 1; ok && left > 0; --left) {
+    int next = -1;
+    w.waiting = 1;
+    {
+      std::unique_lock<std::mutex> lock(batch->mu);
+      timed_out = !batch->cv.wait_until(lock, Deadline(), [&] {
+        if (batch->failed) return true;
+        for (int q = 0; q < p; ++q) {
+          if (!gathered[q] && w.Got(q, 1)) {
+            next = q;
+            return true;
+          }
+        }
+        return false;
+      });
+    }
+    ok = !timed_out && !batch->Failed();
+    if (!ok) break;
+    gathered[next] = true;
+    fail(GatherFrom(batch.get(), next, requests), true);
+  }
+
+  // Every other process has read this one's slice; every send has finished.
+  wait(2);
+  if (ok) {
+    std::unique_lock<std::mutex> lock(batch->mu);
+    timed_out = !batch->cv.wait_until(lock, Deadline(), [&] {
+      return (batch->remaining == 0 && batch->inflight == 0) || batch->failed;
+    });
+    ok = !timed_out && !batch->failed;
+  }
+  w.waiting = -1;
+  if (ok) {
+    Deactivate(batch.get());
+    return Status::Ok();
+  }
+  {
+    std::lock_guard<std::mutex> lock(kept_mu_);
+    for (PooledBuffer& b : w.staging) kept_staging_.push_back(std::move(b));
+  }
+  return EndFailed(std::move(batch), timed_out);
+}
+
+}  // namespace herring::engine
