@@ -88,6 +88,13 @@ KNOBS: dict[str, Knob] = {
              "At most this many sends, and this many receives, handed to the libfabric "
              "provider at once; more wait in herring_jax's queue (posting never blocks). "
              "0: the provider's queue sizes, at most 8192 each."),
+        Knob("HERRING_HOST_STAGE", True, _bool,
+             "1: processes of one host reduce through memory (process_vm_readv) and only "
+             "each host's share crosses the network; 0: every process talks to every "
+             "other over the transport. Rank 0's value holds for the whole job."),
+        Knob("HERRING_TEST_DENY_MEMORY_READS", False, _bool,
+             "Tests only: this process reports that its memory cannot be read, so its "
+             "host reduces over the transport."),
         Knob("HERRING_TEST_STALE_COPIES", False, _bool,
              "Tests only: before each data message, send a copy with another job's token, "
              "which the receiver must drop."),

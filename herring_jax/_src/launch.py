@@ -3,7 +3,8 @@
 Usage (the two forms are the same)::
 
   python -m herring_jax.launch -n N [--devices-per-process D] [--coordinator-port P]
-                               [--timeout S] [--netns [--host-rate R --flow-rate F]]
+                               [--timeout S] [--netns [--host-rate R --flow-rate F]
+                               [--processes-per-host P]]
                                -- COMMAND [ARG ...]
   herring-jax launch -n 4 --devices-per-process 2 -- python train.py --steps 100
   herring-jax launch -n 4 --netns --host-rate 1gbit --flow-rate 250mbit -- python train.py
@@ -17,7 +18,9 @@ are prefixed with "[rank i] ".
 
 With --netns each process runs as its own "host": a network namespace on a
 bridge, rate-limited with --host-rate (each host's egress) and --flow-rate
-(each host-to-host flow), see herring_jax/_src/netns.py. The coordinator is
+(each host-to-host flow), see herring_jax/_src/netns.py. With
+--processes-per-host P, P consecutive ranks share each namespace (N/P hosts)
+and HERRING_LOCAL_RANK is the rank's index on its host. The coordinator is
 then rank 0's address. Everything created is removed when the job ends, also
 on failure or Ctrl-C. Needs root and iproute2.
 
@@ -131,6 +134,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="with --netns: each host's egress cap, e.g. 1gbit")
     net.add_argument("--flow-rate", metavar="RATE",
                      help="with --netns: each host-to-host flow's cap, e.g. 250mbit")
+    net.add_argument("--processes-per-host", type=_number(int, 1), default=1, metavar="P",
+                     help="with --netns: P processes share each host's namespace (ranks "
+                          "hP..hP+P-1 on host h); N must be a multiple of P")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command every process runs, after '--'")
     # run() must report a missing command as a usage error of whichever parser
@@ -146,16 +152,18 @@ def free_port() -> int:
 
 
 def child_env(base: dict, rank: int, num_processes: int, port: int,
-              devices_per_process: int | None = None, host: str = "127.0.0.1") -> dict:
+              devices_per_process: int | None = None, host: str = "127.0.0.1",
+              local_rank: int | None = None) -> dict:
     """Builds one child's environment.
 
     Args:
       base: the environment to extend (normally os.environ); not modified.
-      rank: the child's process id, also its local rank.
+      rank: the child's process id.
       num_processes: the number of children.
       port: the coordinator port.
       devices_per_process: if set, the number of host-platform devices.
       host: the coordinator's address (rank 0's host).
+      local_rank: its index among the processes of its host (default: rank).
 
     Returns:
       A new dict with the HERRING_* variables (and XLA settings) added.
@@ -165,7 +173,7 @@ def child_env(base: dict, rank: int, num_processes: int, port: int,
         "HERRING_COORDINATOR_ADDRESS": f"{host}:{port}",
         "HERRING_NUM_PROCESSES": str(num_processes),
         "HERRING_PROCESS_ID": str(rank),
-        "HERRING_LOCAL_RANK": str(rank),
+        "HERRING_LOCAL_RANK": str(rank if local_rank is None else local_rank),
         "PYTHONUNBUFFERED": "1",
     })
     if devices_per_process is not None:
@@ -364,11 +372,20 @@ def run(args: argparse.Namespace) -> int:
     if not netns and (getattr(args, "host_rate", None) or getattr(args, "flow_rate", None)):
         print(f"{PROG}: error: --host-rate and --flow-rate need --netns", file=sys.stderr)
         return 2
+    per_host = getattr(args, "processes_per_host", 1) or 1
+    if per_host > 1 and not netns:
+        print(f"{PROG}: error: --processes-per-host needs --netns (without it every "
+              "process already runs on this one host)", file=sys.stderr)
+        return 2
+    if n % per_host:
+        print(f"{PROG}: error: -n {n} is not a multiple of --processes-per-host {per_host}",
+              file=sys.stderr)
+        return 2
     net = None
     if netns:
         from herring_jax._src.netns import SimulatedNetwork
         try:
-            net = SimulatedNetwork(n, args.host_rate, args.flow_rate)
+            net = SimulatedNetwork(n // per_host, args.host_rate, args.flow_rate)
         except ValueError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
@@ -392,9 +409,10 @@ def run(args: argparse.Namespace) -> int:
             job.say(f"simulated network: {net.describe()}")
         for rank in range(n):
             try:
-                job.start(rank, net.wrap(rank, command) if net else command,
+                job.start(rank, net.wrap(rank // per_host, command) if net else command,
                           child_env(os.environ, rank, n, port, args.devices_per_process,
-                                    net.address(0) if net else "127.0.0.1"))
+                                    net.address(0) if net else "127.0.0.1",
+                                    local_rank=rank % per_host if net else rank))
             except OSError as e:
                 job.say(f"cannot start {command[0]!r}: {e}")
                 return 126 if isinstance(e, PermissionError) else 127

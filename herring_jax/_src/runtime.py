@@ -17,6 +17,7 @@ import jax
 
 from herring_jax._src import jax_compat
 from herring_jax._src import knobs
+from herring_jax._src import topology as topology_lib
 from herring_jax._src.errors import HerringError, install_excepthook
 
 try:
@@ -37,6 +38,7 @@ class _State:
     provider: str
     generation: int
     args: tuple
+    topology: topology_lib.Topology
 
 
 _lock = threading.Lock()
@@ -164,7 +166,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         try:
             if rank == 0:
                 client.key_value_set(f"{prefix}/token", str(secrets.randbits(63) | 1))
+                # Every process must plan groups alike: rank 0's setting holds.
+                client.key_value_set(f"{prefix}/host_stage",
+                                     "1" if knobs.get("HERRING_HOST_STAGE") else "0")
             token = int(client.blocking_key_value_get(f"{prefix}/token", timeout_ms))
+            host_stage = client.blocking_key_value_get(f"{prefix}/host_stage", timeout_ms) == "1"
 
             provider = knobs.get("HERRING_FI_PROVIDER")
             interface = knobs.get("HERRING_FI_IFACE")
@@ -179,6 +185,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_STALE_COPIES"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
+                topology = topology_lib.exchange(
+                    client, prefix, rank, size, timeout_ms, _ext, host_stage,
+                    deny_reads=knobs.get("HERRING_TEST_DENY_MEMORY_READS"))
+                _ext.set_topology(handle, topology.host_of, topology.pid_of,
+                                  topology.memory_shared)
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
                          for r in range(size)]
                 _ext.connect(handle, addrs)
@@ -191,7 +202,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             raise HerringError(f"herring_jax.initialize() failed on rank {rank} of {size}: {e}") from e
         _register_targets()
         install_excepthook(knobs.get("HERRING_FAST_EXIT"))
-        _state = _State(handle, rank, size, provider, _generation, args)
+        _state = _State(handle, rank, size, provider, _generation, args, topology)
 
 
 def _or(value, default):
@@ -224,17 +235,21 @@ def state() -> _State:
 
 
 def describe() -> str:
-    """Rank, size and transport, e.g. 'rank 0 of 4 over tcp;ofi_rxm (...)'."""
-    return _ext.describe(state().handle)
+    """Rank, size, transport and host, e.g. 'rank 0 of 4 over tcp;ofi_rxm (...),
+    heartbeats every 1 s; host 0 of 2, 2 processes on it, host stage through
+    memory'."""
+    current = state()
+    return f"{_ext.describe(current.handle)}; {current.topology.describe(current.rank)}"
 
 
 def stats() -> dict:
     """Counters of this process's communicator: reductions, bytes, dropped messages,
     heartbeats received and sent, peers declared dead, occurrence counters held
     (bounded: idle ones are pruned), failed batches kept because their
-    operations never drained, posts that waited in the transport's queue,
-    duplicate completions ignored and completion-queue errors without an
-    operation."""
+    operations never drained, calls reduced through the host stage and the
+    bytes read from other processes' memory there, posts that waited in the
+    transport's queue, duplicate completions ignored and completion-queue
+    errors without an operation."""
     return dict(_ext.stats(state().handle))
 
 

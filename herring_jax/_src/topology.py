@@ -1,0 +1,127 @@
+"""Which processes share a host, found at initialize() through the
+jax.distributed key-value store, for the engine's host stage (processes of one
+host reduce through memory, only each host's share crosses the network; see
+xla_ffi/engine/host_stage.cc).
+
+A host is a kernel (boot id) plus a network namespace and a pid namespace:
+processes in different network namespaces of one machine (the simulated hosts
+of `herring-jax launch --netns`) are different hosts, and reading another
+process's memory needs its pid. Hosts are numbered in the order of their
+lowest rank. Processes of a host use the host stage only if every one of them
+can read every other's memory (process_vm_readv), which each process checks
+by reading the others' probe word; otherwise that host reduces over the
+transport, and says why once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    host_of: list[int]          # [rank] host index
+    pid_of: list[int]           # [rank] pid
+    memory_shared: list[bool]   # [host] its processes read each other's memory
+    reasons: list[str]          # [host] why not ("" if shared)
+
+    def local_ranks(self, rank: int) -> list[int]:
+        """The ranks on `rank`'s host (itself included), in rank order."""
+        return [r for r, h in enumerate(self.host_of) if h == self.host_of[rank]]
+
+    def describe(self, rank: int) -> str:
+        local = self.local_ranks(rank)
+        host = self.host_of[rank]
+        text = (f"host {host} of {len(self.memory_shared)}, {len(local)} process"
+                f"{'es' if len(local) > 1 else ''} on it")
+        if len(local) > 1:
+            text += (", host stage through memory" if self.memory_shared[host]
+                     else ", host stage off: " + self.reasons[host])
+        return text
+
+
+def host_identity() -> str:
+    """This process's host: boot id, network namespace, pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+
+    def namespace(kind: str) -> str:
+        try:
+            return str(os.stat(f"/proc/self/ns/{kind}").st_ino)
+        except OSError:
+            return "?"
+
+    return f"{boot}/net:{namespace('net')}/pid:{namespace('pid')}"
+
+
+def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
+             enabled: bool, deny_reads: bool = False) -> Topology:
+    """Publishes this process's host record, reads everyone's, checks that this
+    host's processes can read each other's memory, and agrees on the result.
+
+    Args:
+      client: the jax.distributed client (key-value store).
+      prefix: this initialize()'s key prefix.
+      enabled: the host stage is on (rank 0's HERRING_HOST_STAGE, which every
+        process follows so that all plan alike).
+      deny_reads: tests only: report that this process's memory cannot be read.
+    """
+    if enabled:
+        note = ext.allow_peers_to_read()
+        if note:
+            print(f"herring_jax rank {rank}: {note}", file=sys.stderr, flush=True)
+    address, value = ext.memory_probe()
+    record = {"host": host_identity(), "pid": os.getpid(), "probe": [address, value]}
+    client.key_value_set(f"{prefix}/host/{rank}", json.dumps(record))
+    records = [json.loads(client.blocking_key_value_get(f"{prefix}/host/{r}", timeout_ms))
+               for r in range(size)]
+    index: dict[str, int] = {}
+    host_of = [index.setdefault(rec["host"], len(index)) for rec in records]
+    pid_of = [int(rec["pid"]) for rec in records]
+
+    verdict = ""
+    if not enabled:
+        verdict = "HERRING_HOST_STAGE=0"
+    elif deny_reads:
+        verdict = f"rank {rank} refuses memory reads (HERRING_TEST_DENY_MEMORY_READS)"
+    else:
+        for r in range(size):
+            if r == rank or host_of[r] != host_of[rank]:
+                continue
+            address, value = records[r]["probe"]
+            try:
+                seen = ext.read_memory_probe(pid_of[r], address)
+            except RuntimeError as e:
+                verdict = (f"rank {rank} cannot read rank {r}'s memory ({e}); allow "
+                           "process_vm_readv between the job's processes (same user, "
+                           "kernel.yama.ptrace_scope <= 1, or CAP_SYS_PTRACE in a container)")
+                break
+            if seen != value:
+                verdict = (f"rank {rank} read {seen:#x} from rank {r}'s probe word, expected "
+                           f"{value:#x} (pid {pid_of[r]} is another process: pid namespaces?)")
+                break
+    client.key_value_set(f"{prefix}/memory/{rank}", verdict)
+    # Rank 0 gathers every host's verdict and publishes one line that all
+    # read: every process plans every group from the same table.
+    hosts = len(index)
+    if rank == 0:
+        reasons = [""] * hosts
+        for r in range(size):
+            why = client.blocking_key_value_get(f"{prefix}/memory/{r}", timeout_ms)
+            if why and not reasons[host_of[r]]:
+                reasons[host_of[r]] = why
+        client.key_value_set(f"{prefix}/memory/all", json.dumps(reasons))
+    reasons = json.loads(client.blocking_key_value_get(f"{prefix}/memory/all", timeout_ms))
+    topology = Topology(host_of, pid_of, [not why for why in reasons], reasons)
+    local = topology.local_ranks(rank)
+    if enabled and len(local) > 1 and reasons[host_of[rank]] and rank == local[0]:
+        print(f"herring_jax rank {rank}: the {len(local)} processes of this host reduce over "
+              f"the transport, not through memory: {reasons[host_of[rank]]}",
+              file=sys.stderr, flush=True)
+    return topology
