@@ -34,15 +34,28 @@ class Run:
 
 
 def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
-           env: dict[str, str] | None = None, timeout: float = 600) -> Run:
-    """Runs tests/workers/<worker> on `nproc` processes with `devices` CPU devices each."""
+           env: dict[str, str] | None = None, timeout: float = 600,
+           hosts: int | None = None) -> Run:
+    """Runs tests/workers/<worker> on `nproc` processes with `devices` CPU devices each.
+
+    hosts: run them as that many simulated hosts (network namespaces, needs
+    root), nproc / hosts consecutive ranks on each; the workers learn the
+    layout from HERRING_TEST_HOSTS ("HxP") for their numpy reference.
+    """
     full_env = dict(os.environ)
     full_env.pop("XLA_FLAGS", None)
     full_env["JAX_PLATFORMS"] = "cpu"
     full_env.setdefault("HERRING_TIMEOUT_S", "120")
     full_env.update(env or {})
+    layout = []
+    if hosts is not None:
+        assert nproc % hosts == 0, (nproc, hosts)
+        layout = ["--netns", "--processes-per-host", str(nproc // hosts)]
+        # The order the workers' reference sums in, unless the test says
+        # otherwise (a job that falls back to the flat path sums in rank order).
+        full_env.setdefault("HERRING_TEST_HOSTS", f"{hosts}x{nproc // hosts}")
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc),
-           "--devices-per-process", str(devices), "--timeout", str(int(timeout)), "--",
+           "--devices-per-process", str(devices), "--timeout", str(int(timeout)), *layout, "--",
            sys.executable, str(WORKERS / worker), *args]
     # cwd=tests/: `-m` puts the cwd on sys.path, and the source tree's
     # herring_jax (without the compiled extension) must not shadow the installed one.

@@ -46,7 +46,9 @@ def test_fifty_reductions_in_one_jit():
 def test_provider_matrix(provider, force_mr):
     env = {"HERRING_FI_PROVIDER": provider, "HERRING_FI_FORCE_MR": "1" if force_mr else "0",
            # 256 KiB chunks: the 4 MiB case sends several chunks per part.
-           "HERRING_CHUNK_BYTES": str(256 * 1024)}
+           "HERRING_CHUNK_BYTES": str(256 * 1024),
+           # The data itself must cross the provider, not the host stage.
+           "HERRING_HOST_STAGE": "0"}
     run = launch("reduce_worker.py",
                  ["--dtypes", "float32,bfloat16,int64", "--ops", "sum", "--counts", "1,4097",
                   "--mib", "4", "--describe"],
@@ -58,4 +60,7 @@ def test_provider_matrix(provider, force_mr):
         assert text.split(" over ")[1].startswith(provider.split(";")[0]), text
         assert ("registered buffers" in text) == force_mr, text
         # Heartbeats are on by default, except over shm (see HERRING_HEARTBEAT_S).
-        assert text.endswith("no heartbeats" if provider == "shm" else "heartbeats every 1 s"), text
+        transport = text.split("; host ")[0]
+        assert transport.endswith("no heartbeats" if provider == "shm"
+                                  else "heartbeats every 1 s"), text
+        assert text.endswith("host stage off: HERRING_HOST_STAGE=0"), text

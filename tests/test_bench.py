@@ -27,6 +27,10 @@ def test_bench_smoke(tmp_path):
         (m, p) for m in (1.0, 4.0) for p in peers)
     assert all(r["correct"] and len(r["times_s"]) == 3 for r in data["results"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # On one host the bound is memory: n * bytes at the measured copy rate.
+    assert data["link_gbps"] is None and data["memory_gbps"] > 0, data
+    assert data["bound_s"]["4.0"] == pytest.approx(2 * 4 * 2**20 / (data["memory_gbps"] * 1e9))
+    assert "herring at 4 MiB: " in proc.stdout and "of the bound" in proc.stdout, proc.stdout
 
 
 def test_missing_peer_is_reported_not_dropped(tmp_path, monkeypatch):
@@ -91,19 +95,23 @@ def test_a_wrong_run_fails_the_report_naming_run_size_peer_and_rank():
 
 
 def test_bench_netns_smoke(tmp_path):
-    """The simulated-network mode: 2 hosts, shaped links, the bound from the
-    shaped rates, and nothing left behind."""
+    """The simulated-network mode: 2 hosts of 2 processes, shaped links, the
+    bound from the shaped rates and the hosts, and nothing left behind."""
     from herring_jax._src import netns
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "2", "--netns", "--host-rate",
-         "1gbit", "--flow-rate", "500mbit", "--sizes-mib", "1,4", "--iters", "2", "--warmup", "1",
+        [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "4", "--netns",
+         "--processes-per-host", "2", "--host-rate", "1gbit", "--flow-rate", "500mbit",
+         "--sizes-mib", "1,4", "--iters", "2", "--warmup", "1", "--peers", "herring,torch_gloo",
          "--json", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "shaped: min(host 1gbit, 1 flow x 500mbit)" in proc.stdout, proc.stdout
     data = json.loads(out.read_text())
-    assert data["link_gbps"] == 500e6 / 8e9
+    assert data["link_gbps"] == 500e6 / 8e9 and data["processes_per_host"] == 2
+    # 2 hosts: each link carries 2(h-1)/h = 1 x the bytes.
+    assert data["bound_s"]["4.0"] == pytest.approx(4 * 2**20 / (500e6 / 8))
     assert all(r["correct"] for r in data["results"])
     assert "domain eth0" in data["transport"]
+    assert "2 processes on it, host stage through memory" in data["transport"]
     assert not netns.leftovers()

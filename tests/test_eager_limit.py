@@ -22,7 +22,8 @@ _PROBE = textwrap.dedent("""
 
 
 def _eager_limits(extra_env: dict) -> list[str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_FI_PROVIDER="tcp;ofi_rxm", **extra_env)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_FI_PROVIDER="tcp;ofi_rxm",
+               HERRING_HOST_STAGE="0", **extra_env)
     proc = subprocess.run(
         [sys.executable, "-P", "-m", "herring_jax.launch", "-n", "2", "--timeout", "240", "--",
          sys.executable, "-P", "-c", _PROBE],
@@ -54,4 +55,4 @@ def test_import_sets_the_variables_before_any_thread():
 
 
 def test_header_size_is_the_engines():
-    assert WIRE_HEADER_BYTES == 104  # wire version 2 (engine/wire.h static_assert)
+    assert WIRE_HEADER_BYTES == 104  # wire versions 2 and 3 (engine/wire.h static_assert)

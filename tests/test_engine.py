@@ -2,6 +2,8 @@
 messages from strangers matched by posted receives, a provider whose queues
 are full, and heartbeats in an idle job. Results stay bitwise exact."""
 
+import pytest
+
 from multiproc import assert_all_ok, launch
 
 CASES = ["--dtypes", "float32,int32", "--ops", "sum", "--counts", "1,4097", "--mib", "4"]
@@ -11,13 +13,15 @@ def _stats(run, case="stats"):
     return {rank: next(r for r in rs if r["case"] == case) for rank, rs in run.results.items()}
 
 
-def test_stale_messages_are_dropped_and_the_sums_stay_exact():
-    # Before each contribution and result, every rank sends a copy with another
-    # job's token and the same tag: it matches the receive posted for the real
-    # message, which drops it and posts again (DropAndRepost). The re-post task
-    # once outlived a batch that the success path freed while it ran.
+@pytest.mark.parametrize("host_stage", ["0", "1"])
+def test_stale_messages_are_dropped_and_the_sums_stay_exact(host_stage):
+    # Before each contribution and result (and, through the host stage, each
+    # of its messages), every rank sends a copy with another job's token and
+    # the same tag: it matches the receive posted for the real message, which
+    # drops it and posts again (DropAndRepost). The re-post task once outlived
+    # a batch that the success path freed while it ran.
     run = launch("reduce_worker.py", CASES + ["--stats"], nproc=4,
-                 env={"HERRING_TEST_STALE_COPIES": "1",
+                 env={"HERRING_TEST_STALE_COPIES": "1", "HERRING_HOST_STAGE": host_stage,
                       "HERRING_CHUNK_BYTES": str(256 * 1024)})
     digests = assert_all_ok(run, expected_cases=2 * 3 + 1)
     assert all(len(d) == 1 for case, d in digests.items() if case != "stats"), digests
@@ -27,16 +31,18 @@ def test_stale_messages_are_dropped_and_the_sums_stay_exact():
         assert stats["messages_dropped"] >= 10, (rank, stats)
         assert stats["failed_batches_kept"] == 0, (rank, stats)
         assert stats["duplicate_completions"] == 0, (rank, stats)
+        assert (stats["host_stage_calls"] > 0) == (host_stage == "1"), (rank, stats)
 
 
 def test_posts_beyond_the_providers_queues_wait_in_herrings_queue():
     # Two operations of each direction in the provider at once: every other
     # post of a 16 MiB reduction in 64 KiB chunks waits in the transport's
-    # queue, which the progress thread drains in order.
+    # queue, which the progress thread drains in order. The data must cross
+    # the transport: no host stage.
     run = launch("reduce_worker.py",
                  ["--dtypes", "float32,bfloat16", "--ops", "sum,mean", "--counts", "4097",
                   "--mib", "16", "--stats"],
-                 nproc=4, env={"HERRING_MAX_POSTED": "2",
+                 nproc=4, env={"HERRING_MAX_POSTED": "2", "HERRING_HOST_STAGE": "0",
                                "HERRING_CHUNK_BYTES": str(64 * 1024)})
     digests = assert_all_ok(run, expected_cases=2 * 2 * 2 + 1)
     assert all(len(d) == 1 for case, d in digests.items() if case != "stats"), digests

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 
 import ml_dtypes
@@ -54,22 +55,45 @@ def _acc_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.float32) if dtype in ("bfloat16", "float16") else NP_DTYPES[dtype]
 
 
-def reference(dtype: str, op: str, inputs: list[list[np.ndarray]]) -> np.ndarray:
-    """inputs[process][device]: sum over local devices first, then processes in
-    rank order, accumulating 16-bit types in float32 and rounding once per stage
-    (the engine's documented order)."""
+def _sum_in_order(parts: list[np.ndarray], acc_t: np.dtype) -> np.ndarray:
+    acc = parts[0].astype(acc_t)
+    for x in parts[1:]:
+        acc = acc + x.astype(acc_t)
+    return acc
+
+
+def hosts_from_env(nproc: int) -> list[list[int]]:
+    """The ranks of each host under `herring-jax launch`: HERRING_TEST_HOSTS
+    ("2x2": 2 hosts of 2 processes, consecutive ranks) if the test set it, else
+    one host holding every process."""
+    text = os.environ.get("HERRING_TEST_HOSTS")
+    if not text:
+        return [list(range(nproc))]
+    hosts, per_host = (int(v) for v in text.split("x"))
+    assert hosts * per_host == nproc, (text, nproc)
+    return [list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)]
+
+
+def reference(dtype: str, op: str, inputs: list[list[np.ndarray]],
+              hosts: list[list[int]] | None = None) -> np.ndarray:
+    """inputs[process][device], hosts[h] = the ranks of host h. The engine's
+    documented order: the local devices of each process; then, where a host
+    holds several processes (and every host the same number), the processes of
+    each host in rank order and then the hosts in order; otherwise the processes
+    in rank order. 16-bit types accumulate in float32 and round once per stage;
+    a mean divides once, by the number of devices, at the last stage."""
     acc_t = _acc_dtype(dtype)
     out_t = NP_DTYPES[dtype]
-    locals_ = []
-    for devs in inputs:
-        acc = devs[0].astype(acc_t)
-        for d in devs[1:]:
-            acc = acc + d.astype(acc_t)
-        locals_.append(acc.astype(out_t))
+    procs = [_sum_in_order(devs, acc_t).astype(out_t) for devs in inputs]
+    hosts = hosts or [list(range(len(inputs)))]
+    sizes = {len(h) for h in hosts}
+    if len(hosts) > 1 and sizes != {1} and len(sizes) == 1:
+        with np.errstate(over="ignore"):
+            stage = [_sum_in_order([procs[r] for r in h], acc_t).astype(out_t) for h in hosts]
+    else:
+        stage = procs
     with np.errstate(over="ignore"):
-        acc = locals_[0].astype(acc_t)
-        for x in locals_[1:]:
-            acc = acc + x.astype(acc_t)
+        acc = _sum_in_order(stage, acc_t)
         if op == "mean":
             n = sum(len(devs) for devs in inputs)
             acc = acc / acc_t.type(n)

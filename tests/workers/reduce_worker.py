@@ -46,11 +46,16 @@ def main() -> int:
                         help="also report herring_jax.describe() (provider, registration)")
     parser.add_argument("--stats", action="store_true",
                         help="also report herring_jax.stats() after the cases")
+    parser.add_argument("--deny-reads-rank", type=int, default=-1,
+                        help="this rank reports that its memory cannot be read (its host "
+                             "must then reduce over the transport)")
     parser.add_argument("--idle-s", type=float, default=0.0,
                         help="then stay idle this long and report the heartbeats sent meanwhile")
     args = parser.parse_args()
 
     jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
+    if os.environ.get("HERRING_PROCESS_ID") == str(args.deny_reads_rank):
+        os.environ["HERRING_TEST_DENY_MEMORY_READS"] = "1"
     herring_jax.initialize()
     rank, nproc = herring_jax.process_index(), herring_jax.process_count()
     ndev = args.devices
@@ -87,7 +92,8 @@ def main() -> int:
         if rank == 0:
             inputs = [[common.make_input(dtype, count, p * ndev + d, salt)
                        for d in range(ndev)] for p in range(nproc)]
-            ok = ok and common.bitwise_equal(got[0], common.reference(dtype, op, inputs))
+            want = common.reference(dtype, op, inputs, common.hosts_from_env(nproc))
+            ok = ok and common.bitwise_equal(got[0], want)
         common.report(f"{dtype}/{op}/{count}", ok, digest=common.digest(got[0]),
                       devices=len(got))
     if args.describe:

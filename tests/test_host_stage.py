@@ -1,0 +1,81 @@
+"""The host stage: processes of one host reduce through memory
+(xla_ffi/engine/host_stage.cc) and only each host's share crosses the network.
+
+Every dtype and op, bitwise against the numpy reference of the documented order
+(the processes of a host in rank order, then the hosts), on 1 host x 4
+processes and on 2 simulated hosts x 2 processes (network namespaces); the
+path taken is checked from the counters, not assumed. A host whose processes
+cannot read each other's memory falls back to the transport for all of them.
+Killed processes on a host are covered by tests/test_chaos.py, which runs 4
+processes on one host."""
+
+import os
+
+import pytest
+
+from multiproc import assert_all_ok, launch
+
+DTYPES = ["float32", "float64", "bfloat16", "float16", "int32", "int64"]
+COUNTS = "1,7,4097,100003"
+# Short mode under .ci/sanitizers.sh: 1 MiB is the largest size.
+MIB = "1" if os.environ.get("HERRING_SANITIZER") else "1,16"
+
+
+def _cases() -> int:
+    sizes = len(COUNTS.split(",")) + len(MIB.split(","))
+    return sum(1 if d.startswith("int") else 2 for d in DTYPES) * sizes
+
+
+def _extra(run, name: str) -> list[dict]:
+    """Each rank's report of `name` (describe, stats)."""
+    found = [r for rs in run.results.values() for r in rs if r["case"] == name]
+    assert len(found) == run.nproc, run.explain()
+    return found
+
+
+def _run(nproc, hosts=None, devices=1, env=None, extra=()):
+    run = launch("reduce_worker.py",
+                 ["--devices", str(devices), "--counts", COUNTS, "--mib", MIB, "--describe",
+                  "--stats", *extra],
+                 nproc=nproc, devices=devices, hosts=hosts, env=env)
+    digests = assert_all_ok(run, expected_cases=_cases() + 2)
+    assert all(len(d) == 1 for d in digests.values()), digests
+    return run
+
+
+@pytest.mark.parametrize("hosts,devices", [(None, 1), (2, 1), (2, 2)])
+def test_every_dtype_through_the_host_stage(hosts, devices):
+    run = _run(4, hosts=hosts, devices=devices)
+    per_host = 4 // (hosts or 1)
+    for d in _extra(run, "describe"):
+        assert f"{per_host} processes on it, host stage through memory" in d["describe"], d
+    for s in _extra(run, "stats"):
+        stats = s["stats"]
+        # Every reduction of every case took the host stage and read its
+        # peers' memory (a count-1 buffer reads nothing on 3 of 4 ranks).
+        assert stats["host_stage_calls"] == stats["reductions"] > 0, stats
+        assert stats["host_bytes_read"] > 0, stats
+
+
+def test_host_stage_off_reduces_over_the_transport():
+    run = _run(4, env={"HERRING_HOST_STAGE": "0"})
+    for d in _extra(run, "describe"):
+        assert "host stage off: HERRING_HOST_STAGE=0" in d["describe"], d
+    for s in _extra(run, "stats"):
+        assert s["stats"]["host_stage_calls"] == 0 and s["stats"]["host_bytes_read"] == 0, s
+
+
+def test_a_process_whose_memory_cannot_be_read_turns_its_host_to_the_transport():
+    # Flat: the reference sums in plain rank order ("1x4").
+    run = _run(4, hosts=2, env={"HERRING_TEST_HOSTS": "1x4"}, extra=("--deny-reads-rank", "3"))
+    described = {r: [x for x in rs if x["case"] == "describe"][0]["describe"]
+                 for r, rs in run.results.items()}
+    # Ranks 2 and 3 share host 1: both fall back; host 0 keeps its stage, but
+    # a group spans both hosts, so every reduction of this job is flat.
+    for rank in (2, 3):
+        assert "host stage off: rank 3 refuses memory reads" in described[rank], described
+    for rank in (0, 1):
+        assert "host stage through memory" in described[rank], described
+    for s in _extra(run, "stats"):
+        assert s["stats"]["host_stage_calls"] == 0, s
+    assert "reduce over the transport, not through memory" in run.stderr, run.explain()
