@@ -9,7 +9,7 @@ import os
 import sys
 import tempfile
 
-from herring_jax._src.bench.link import pingpong_gbps, shaped_gbps
+from herring_jax._src.bench.link import memory_gbps, shaped_gbps
 from herring_jax._src.bench.peers import PEERS, missing_peers
 
 DESCRIPTION = "herring-jax bench: herring_jax's all-reduce against its peers, in one run."
@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", default=None,
                         help="libfabric provider for herring (sets HERRING_FI_PROVIDER)")
     parser.add_argument("--link-gbps", type=float, default=None,
-                        help="link bandwidth for the bound, GB/s (default: measure fi_pingpong)")
+                        help="link bandwidth for the bound, GB/s (default: the shaped rates "
+                             "with --netns, else the bound is memory: the rate at which this "
+                             "machine's cores copy, measured)")
     parser.add_argument("--json", default=None, help="write every timing to this file")
     parser.add_argument("--mpi-btl", default=None, metavar="LIST",
                         help="Open MPI transports, e.g. tcp,self (default: Open MPI's choice, "
@@ -42,8 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--host-rate", metavar="RATE", help="each host's egress cap, e.g. 1gbit")
     net.add_argument("--flow-rate", metavar="RATE",
                      help="each host-to-host flow's cap, e.g. 250mbit")
+    net.add_argument("--processes-per-host", type=int, default=1, metavar="P",
+                     help="P processes share each simulated host (hosts = n / P)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--link-source", default="--link-gbps", help=argparse.SUPPRESS)
+    parser.add_argument("--bound-kind", default="link", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.provider:
         env["HERRING_FI_PROVIDER"] = args.provider
-    provider = env.get("HERRING_FI_PROVIDER") or "tcp;ofi_rxm"
     unknown = [p for p in args.peers.split(",") if p and p not in PEERS]
     if unknown:
         print(f"herring-jax bench: unknown peers {unknown}; known: {', '.join(PEERS)}",
@@ -63,12 +67,23 @@ def run(args: argparse.Namespace) -> int:
     if (args.host_rate or args.flow_rate) and not args.netns:
         print("herring-jax bench: --host-rate and --flow-rate need --netns", file=sys.stderr)
         return 2
+    per_host = args.processes_per_host
+    if per_host < 1 or args.num_processes % per_host or (per_host > 1 and not args.netns):
+        print("herring-jax bench: --processes-per-host needs --netns and must divide -n",
+              file=sys.stderr)
+        return 2
+    bound_kind = "link"
     if args.link_gbps:
         link_gbps, link_source = args.link_gbps, "--link-gbps"
     elif args.netns and args.host_rate:
         link_gbps, link_source = shaped_gbps(args)
+    elif args.netns:
+        link_gbps, link_source = None, "no rates given: no bound"
     else:
-        link_gbps, link_source = pingpong_gbps(provider)
+        # One host: herring's processes reduce through memory, so memory is
+        # the bound (fi_pingpong's loopback figure swung from 0.5 to 2.8 GB/s).
+        bound_kind = "memory"
+        link_gbps, link_source = memory_gbps()
     # Workers import the very package this driver runs from: its parent goes
     # first on PYTHONPATH and they start in an empty directory, since -m puts
     # the working directory ahead of everything.
@@ -95,12 +110,16 @@ def run(args: argparse.Namespace) -> int:
                   args.sizes_mib, "--iters", str(args.iters), "--warmup", str(args.warmup),
                   "--peers", ",".join(present), "--missing", json.dumps(missing)]
         if link_gbps:
-            worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}"]
+            worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}",
+                       "--bound-kind", bound_kind]
+        worker += ["--processes-per-host", str(per_host)]
         if json_path:
             worker += ["--json", json_path]
         network = "loopback"
         if args.netns:
-            network = (f"simulated: one namespace per process on a bridge, host egress "
+            hosts = args.num_processes // per_host
+            network = (f"simulated: {hosts} hosts ({per_host} process"
+                       f"{'es' if per_host > 1 else ''} each) on a bridge, host egress "
                        f"{args.host_rate or 'unlimited'}, each host-to-host flow "
                        f"{args.flow_rate or args.host_rate or 'unlimited'}")
         if use_mpi:

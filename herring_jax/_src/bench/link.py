@@ -1,55 +1,56 @@
-"""The link figure behind the bound of `herring-jax bench`: measured with
-fi_pingpong on loopback, or the shaped rates of the simulated network."""
+"""The figures behind the bound of `herring-jax bench`: the shaped rates of the
+simulated network, or, on one host, the rate at which this machine's cores copy
+memory (the processes of one host reduce through memory)."""
 
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
+import multiprocessing
+import os
 import time
 
-from herring_jax._src.launch import free_port
+_COPY_MIB = 64
+_COPY_REPEATS = 8
 
 
-def pingpong_gbps(provider: str) -> tuple[float | None, str]:
-    """Best one-way bandwidth of fi_pingpong (RDM, 1-16 MiB) between two local processes."""
-    tool = shutil.which("fi_pingpong")
-    if tool is None:
-        return None, "fi_pingpong not found (apt-get install libfabric-bin)"
-    best = None
-    for mib in (1, 4, 16):
-        port = free_port()
-        common = [tool, "-p", provider, "-e", "rdm", "-I", "20", "-S", str(mib << 20)]
-        server = subprocess.Popen(common + ["-B", str(port)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        try:
-            time.sleep(0.3)  # the server must listen before the client connects
-            out = subprocess.run(common + ["-P", str(port), "127.0.0.1"], capture_output=True,
-                                 text=True, timeout=60).stdout
-            server.wait(timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        finally:
-            if server.poll() is None:
-                server.kill()
-                server.wait()
-        # Columns: bytes #sent #ack total time MB/sec usec/xfer ...; MB/sec is
-        # 1e6 bytes per second, one way (a message's half round trip).
-        m = re.search(rf"^\s*{mib}m\s+\d+\s+=\d+\s+\S+\s+\S+\s+([\d.]+)", out, re.M)
-        if m:
-            best = max(best or 0.0, float(m.group(1)) / 1e3)
-    if best is None:
-        return None, f"fi_pingpong -p '{provider}' failed"
-    return best, f"fi_pingpong -p '{provider}' -e rdm, best of 1/4/16 MiB, same host"
+def _copy_worker(start, done) -> None:
+    import numpy as np
+    src = np.ones(_COPY_MIB << 18, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in before the clock starts
+    start.wait()
+    for _ in range(_COPY_REPEATS):
+        np.copyto(dst, src)
+    done.put(time.perf_counter())
+
+
+def memory_gbps(processes: int | None = None) -> tuple[float, str]:
+    """Bytes per second (GB/s) that `processes` processes (default: one per
+    core) copy together, each a 64 MiB buffer 8 times at once: a copied byte is
+    read once and written once."""
+    processes = processes or os.cpu_count() or 1
+    ctx = multiprocessing.get_context("fork")
+    start, done = ctx.Event(), ctx.Queue()
+    workers = [ctx.Process(target=_copy_worker, args=(start, done)) for _ in range(processes)]
+    for w in workers:
+        w.start()
+    time.sleep(0.5)  # every worker has its buffers faulted in
+    began = time.perf_counter()
+    start.set()
+    ended = max(done.get(timeout=120) for _ in workers)
+    for w in workers:
+        w.join()
+    copied = processes * _COPY_REPEATS * (_COPY_MIB << 20)
+    return copied / (ended - began) / 1e9, (f"measured: {processes} processes copying "
+                                            f"{_COPY_MIB} MiB buffers at once (numpy)")
 
 
 def shaped_gbps(args) -> tuple[float, str]:
     """What one host can send to all others at once in the simulated network, GB/s."""
     from herring_jax._src.netns import parse_rate
-    n = args.num_processes
+    hosts = args.num_processes // max(1, getattr(args, "processes_per_host", 1) or 1)
     host = parse_rate(args.host_rate)
     flow = parse_rate(args.flow_rate) if args.flow_rate else host
-    egress = min(host, max(1, n - 1) * flow)
-    flows = f"{n - 1} flow{'' if n == 2 else 's'}"
+    egress = min(host, max(1, hosts - 1) * flow)
+    flows = f"{hosts - 1} flow{'' if hosts == 2 else 's'}"
     return egress / 8e9, (f"shaped: min(host {args.host_rate}, {flows} x "
                           f"{args.flow_rate or args.host_rate})")

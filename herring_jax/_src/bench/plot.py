@@ -24,10 +24,11 @@ def plot(json_path: str, png_path: str) -> None:
                       for r in report["results"] if r["peer"] == peer)
         ax.plot([m for m, _ in rows], [bw for _, bw in rows], marker="o", label=peer,
                 linewidth=2.5 if peer == "herring" else 1.5)
-    if report.get("link_gbps"):
-        sizes = sorted(report["sizes_mib"])
-        ax.plot(sizes, [report["link_gbps"] / (2 * (n - 1) / n)] * len(sizes), "k--",
-                label="bound (link / (2(n-1)/n))")
+    bounds = {float(m): s for m, s in (report.get("bound_s") or {}).items() if s}
+    if bounds:
+        sizes = sorted(bounds)
+        ax.plot(sizes, [m * 2**20 / bounds[m] / 1e9 for m in sizes], "k--",
+                label=f"bound ({report.get('bound_formula', '')})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("buffer size, MiB (float32)")
     ax.set_ylabel("algorithmic bandwidth, GB/s (bytes / median time)")

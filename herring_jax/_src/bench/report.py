@@ -11,7 +11,14 @@ import statistics
 
 from herring_jax._src.bench.peers import PEERS
 
-BOUND_FORMULA = "bound = 2(n-1)/n * bytes / link"
+# The least time an all-reduce of `bytes` can take. Over a link (the shaped
+# network, or --link-gbps): each host sends (h-1)/h of its share to the other
+# hosts' servers and gets as much back, so each direction of its link carries
+# 2(h-1)/h * bytes at least (h: hosts; every process with --link-gbps on one
+# host). On one host: every process must read its input and write its output,
+# n * bytes copied at the rate all cores copy together.
+LINK_FORMULA = "bound = 2(h-1)/h * bytes / link"
+MEMORY_FORMULA = "bound = n * bytes / memory (the rate all cores copy at together)"
 
 
 def summarize(names, sizes, per_rank) -> list[dict]:
@@ -53,17 +60,28 @@ def wrong_lines(per_rank) -> list[str]:
     return lines
 
 
-def bound_s(nbytes: float, n: int, link_gbps: float | None) -> float | None:
-    """The least time the algorithm needs on the link, or None without a link figure."""
-    # Each process sends (n-1)/n of the buffer to the other servers and gets
-    # (n-1)/n back as sums; its server does the mirror image, so each link
-    # direction carries 2(n-1)/n * bytes at least.
+def bound_s(nbytes: float, n: int, link_gbps: float | None, kind: str = "link",
+            hosts: int | None = None) -> float | None:
+    """The least time the algorithm needs (see LINK_FORMULA and MEMORY_FORMULA),
+    or None without a rate."""
     if not link_gbps or n < 2:
         return None
-    return 2 * (n - 1) / n * nbytes / (link_gbps * 1e9)
+    if kind == "memory":
+        return n * nbytes / (link_gbps * 1e9)
+    h = hosts or n
+    if h < 2:
+        return None
+    return 2 * (h - 1) / h * nbytes / (link_gbps * 1e9)
 
 
-def table(results, n, link_gbps) -> str:
+def _bound(args, n: int):
+    """bound_s for this run's figures: nbytes -> seconds or None."""
+    kind = getattr(args, "bound_kind", "link")
+    hosts = n // max(1, getattr(args, "processes_per_host", 1))
+    return lambda nbytes: bound_s(nbytes, n, args.link_gbps, kind, hosts)
+
+
+def table(results, n, bound) -> str:
     by = {(r["mib"], r["peer"]): r for r in results}
     rows = [f"{'size MiB':>8} {'peer':>9} {'median ms':>10} {'min ms':>8} {'algbw GB/s':>10} "
             f"{'busbw GB/s':>10} {'herring x':>10} {'bound ms':>9} {'ok':>3}"]
@@ -72,11 +90,11 @@ def table(results, n, link_gbps) -> str:
         algbw = nbytes / r["median_s"] / 1e9
         herring = by.get((r["mib"], "herring"))
         speedup = f"{r['median_s'] / herring['median_s']:.2f}" if herring else "-"
-        bound = bound_s(nbytes, n, link_gbps)
-        # "!" marks a run faster than the bound: then the link figure is not
-        # what the transport can carry, and the bound is no bound.
-        bound_text = "-" if bound is None else (
-            f"{bound * 1e3:.1f}" + ("!" if r["median_s"] < bound else ""))
+        limit = bound(nbytes)
+        # "!" marks a run faster than the bound: then the rate is not what the
+        # transport (or memory) can carry, and the bound is no bound.
+        bound_text = "-" if limit is None else (
+            f"{limit * 1e3:.1f}" + ("!" if r["median_s"] < limit else ""))
         rows.append(f"{r['mib']:>8g} {r['peer']:>9} {r['median_s'] * 1e3:>10.1f} "
                     f"{r['min_s'] * 1e3:>8.1f} {algbw:>10.3f} {algbw * 2 * (n - 1) / n:>10.3f} "
                     f"{speedup:>10} {bound_text:>9} {'yes' if r['correct'] else 'NO':>3}")
@@ -86,19 +104,26 @@ def table(results, n, link_gbps) -> str:
 def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     """Prints the table and every wrong run, writes --json; returns the report."""
     results = summarize(names, sizes, per_rank)
-    link = (f"{args.link_gbps:.2f} GB/s from {args.link_source}" if args.link_gbps
-            else "not given (pass --link-gbps)")
+    bound = _bound(args, n)
+    memory = getattr(args, "bound_kind", "link") == "memory"
+    formula = MEMORY_FORMULA if memory else LINK_FORMULA
+    rate = (f"{'memory' if memory else 'link'} = {args.link_gbps:.2f} GB/s from "
+            f"{args.link_source}" if args.link_gbps else "no rate (pass --link-gbps)")
     print(f"transport: {describe}")
     print("peers: " + "; ".join(f"{name} = {PEERS[name].label}" for name in names))
     print("time: median (and min) of each rank's timed runs, slowest rank; algbw = bytes / median; "
           "busbw = algbw * 2(n-1)/n; herring x = peer median / herring median (>1: herring "
           "faster)")
-    print(f"{BOUND_FORMULA}, link = {link}")
-    print(table(results, n, args.link_gbps), flush=True)
-    if any(r["median_s"] < (bound_s(r["mib"] * 2**20, n, args.link_gbps) or 0) for r in results):
-        print("!: faster than the bound: the link figure is below what the transport carries "
-              "(fi_pingpong has one message in flight and shares the CPU), so this bound is "
-              "no bound")
+    print(f"{formula}, {rate}")
+    print(table(results, n, bound), flush=True)
+    for r in results:
+        limit = bound(r["mib"] * 2**20)
+        if limit and r["peer"] == "herring":
+            print(f"herring at {r['mib']:g} MiB: {limit / r['median_s']:.0%} of the bound "
+                  f"({limit / r['min_s']:.0%} at its minimum)")
+    if any(r["median_s"] < (bound(r["mib"] * 2**20) or 0) for r in results):
+        print("!: faster than the bound: the rate given is below what the transport (or "
+              "memory) carries, so this bound is no bound")
     wrong = wrong_lines(per_rank)
     for line in wrong:
         print(line)
@@ -111,8 +136,13 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     result = {
         "n": n, "sizes_mib": sizes, "peers": names, "iters": args.iters, "warmup": args.warmup,
         "provider": os.environ.get("HERRING_FI_PROVIDER") or "(default)", "transport": describe,
-        "link_gbps": args.link_gbps, "link_source": args.link_source if args.link_gbps else None,
-        "bound_formula": BOUND_FORMULA, "results": results, "missing": missing,
+        "link_gbps": None if memory else args.link_gbps,
+        "memory_gbps": args.link_gbps if memory else None,
+        "link_source": args.link_source if args.link_gbps else None,
+        "processes_per_host": getattr(args, "processes_per_host", 1),
+        "bound_formula": formula,
+        "bound_s": {str(mib): bound(mib * 2**20) for mib in sizes},
+        "results": results, "missing": missing,
         "network": os.environ.get("HERRING_BENCH_NETWORK", "loopback"),
         "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": platform.python_version(),
         "host": platform.node(), "cpus": os.cpu_count(),

@@ -17,7 +17,7 @@ def launch(args, worker: list[str], env: dict) -> int:
     launcher = [sys.executable, "-m", "herring_jax.launch", "-n", str(args.num_processes),
                 "--timeout", str(args.timeout)]
     if getattr(args, "netns", False):
-        launcher.append("--netns")
+        launcher += ["--netns", "--processes-per-host", str(args.processes_per_host)]
         for flag, value in (("--host-rate", args.host_rate), ("--flow-rate", args.flow_rate)):
             if value:
                 launcher += [flag, value]
