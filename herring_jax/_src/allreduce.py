@@ -72,13 +72,14 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
     Every process must call it with the same tree structure, shapes and dtypes,
     in the same order relative to its other reductions. Works inside and
     outside ``jax.jit``, and under ``jax.grad``, ``jvp``, ``vjp``, ``vmap`` and
-    ``linear_transpose`` either way. Inside a computation over several local
-    devices the devices of a process are summed first and one copy per process
-    crosses the network (hierarchical reduction).
+    ``linear_transpose`` either way. The reduction is hierarchical: the local
+    devices of a process are summed first, then the processes of a host
+    through memory, and only each host's share crosses the network.
 
-    Leaves are summed in rank order by the server that owns each part, so every
-    rank gets bitwise the same result, run after run; float16 and bfloat16
-    accumulate in float32. NaN and inf propagate as in numpy's sum. bool leaves
+    Leaves are summed in a fixed order (devices of a process, processes of a
+    host by rank, hosts in the order of their lowest rank), so every rank gets
+    bitwise the same result, run after run; float16 and bfloat16 accumulate in
+    float32. NaN and inf propagate as in numpy's sum. bool leaves
     are summed as int32 (as lax.psum does); zero-size leaves are returned
     unchanged; an empty tree is returned as is.
 

@@ -4,12 +4,13 @@ Herring engine; axes bound by jax.vmap(..., axis_name=...) are reduced in
 place, as lax does.
 
 Devices of one process that belong to the same group are summed inside the
-process first; one copy per process crosses processes.
+process first, then the group's processes of each host through memory; only
+each host's share crosses the network.
 
 Where lax and herring differ, by design: sums are taken in a fixed order
-(local devices, then processes in rank order), so floating results are
-bitwise reproducible but may differ from XLA's own all-reduce in the last
-bits; a pmean of floating values divides on the server.
+(local devices, then the processes of a host by rank, then the hosts), so
+floating results are bitwise reproducible but may differ from XLA's own
+all-reduce in the last bits; a pmean of floating values divides on the server.
 """
 
 from __future__ import annotations
