@@ -38,10 +38,15 @@
 //   ExecuteAsyncOnStreamImpl activates the device's context on that thread for
 //   the whole execution. A done that blocks this thread therefore holds back
 //   only what comes after it in the sequence; the kernels enqueued before it,
-//   and the copy of every start before it, run on. The wait always ends: what
-//   the done waits for needs only work already enqueued (its start's copy
-//   precedes it in stream order) and the engine, which fails a reduction after
-//   its timeout. Other local devices run their own thunk sequences on their own
+//   and the copy of every start before it, run on. The wait ends: what the
+//   done waits for needs only work already enqueued (its start ran before it
+//   on this thread: the done reads the start's token), the engine, which fails
+//   a reduction after its timeout, and the other processes' starts. Those come
+//   before any of their dones in allreduce_gradients (split.py); a reduction
+//   bound on its own is a start then its done, so such reductions must come
+//   in the same order on every process, as they do in one program compiled
+//   the same way (the synchronous handler needed the same). Other local
+//   devices run their own thunk sequences on their own
 //   threads (xla/pjrt/pjrt_stream_executor_client.cc, Execute: one
 //   ExecuteHelper per device on its execute_thread), so one blocked done
 //   cannot stop another device's start. While it waits, that device's
