@@ -16,4 +16,5 @@ def test_cuda_handler_built_when_toolkit_present():
     has_toolkit = shutil.which("nvcc") is not None
     assert runtime.cuda_handler_built() == has_toolkit
     if has_toolkit:
-        assert sorted(_herring_ffi.cuda_registrations()) == ["herring_allreduce"]
+        assert sorted(_herring_ffi.cuda_registrations()) == ["herring_allreduce_done",
+                                                             "herring_allreduce_start"]

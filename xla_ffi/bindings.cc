@@ -88,7 +88,9 @@ NB_MODULE(_herring_ffi, m) {
   m.def("cuda_registrations", []() {
     nb::dict d;
 #ifdef HERRING_WITH_CUDA
-    d["herring_allreduce"] = Bundle(HerringAllReduceInstantiateCuda, HerringAllReduceCuda);
+    d["herring_allreduce_start"] =
+        Bundle(HerringAllReduceInstantiateCuda, HerringAllReduceStartCuda);
+    d["herring_allreduce_done"] = EncapsulateFfiHandler(HerringAllReduceDoneCuda);
 #endif
     return d;
   });

@@ -90,6 +90,31 @@ struct CallPlace {
   int local_count = 0;
 };
 
+// The attributes copied out of XLA's call frame: its spans are only
+// guaranteed while the handler runs, and an asynchronous reduction runs on
+// after it has returned.
+struct OwnedAttrs {
+  int64_t comm = 0, op = 0, key = 0, slot = 0;
+  std::vector<int64_t> device_procs, device_locals, device_groups, group_streams, group_ranks,
+      group_offsets;
+
+  OwnedAttrs() = default;
+  explicit OwnedAttrs(const CallAttrs& a)
+      : comm(a.comm), op(a.op), key(a.key), slot(a.slot),
+        device_procs(a.device_procs.begin(), a.device_procs.end()),
+        device_locals(a.device_locals.begin(), a.device_locals.end()),
+        device_groups(a.device_groups.begin(), a.device_groups.end()),
+        group_streams(a.group_streams.begin(), a.group_streams.end()),
+        group_ranks(a.group_ranks.begin(), a.group_ranks.end()),
+        group_offsets(a.group_offsets.begin(), a.group_offsets.end()) {}
+
+  CallAttrs View() const {
+    return CallAttrs{comm,          op,            key,           slot,
+                     device_procs,  device_locals, device_groups, group_streams,
+                     group_ranks,   group_offsets};
+  }
+};
+
 struct DecodedCall {
   std::shared_ptr<engine::Communicator> comm;
   const char* platform = "cpu";    // whose local device table names devices
@@ -154,6 +179,10 @@ ffi::Error PrepareBroadcast(DecodedCall& call, int64_t* op,
 // Finds the communicator and checks and collects the buffers.
 ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,
                       DecodedCall* call);
+// The same for the operands alone, for a call whose results are not the
+// reduced buffers (XLA:CUDA's start returns a token); `call.arrival.out` stays
+// empty.
+ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, DecodedCall* call);
 
 // Reduces `call.arrival` (host memory) with the other local devices of the
 // same group and across processes; the result lands in `call.arrival.out`.

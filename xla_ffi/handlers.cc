@@ -118,8 +118,7 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
 
 }  // namespace
 
-ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,
-                      DecodedCall* call) {
+ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, DecodedCall* call) {
   call->comm = engine::Registry::Get().Find(attrs.comm);
   if (!call->comm) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -132,28 +131,39 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
     return ffi::Error::InvalidArgument(where + "op must be 0 (sum), 1 (mean) or 2 + a rank "
                                        "(broadcast from it)");
   }
-  if (args.size() != rets.size()) {
-    return ffi::Error::InvalidArgument(where + "operand and result counts differ");
-  }
   for (size_t k = 0; k < args.size(); ++k) {
     auto in = args.get<ffi::AnyBuffer>(k);
-    auto out = rets.get<ffi::AnyBuffer>(k);
     if (in.has_error()) return in.error();
-    if (out.has_error()) return out.error();
     const EngineType type = FromXla(in->element_type());
     if (type.dtype == DType::kInvalid) {
       return ffi::Error::InvalidArgument(
           where + "unsupported element type for operand " + std::to_string(k) +
           "; supported: float16/32/64, bfloat16, complex64/128, (u)int8/16/32/64");
     }
-    if ((*out)->element_type() != in->element_type() ||
-        (*out)->element_count() != in->element_count()) {
-      return ffi::Error::InvalidArgument(where + "result " + std::to_string(k) +
-                                         " does not match its operand");
-    }
     call->dtypes.push_back(type.dtype);
     call->counts.push_back(in->element_count() * type.per_element);
     call->arrival.in.push_back(in->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,
+                      DecodedCall* call) {
+  ffi::Error decoded = DecodeOperands(args, attrs, call);
+  if (decoded.failure()) return decoded;
+  if (args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument(call->where + "operand and result counts differ");
+  }
+  for (size_t k = 0; k < args.size(); ++k) {
+    auto in = args.get<ffi::AnyBuffer>(k);
+    auto out = rets.get<ffi::AnyBuffer>(k);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    if ((*out)->element_type() != in->element_type() ||
+        (*out)->element_count() != in->element_count()) {
+      return ffi::Error::InvalidArgument(call->where + "result " + std::to_string(k) +
+                                         " does not match its operand");
+    }
     call->arrival.out.push_back((*out)->untyped_data());
   }
   return ffi::Error::Success();
@@ -210,23 +220,14 @@ ffi::Error ReduceCall(int64_t run_id, int32_t device, const InstructionState& in
 
 namespace {
 
-// What a reduction needs after the handler has returned: XLA's attribute
-// spans are only guaranteed during the call, so the task keeps copies.
+// What a reduction needs after the handler has returned.
 struct AsyncCall {
   int64_t run_id = 0;
   int32_t device = 0;
   InstructionState instruction;
-  int64_t comm = 0, op = 0, key = 0, slot = 0;
-  std::vector<int64_t> device_procs, device_locals, device_groups, group_streams, group_ranks,
-      group_offsets;
+  OwnedAttrs attrs;
   DecodedCall call;
   std::vector<engine::PooledBuffer> zeros;  // a broadcast's contribution off the root
-
-  CallAttrs Attrs() const {
-    return CallAttrs{comm,          op,            key,           slot,
-                     device_procs,  device_locals, device_groups, group_streams,
-                     group_ranks,   group_offsets};
-  }
 };
 
 // Asynchronous: the handler decodes the call, hands the blocking part (the
@@ -251,19 +252,12 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* i
     task->device = device;
     ReceiveInstructionState(instruction);
     task->instruction = *instruction;
-    task->comm = comm_handle;
-    task->op = op;
-    task->key = key;
-    task->slot = slot;
-    task->device_procs.assign(device_procs.begin(), device_procs.end());
-    task->device_locals.assign(device_locals.begin(), device_locals.end());
-    task->device_groups.assign(device_groups.begin(), device_groups.end());
-    task->group_streams.assign(group_streams.begin(), group_streams.end());
-    task->group_ranks.assign(group_ranks.begin(), group_ranks.end());
-    task->group_offsets.assign(group_offsets.begin(), group_offsets.end());
-    ffi::Error decoded = DecodeCall(args, rets, task->Attrs(), &task->call);
+    task->attrs = OwnedAttrs(CallAttrs{comm_handle, op, key, slot, device_procs, device_locals,
+                                       device_groups, group_streams, group_ranks,
+                                       group_offsets});
+    ffi::Error decoded = DecodeCall(args, rets, task->attrs.View(), &task->call);
     if (decoded.failure()) return decoded;
-    ffi::Error prepared = PrepareBroadcast(task->call, &task->op, &task->zeros);
+    ffi::Error prepared = PrepareBroadcast(task->call, &task->attrs.op, &task->zeros);
     if (prepared.failure()) return prepared;
     engine::TimelineEvent event;
     event.slot = slot;
@@ -275,7 +269,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* i
     engine::AsyncRunner::Get().Run([task, promise, event]() mutable {
       event.begun_ns = engine::Timeline::NowNs();
       ffi::Error done = NoThrow("herring allreduce", [&] {
-        return ReduceCall(task->run_id, task->device, task->instruction, task->Attrs(),
+        return ReduceCall(task->run_id, task->device, task->instruction, task->attrs.View(),
                           task->call);
       });
       event.ended_ns = engine::Timeline::NowNs();

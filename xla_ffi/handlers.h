@@ -19,8 +19,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringSimulatedCompute);
 
 #ifdef HERRING_WITH_CUDA
-// cuda_handlers.cc: the same call on XLA's CUDA platform.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceCuda);
+// cuda_handlers.cc: the same reduction on XLA's CUDA platform, split into a
+// start (copies to the host, reduces on herring's threads) and a done (waits,
+// copies back), with the start's instantiate stage from call_identity.cc.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceStartCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceDoneCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceInstantiateCuda);
 #endif
 

@@ -16,13 +16,21 @@ parameters:
              which every other process contributes zeros, made by the handler
              so that the program is the same on every process); one device
              per process.
+  tokens     how many leading operands are start tokens (0 except in
+             split.split_reductions): the first is this reduction's own
+             start's, the others order it after the other buckets' starts.
+
+`herring_allreduce_start` (bound only by split.split_reductions) takes the
+same operands and parameters and returns one token: where XLA:CUDA lowers it,
+the reduction begins there and the `herring_allreduce` that takes the token
+finishes it; XLA:CPU ignores both and keeps its one asynchronous call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
-import struct
+import threading
 from typing import Any
 
 import jax
@@ -32,6 +40,7 @@ from jax.interpreters import ad, mlir
 
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
+from herring_jax._src import lowering
 from herring_jax._src import runtime
 from herring_jax._src.errors import herring_errors
 
@@ -39,8 +48,7 @@ from herring_jax._src.errors import herring_errors
 # real type, bool is converted to int32 first (as lax.psum does).
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "complex64", "complex128",
                     "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
-OPS = {"sum": 0, "mean": 1}
-_OP_BROADCAST = 2  # the op attribute of a broadcast from rank r is 2 + r (handler_common.h)
+OPS = lowering.OPS
 
 
 def check_op(op: str) -> None:
@@ -127,27 +135,60 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
 
 
 def bind(leaves, *, op, axes, groups=None, root=None):
-    return allreduce_p.bind(*leaves, op=op, axes=axes, groups=groups, transpose=False,
-                            root=root)
+    """Binds one reduction; every public function reduces through here."""
+    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root)
+    receiver = _receiver.current
+    if receiver is None:
+        return allreduce_p.bind(*leaves, tokens=0, **params)
+    return receiver.bind(leaves, params)
+
+
+# While split.py's split_reductions traces, a receiver of its own takes every
+# reduction bound here instead (it binds the start, then the rest).
+
+class _Receiver(threading.local):
+    current = None
+
+
+_receiver = _Receiver()
+
+
+@contextlib.contextmanager
+def binds_received_by(receiver):
+    """Within: bind(leaves, ...) returns receiver.bind(leaves, params)."""
+    previous, _receiver.current = _receiver.current, receiver
+    try:
+        yield
+    finally:
+        _receiver.current = previous
 
 
 # -- abstract eval -----------------------------------------------------------
 # Across processes the result has the operand's type. Across mesh axes it is
 # the same on every device of those axes: no longer varying (or unreduced)
-# over them, as for lax.psum.
+# over them, as for lax.psum. Tokens give nothing back.
 
-def _abstract_eval(*avals, op, axes, groups, transpose, root):
+def _abstract_eval(*avals, op, axes, groups, transpose, root, tokens):
     del op, groups, transpose, root
+    avals = avals[tokens:]
     if axes is None:
         return list(avals)
     jax_compat.check_axis_names(axes, "herring_jax.psum")
     return [jax_compat.drop_reduced_axes(a, axes) for a in avals]
 
 
+def _start_abstract_eval(*avals, op, axes, groups, transpose, root):
+    del avals, op, groups, transpose, root
+    if axes is not None:
+        jax_compat.check_axis_names(axes, "herring_jax.psum")
+    return lowering.TOKEN
+
+
 # -- eager impl ---------------------------------------------------------------
 # Outside jit the primitive runs as its own small jitted computation (one per
 # parameter set, cached), and waits: a failed reduction raises HerringError
-# here rather than later from some other array.
+# here rather than later from some other array. A start is only ever bound
+# inside a jitted step, next to the reduction that finishes it.
 
 @functools.lru_cache(maxsize=None)
 def _eager(**params):
@@ -159,36 +200,16 @@ def _impl(*args, **params):
         return jax.block_until_ready(_eager(**params)(*args))
 
 
-# -- lowering ----------------------------------------------------------------
-
-def _key(op: str, avals) -> int:
-    """A stable 63-bit description of the call, compared across processes."""
-    text = op + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
-    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-    return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
+def _start_impl(*args, **params):
+    raise NotImplementedError(
+        "herring_allreduce_start runs only inside jax.jit, bound by allreduce_gradients; "
+        "evaluate the jaxpr that holds it with jax.jit instead of eagerly")
 
 
-def _next_slot(ctx) -> int:
-    """Numbers the call sites of one lowered module: 0, 1, 2, ...
+# -- lowering (lowering.py says what each platform gets) ----------------------
 
-    XLA runs independent custom calls concurrently, in a different order on
-    every process, so the engine matches reductions by what they are: XLA's run
-    id (the executable and its launch), the call site (slot), the inlined copy
-    of it (instance, numbered by the handler's instantiate stage: jax lowers a
-    nested jitted function once per module and calls it from each of its call
-    sites, so its copies share the slot), how often that ran before in the run
-    (occurrence: loops) and the buffer. Lowering visits the call sites in
-    program order, which is the same on every process. The primitive is
-    registered uncacheable so that every call site gets here. Every attribute
-    must be the same on every process (no process-local counter): the run id
-    derives from the executable's fingerprint (see layout.py).
-    """
-    return jax_compat.take_module_counter(ctx, "herring_jax.slot", 1)
-
-
-def _lower_transposed(ctx, *args, op, axes, groups, transpose, root):
+def _lower_transposed(ctx, *args, op):
     """The transpose of an allreduce: the identity, or 1/N for a mean."""
-    del axes, groups, transpose, root
     n = layout.contributors(ctx)
     if op == "sum":
         return list(args)
@@ -196,42 +217,45 @@ def _lower_transposed(ctx, *args, op, axes, groups, transpose, root):
                           multiple_results=True)(ctx, *args)
 
 
-def _lowering(ctx, *args, platform, op, axes, groups, transpose, root):
+def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, tokens):
+    own_tokens, args = args[:tokens], args[tokens:]
+    avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
     if transpose:
-        return _lower_transposed(ctx, *args, op=op, axes=axes, groups=groups,
-                                 transpose=transpose, root=root)
-    # Zero-size operands need no reduction: the handler sees only the others.
-    nonempty = [i for i, a in enumerate(ctx.avals_in) if np.prod(a.shape) > 0]
-    outs = [None if i in nonempty else mlir.ir_constant(np.zeros(a.shape, a.dtype))
-            for i, a in enumerate(ctx.avals_out)]
-    if not nonempty:
+        return _lower_transposed(ctx.replace(avals_in=avals_in), *args, op=op)
+    kept = lowering.nonempty(avals_in)
+    outs = lowering.zeros_for_empty(avals_out, kept)
+    if not kept:
         return outs
-    state = runtime.state()
-    plan = layout.plan(ctx, axes, groups, root is not None, platform)
-    avals_in = [ctx.avals_in[i] for i in nonempty]
-    slot = _next_slot(ctx)
-    i64 = functools.partial(np.asarray, dtype=np.int64)
-    sub_ctx = ctx.replace(avals_in=avals_in, avals_out=[ctx.avals_out[i] for i in nonempty])
-    results = jax.ffi.ffi_lowering("herring_allreduce", has_side_effect=True)(
-        sub_ctx, *[args[i] for i in nonempty],
-        comm=np.int64(state.handle),
-        op=np.int64(OPS[op] if root is None else _OP_BROADCAST + root),
-        key=np.int64(_key(op, avals_in)),
-        slot=np.int64(slot),
-        device_procs=i64(plan.device_procs),
-        device_locals=i64(plan.device_locals),
-        device_groups=i64(plan.device_groups),
-        group_streams=i64(plan.group_streams),
-        group_ranks=i64(plan.group_ranks),
-        group_offsets=i64(plan.group_offsets))
-    for i, r in zip(nonempty, results):
+    operands = [args[i] for i in kept]
+    kept_in = [avals_in[i] for i in kept]
+    kept_out = [avals_out[i] for i in kept]
+    params = dict(op=op, axes=axes, groups=groups, root=root)
+    if platform == "cpu":
+        # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
+        results = lowering.reduce_cpu(ctx, operands, kept_in, kept_out, **params)
+    elif own_tokens:
+        results = lowering.done_cuda(ctx, own_tokens, kept_out, op=op)
+    else:
+        token = lowering.start_cuda(ctx, operands, kept_in, **params)
+        results = lowering.done_cuda(ctx, [token], kept_out, op=op)
+    for i, r in zip(kept, results):
         outs[i] = r
     return outs
 
 
+def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root):
+    del transpose
+    kept = lowering.nonempty(ctx.avals_in)
+    if platform == "cpu" or not kept:
+        return [lowering.token_constant()]
+    return [lowering.start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
+                                op=op, axes=axes, groups=groups, root=root)]
+
+
 # -- differentiation ---------------------------------------------------------
 # A sum (or mean) is linear: the JVP reduces the non-zero tangents with the
-# same parameters, in one call. Transposes:
+# same parameters, in one call (a reduction of its own: tokens order only the
+# primal one). Transposes:
 # - across processes (axes=None), mpi4jax's convention: the result is one
 #   replicated value, so the transpose is the identity (1/N for a mean), and
 #   the transpose of that is the allreduce again;
@@ -239,21 +263,30 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, root):
 #   result was invariant and the transpose only marks the cotangent varying
 #   again (pvary; preduced for an unreduced operand), with no communication;
 #   without those checks (check_vma=False, pmap) it is the same reduction.
+# A start's token has no tangent.
 
 def _jvp(primals, tangents, **params):
     outs = allreduce_p.bind(*primals, **params)
+    tangents = tangents[params["tokens"]:]
     nonzero = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
     tangents_out = [jax_compat.zero_tangent(o) for o in outs]
     if nonzero:
-        reduced = allreduce_p.bind(*[tangents[i] for i in nonzero], **params)
+        reduced = allreduce_p.bind(*[tangents[i] for i in nonzero], **{**params, "tokens": 0})
         for i, t in zip(nonzero, reduced):
             tangents_out[i] = t
     return outs, tangents_out
 
 
-def _transpose(cts, *args, op, axes, groups, transpose, root):
+def _start_jvp(primals, tangents, **params):
+    del tangents
+    token = allreduce_start_p.bind(*primals, **params)
+    return token, jax_compat.zero_tangent(token)
+
+
+def _transpose(cts, *args, op, axes, groups, transpose, root, tokens):
     params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root)
+                  root=root, tokens=0)
+    args = args[tokens:]
     outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
     if axes is None:
         todo = [i for i, o in enumerate(outs) if o is None]
@@ -273,20 +306,19 @@ def _transpose(cts, *args, op, axes, groups, transpose, root):
     if todo:
         for i, r in zip(todo, allreduce_p.bind(*[cts[i] for i in todo], **params)):
             outs[i] = r
-    return outs
+    return [None] * tokens + outs
 
 
 # -- batching ----------------------------------------------------------------
 # vmap over an axis the reduction does not name: the batch is just more
 # elements. vmap(..., axis_name=n) with n among the reduced axes: as lax, the
 # batch is reduced in place (an unbatched operand counts axis_size times) and
-# the rest of the axes go to the engine; the result is no longer batched.
+# the rest of the axes go to the engine; the result is no longer batched. A
+# start does the same in-place step, so that it begins the very reduction its
+# finishing call binds (XLA merges the two identical local sums).
 
-def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root):
-    params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root)
-    if axes is None or axis_data.name not in axes:
-        return allreduce_p.bind(*args, **params), list(dims)
+def _reduce_batch_in_place(axis_data, args, dims, op, axes, groups):
+    """The in-place step: the local results and the axes left to reduce."""
     if groups is not None:
         raise NotImplementedError(
             "axis_index_groups is not supported for an axis bound by jax.vmap (nor by lax)")
@@ -298,9 +330,28 @@ def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root):
         else:
             s = jax.lax.reduce_sum(x, (d,))
             local.append(s / np.asarray(size, x.dtype) if op == "mean" else s)
-    rest = tuple(a for a in axes if a != axis_data.name)
-    outs = allreduce_p.bind(*local, **{**params, "axes": rest}) if rest else local
+    return local, tuple(a for a in axes if a != axis_data.name)
+
+
+def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root, tokens):
+    params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
+                  root=root, tokens=tokens)
+    if axes is None or axis_data.name not in axes:
+        return allreduce_p.bind(*args, **params), list(dims[tokens:])
+    own_tokens, args, dims = args[:tokens], args[tokens:], dims[tokens:]
+    local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
+    outs = allreduce_p.bind(*own_tokens, *local, **{**params, "axes": rest}) if rest else local
     return outs, [jax_compat.not_mapped] * len(outs)
+
+
+def _start_batch(axis_data, args, dims, *, op, axes, groups, transpose, root):
+    params = dict(op=op, axes=axes, groups=groups, transpose=transpose, root=root)
+    if axes is None or axis_data.name not in axes:
+        return allreduce_start_p.bind(*args, **params), jax_compat.not_mapped
+    local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
+    if not rest:
+        return jax.numpy.zeros(lowering.TOKEN.shape, lowering.TOKEN.dtype), jax_compat.not_mapped
+    return allreduce_start_p.bind(*local, **{**params, "axes": rest}), jax_compat.not_mapped
 
 
 # -- registration ------------------------------------------------------------
@@ -309,9 +360,17 @@ allreduce_p = jex_core.Primitive("herring_allreduce")
 allreduce_p.multiple_results = True
 allreduce_p.def_abstract_eval(_abstract_eval)
 allreduce_p.def_impl(_impl)
+allreduce_start_p = jex_core.Primitive("herring_allreduce_start")
+allreduce_start_p.def_abstract_eval(_start_abstract_eval)
+allreduce_start_p.def_impl(_start_impl)
 for _platform in ("cpu", "cuda"):
     mlir.register_lowering(allreduce_p, functools.partial(_lowering, platform=_platform),
                            platform=_platform, cacheable=False)
+    mlir.register_lowering(allreduce_start_p,
+                           functools.partial(_start_lowering, platform=_platform),
+                           platform=_platform, cacheable=False)
 ad.primitive_jvps[allreduce_p] = _jvp
+ad.primitive_jvps[allreduce_start_p] = _start_jvp
 ad.primitive_transposes[allreduce_p] = _transpose
 jax_compat.register_named_batcher(allreduce_p, _batch)
+jax_compat.register_named_batcher(allreduce_start_p, _start_batch)

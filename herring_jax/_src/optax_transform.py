@@ -12,6 +12,7 @@ import optax
 from herring_jax._src import fusion
 from herring_jax._src import jax_compat
 from herring_jax._src.allreduce import allreduce
+from herring_jax._src.split import split_reductions
 from herring_jax._src.psum import pmean, psum
 
 DEFAULT_FIRST_BUCKET_BYTES = 2**20
@@ -48,11 +49,12 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
 
     Put it first in an ``optax.chain``. Gradients are packed into fusion
     buffers per dtype in the order the backward pass produces them (read from
-    the traced program inside jit), one reduction (one asynchronous custom
-    call) per buffer, then unpacked. Inside the jitted training step each
-    buffer's reduction starts as soon as its gradients exist and runs while
-    the rest of the backward pass is computed; the optimizer waits only where
-    it reads the result.
+    the traced program inside jit), one reduction per buffer, then unpacked.
+    Inside the jitted training step each buffer's reduction starts as soon as
+    its gradients exist and runs while the rest of the backward pass is
+    computed; the optimizer waits only where it reads the result (XLA:CPU: one
+    asynchronous custom call per buffer; XLA:CUDA: a start per buffer, and
+    every buffer's done after the last start).
 
     Args:
       axis_name: None reduces process-local gradients across processes (one
@@ -97,7 +99,10 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
         buckets = fusion.plan(leaves, size, first_bucket_bytes,
                               ready=jax_compat.production_order(leaves))
-        reduced = [reduce(b) for b in fusion.pack(leaves, buckets)]
+        # On XLA:CUDA every bucket's start comes before any bucket's done (the
+        # host wait), so the whole backward pass is enqueued first; on XLA:CPU
+        # this is one asynchronous call per bucket, as without the split.
+        reduced = split_reductions(reduce, fusion.pack(leaves, buckets))
         return jax.tree_util.tree_unflatten(treedef, fusion.unpack(reduced, buckets, leaves)), state
 
     return optax.GradientTransformation(init_fn, update_fn)

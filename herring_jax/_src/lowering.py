@@ -1,0 +1,125 @@
+"""How a reduction becomes custom calls: the lowering of allreduce.py's
+primitives on each platform.
+
+XLA:CPU: one asynchronous call per reduction, ``herring_allreduce``; its
+handler returns a future at once and herring's threads reduce.
+
+XLA:CUDA: a start and a done (xla_ffi/cuda_handlers.cc says why, and which of
+XLA's rules they rely on). ``herring_allreduce_start`` takes the operands,
+enqueues their copies to the host and returns a small token buffer;
+``herring_allreduce_done`` takes that token first (the handler pairs the two
+by the token's device address, so XLA must pass the very buffer: the done
+reads it straight from the start, never through a copy), then any other
+tokens it must wait for, and returns the reduced buffers. A reduction lowered
+on its own emits its start and, right after it, its done; allreduce_gradients
+emits every bucket's start first and makes every done take every start's
+token (see allreduce.split_reductions), so that no done can be scheduled
+before the last bucket's start.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import struct
+
+import jax
+import numpy as np
+from jax.interpreters import mlir
+
+from herring_jax._src import jax_compat
+from herring_jax._src import layout
+from herring_jax._src import runtime
+
+OPS = {"sum": 0, "mean": 1}
+_OP_BROADCAST = 2  # the op attribute of a broadcast from rank r is 2 + r (handler_common.h)
+
+# What a start returns for its done. Its bytes are never read (XLA:CUDA: the
+# done uses only its address; XLA:CPU: it is a constant nobody uses); it is
+# not empty, so that XLA gives every token its own address.
+TOKEN = jax.core.ShapedArray((8,), np.uint8)
+
+
+def key(op: str, avals) -> int:
+    """A stable 63-bit description of the call, compared across processes."""
+    text = op + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+    return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
+
+
+def next_slot(ctx) -> int:
+    """Numbers the call sites of one lowered module: 0, 1, 2, ...
+
+    XLA runs independent custom calls concurrently, in a different order on
+    every process, so the engine matches reductions by what they are: XLA's run
+    id (the executable and its launch), the call site (slot), the inlined copy
+    of it (instance, numbered by the handler's instantiate stage: jax lowers a
+    nested jitted function once per module and calls it from each of its call
+    sites, so its copies share the slot), how often that ran before in the run
+    (occurrence: loops) and the buffer. Lowering visits the call sites in
+    program order, which is the same on every process. The primitives are
+    registered uncacheable so that every call site gets here. Every attribute
+    must be the same on every process (no process-local counter): the run id
+    derives from the executable's fingerprint (see layout.py).
+    """
+    return jax_compat.take_module_counter(ctx, "herring_jax.slot", 1)
+
+
+def nonempty(avals) -> list[int]:
+    """Operands the handlers see: zero-size ones need no reduction."""
+    return [i for i, a in enumerate(avals) if np.prod(a.shape) > 0]
+
+
+def zeros_for_empty(avals_out, kept) -> list:
+    """The results of the operands left out: zero constants (None for the kept)."""
+    return [None if i in kept else mlir.ir_constant(np.zeros(a.shape, a.dtype))
+            for i, a in enumerate(avals_out)]
+
+
+def _attributes(ctx, avals_in, *, platform, op, axes, groups, root) -> dict:
+    """The attributes every reducing call takes (handler_common.h's CallAttrs)."""
+    state = runtime.state()
+    plan = layout.plan(ctx, axes, groups, root is not None, platform)
+    i64 = functools.partial(np.asarray, dtype=np.int64)
+    return dict(
+        comm=np.int64(state.handle),
+        op=np.int64(OPS[op] if root is None else _OP_BROADCAST + root),
+        key=np.int64(key(op, avals_in)),
+        slot=np.int64(next_slot(ctx)),
+        device_procs=i64(plan.device_procs),
+        device_locals=i64(plan.device_locals),
+        device_groups=i64(plan.device_groups),
+        group_streams=i64(plan.group_streams),
+        group_ranks=i64(plan.group_ranks),
+        group_offsets=i64(plan.group_offsets))
+
+
+def _call(name, ctx, operands, avals_in, avals_out, attrs):
+    sub_ctx = ctx.replace(avals_in=list(avals_in), avals_out=list(avals_out))
+    return jax.ffi.ffi_lowering(name, has_side_effect=True)(sub_ctx, *operands, **attrs)
+
+
+def reduce_cpu(ctx, operands, avals_in, avals_out, **params):
+    """XLA:CPU: the one asynchronous call (operands all non-empty)."""
+    attrs = _attributes(ctx, avals_in, platform="cpu", **params)
+    return _call("herring_allreduce", ctx, operands, avals_in, avals_out, attrs)
+
+
+def start_cuda(ctx, operands, avals_in, **params):
+    """XLA:CUDA: the start of a reduction (operands all non-empty); its token."""
+    attrs = _attributes(ctx, avals_in, platform="cuda", **params)
+    [token] = _call("herring_allreduce_start", ctx, operands, avals_in, [TOKEN], attrs)
+    return token
+
+
+def done_cuda(ctx, tokens, avals_out, *, op):
+    """XLA:CUDA: the done of the reduction whose start returned tokens[0], after
+    every start that returned the other tokens."""
+    attrs = dict(comm=np.int64(runtime.state().handle), key=np.int64(key(op, avals_out)))
+    return _call("herring_allreduce_done", ctx, tokens, [TOKEN] * len(tokens), avals_out,
+                 attrs)
+
+
+def token_constant():
+    """A start that emitted nothing (XLA:CPU, or nothing to reduce)."""
+    return mlir.ir_constant(np.zeros(TOKEN.shape, TOKEN.dtype))
