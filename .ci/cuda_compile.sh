@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Compiles herring_jax's XLA:CUDA handlers (xla_ffi/cuda_handlers.cc and
-# cuda_pending.cc) against the CUDA runtime headers, with every warning an
-# error, on a machine without a GPU or a CUDA toolkit. The headers come from
+# cuda_pending.cc) against CUDA 12's runtime headers, with every warning an
+# error, without a GPU or a CUDA toolkit. (The package build compiles them
+# against the machine's toolkit when it has one, CUDA 13 on this project's CI
+# machine; jax's cuda12 plugin users build against CUDA 12.) The headers come from
 # NVIDIA's pip wheels (nvidia-cuda-runtime-cu12 for cuda_runtime_api.h,
 # nvidia-cuda-nvcc-cu12 for the crt/ headers it includes), downloaded once into
 # build/cuda_headers/ and unpacked there; nothing is installed.

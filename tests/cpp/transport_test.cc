@@ -77,13 +77,15 @@ void CancelRacesArrivals(Transport* rx, Transport* tx) {
       });
       Check(s.ok(), "recv: " + s.message());
     }
-    std::atomic<int> sends_done{0};
+    // A send may complete after its round (its receive was cancelled and the
+    // provider finishes it later): its counter is shared, not on this stack.
+    auto sends_done = std::make_shared<std::atomic<int>>(0);
     std::thread sender([&] {
       for (int i = 0; i < kPerRound; ++i) {
         const uint64_t tag = (static_cast<uint64_t>(round + 1) << 20) | i;
         IoVec iov{out[i].data(), size};
-        Status s = tx->Send(0, tag, &iov, 1, [&](const Completion&) { sends_done++; });
-        if (!s.ok()) sends_done++;
+        Status s = tx->Send(0, tag, &iov, 1, [sends_done](const Completion&) { ++*sends_done; });
+        if (!s.ok()) ++*sends_done;
       }
     });
     std::this_thread::sleep_for(std::chrono::microseconds(std::rand() % 3000));

@@ -409,8 +409,8 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     });
     ok = !timed_out && !batch->failed;
   }
-  w.waiting = -1;
   if (ok) {
+    w.waiting = -1;
     Deactivate(batch.get());
     return Status::Ok();
   }
@@ -418,6 +418,8 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     std::lock_guard<std::mutex> lock(kept_mu_);
     for (PooledBuffer& b : w.staging) kept_staging_.push_back(std::move(b));
   }
+  // `w.waiting` still names the step that was due: the error text reports who
+  // had not sent it.
   return EndFailed(std::move(batch), timed_out);
 }
 
