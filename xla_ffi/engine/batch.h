@@ -141,6 +141,9 @@ struct HostWait {
   std::unique_ptr<std::atomic<uint8_t>[]> got;
   // The step the caller waits for now (-1: none), for the peer watch.
   std::atomic<int> waiting{-1};
+  // The call returned with success and the batch waits only for kHostDone
+  // (Communicator::Linger): a failed receive then no longer fails anything.
+  std::atomic<bool> lingering{false};
   std::vector<WireHeader> in_headers;               // [step * P + q]
   std::vector<std::vector<HostEntry>> in_entries;   // [step * P + q]
   WireHeader out_headers[kSteps];                   // sent to every peer

@@ -143,6 +143,11 @@ class Communicator {
   // Reads peer `q`'s slices of the result (its kHostReady entries) into the
   // outputs, then tells it.
   Status GatherFrom(Batch* batch, int q, const std::vector<ReduceRequest>& requests);
+  // A successful host-stage call returns before the other processes have
+  // said that they read its slice: its batch (staging buffers, posted
+  // receives of kHostDone) lingers until then. Linger frees the lingering
+  // batches that have finished and adds `batch`.
+  void Linger(std::unique_ptr<Batch> batch);
   std::chrono::steady_clock::time_point Deadline() const;  // now + timeout_s
   // Batches in flight are visible to aborts, the peer watch and heartbeats.
   void Activate(Batch* batch);
@@ -217,6 +222,10 @@ class Communicator {
   // this communicator lives. After pool_: destroyed before it.
   std::mutex kept_mu_;
   std::vector<PooledBuffer> kept_staging_;
+  // Host-stage batches that returned and wait for kHostDone (Linger). After
+  // pool_ and transport_: destroyed once Shutdown has run their callbacks.
+  std::mutex lingering_mu_;
+  std::vector<std::unique_ptr<Batch>> lingering_;
 
   // Occurrences: how often each (run, stream, group, slot, instance) was
   // reduced before. Not keyed by the request's key, which stays a checked

@@ -17,8 +17,9 @@
 //      staging address) and copies the slice into its own output (with one
 //      host, step 2 already wrote it there);
 //   5. all-gather: every process reads the others' slices into its output and
-//      tells each owner when it is done (kHostDone). A call returns once every
-//      other process has read its slice.
+//      tells each owner when it is done (kHostDone). A call returns once it
+//      has gathered; its staging buffers stay with its batch, which lingers
+//      until every other process has said it read them (Linger).
 // Only the small messages go through the transport (they also carry the
 // checks, liveness and abort of the flat path); the bytes go through memory.
 //
@@ -33,11 +34,15 @@
 //   succeeds: reader r reads q's input in r's step 2, and r succeeds only after
 //   q's kHostDone, which q sends from inside its call after reading r's slice,
 //   i.e. after r's kHostReady, i.e. after r's step 2.
+// - Inputs are no longer read once their owner returns: it returns after
+//   gathering every peer's slice, i.e. after every peer's kHostReady, which a
+//   peer sends after its step 2, its last read of inputs.
 // - Result slices are read from the owner's staging buffer, never from XLA's
-//   output: a successful owner waits for every reader's kHostDone before the
-//   buffer goes back to the pool, and a failed call keeps its staging buffers
-//   as long as the communicator lives (a reader may still be at it). So a
-//   process whose peer failed can read stale bytes only in a call that fails.
+//   output: the buffer goes back to the pool only after every reader's
+//   kHostDone (the batch lingers after a successful call until then), and a
+//   failed call keeps its staging buffers as long as the communicator lives
+//   (a reader may still be at it). So a process whose peer failed can read
+//   stale bytes only in a call that fails.
 // - A dead process is named: its memory can no longer be read (ESRCH), and the
 //   peer watch sees its heartbeats stop.
 #include <algorithm>
@@ -111,7 +116,14 @@ void Communicator::OnHostMessage(Batch* batch, int step, int q,
   const WireHeader& h = w.in_headers[step * w.size() + q];
   std::string why;
   if (ReceiveFailed(done, job, from, config_.rank, h, config_.token, &why)) {
-    if (!batch->Failed()) Fail(batch, why);
+    if (w.lingering.load()) {
+      // The call succeeded; this is a kHostDone receive cancelled by a later
+      // failure or by shutdown. Its staging is kept (Linger), nobody is told.
+      std::lock_guard<std::mutex> lock(batch->mu);
+      batch->failed = true;
+    } else if (!batch->Failed()) {
+      Fail(batch, why);
+    }
     batch->Complete(1, 1);
     return;
   }
@@ -400,18 +412,12 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     fail(GatherFrom(batch.get(), next, requests), true);
   }
 
-  // Every other process has read this one's slice; every send has finished.
-  wait(2);
   if (ok) {
-    std::unique_lock<std::mutex> lock(batch->mu);
-    timed_out = !batch->cv.wait_until(lock, Deadline(), [&] {
-      return (batch->remaining == 0 && batch->inflight == 0) || batch->failed;
-    });
-    ok = !timed_out && !batch->failed;
-  }
-  if (ok) {
+    // Done here; the other processes may still be reading this one's slice.
     w.waiting = -1;
+    w.lingering = true;
     Deactivate(batch.get());
+    Linger(std::move(batch));
     return Status::Ok();
   }
   {
@@ -421,6 +427,24 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   // `w.waiting` still names the step that was due: the error text reports who
   // had not sent it.
   return EndFailed(std::move(batch), timed_out);
+}
+
+void Communicator::Linger(std::unique_ptr<Batch> batch) {
+  std::lock_guard<std::mutex> lock(lingering_mu_);
+  auto finished = [this](const std::unique_ptr<Batch>& b) {
+    std::lock_guard<std::mutex> batch_lock(b->mu);
+    if (b->inflight != 0) return false;  // callbacks may still run
+    if (b->remaining != 0 || b->failed) {
+      // A kHostDone never came (a reader failed, or the receive was
+      // cancelled): the reader may still know the address.
+      std::lock_guard<std::mutex> kept_lock(kept_mu_);
+      for (PooledBuffer& s : b->host->staging) kept_staging_.push_back(std::move(s));
+    }
+    return true;
+  };
+  lingering_.erase(std::remove_if(lingering_.begin(), lingering_.end(), finished),
+                   lingering_.end());
+  lingering_.push_back(std::move(batch));
 }
 
 }  // namespace herring::engine
