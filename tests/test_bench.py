@@ -31,6 +31,12 @@ def test_bench_smoke(tmp_path):
     assert data["link_gbps"] is None and data["memory_gbps"] > 0, data
     assert data["bound_s"]["4.0"] == pytest.approx(2 * 4 * 2**20 / (data["memory_gbps"] * 1e9))
     assert "herring at 4 MiB: " in proc.stdout and "of the bound" in proc.stdout, proc.stdout
+    # One host of 2 processes: the host stage's control messages (arrive,
+    # ready, done: 3 per reduction), no data, cross the transport.
+    [herring4] = [r for r in data["results"] if r["peer"] == "herring" and r["mib"] == 4.0]
+    assert 3 <= herring4["messages_per_run"] < 10, herring4
+    assert herring4["bytes_sent_per_run"] < 4096, herring4
+    assert len(data["max_rss_mib_by_rank"]) == 2 and min(data["max_rss_mib_by_rank"]) > 50
 
 
 def test_missing_peer_is_reported_not_dropped(tmp_path, monkeypatch):
@@ -114,4 +120,9 @@ def test_bench_netns_smoke(tmp_path):
     assert all(r["correct"] for r in data["results"])
     assert "domain eth0" in data["transport"]
     assert "2 processes on it, host stage through memory" in data["transport"]
+    # Across the 2 hosts each process sends, of its 2 MiB slice, the half the
+    # other host serves and the sum of the half it serves: 2 MiB, not 4 (a
+    # process per host would send 4).
+    [herring4] = [r for r in data["results"] if r["peer"] == "herring" and r["mib"] == 4.0]
+    assert 2 * 2**20 <= herring4["bytes_sent_per_run"] < 2.1 * 2**20, herring4
     assert not netns.leftovers()

@@ -203,6 +203,8 @@ NB_MODULE(_herring_ffi, m) {
     d["posts_queued"] = s.transport.posts_queued;
     d["duplicate_completions"] = s.transport.duplicate_completions;
     d["queue_errors"] = s.transport.queue_errors;
+    d["messages_sent"] = s.transport.sends;
+    d["bytes_sent"] = s.transport.send_bytes;
     return d;
   });
 

@@ -275,6 +275,7 @@ class FabricTransport final : public Transport {
               Callback done) override {
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
       return Status::Error("send to unknown rank " + std::to_string(peer));
+    CountSend(iov, iov_count);
     return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
                 /*background=*/false, peer, /*may_queue=*/true);
   }
@@ -283,6 +284,7 @@ class FabricTransport final : public Transport {
                  Callback done) override {
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
       return Status::Error("send to unknown rank " + std::to_string(peer));
+    CountSend(iov, iov_count);
     return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
                 /*background=*/false, peer, /*may_queue=*/false);
   }
@@ -364,7 +366,8 @@ class FabricTransport final : public Transport {
   size_t Outstanding() const override { return outstanding_.load(); }
 
   TransportStats Stats() const override {
-    return TransportStats{posts_queued_.load(), duplicates_.load(), queue_errors_.load()};
+    return TransportStats{posts_queued_.load(), duplicates_.load(), queue_errors_.load(),
+                          sends_.load(), send_bytes_.load()};
   }
 
  private:
@@ -736,6 +739,15 @@ class FabricTransport final : public Transport {
   std::atomic<bool> stop_waiting_{false};
   std::atomic<size_t> outstanding_{0};
   std::atomic<uint64_t> posts_queued_{0};
+  std::atomic<uint64_t> sends_{0};
+  std::atomic<uint64_t> send_bytes_{0};
+
+  void CountSend(const IoVec* iov, size_t iov_count) {
+    size_t bytes = 0;
+    for (size_t i = 0; i < iov_count; ++i) bytes += iov[i].len;
+    sends_.fetch_add(1, std::memory_order_relaxed);
+    send_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  }
   std::atomic<uint64_t> duplicates_{0};
   std::atomic<uint64_t> queue_errors_{0};
   std::thread progress_;

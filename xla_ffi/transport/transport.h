@@ -74,6 +74,8 @@ struct TransportStats {
   uint64_t posts_queued = 0;           // posts that waited in the transport's queue
   uint64_t duplicate_completions = 0;  // second completions of one operation, ignored
   uint64_t queue_errors = 0;           // completion-queue errors without an operation
+  uint64_t sends = 0;                  // messages handed to Send/TrySend (data and control)
+  uint64_t send_bytes = 0;             // their bytes, headers included
 };
 
 class Transport {

@@ -21,6 +21,10 @@ LINK_FORMULA = "bound = 2(h-1)/h * bytes / link"
 MEMORY_FORMULA = "bound = n * bytes / memory (the rate all cores copy at together)"
 
 
+# The last record of each rank: its process's figures, not a peer's timings.
+PROCESS_RECORD = "_process"
+
+
 def summarize(names, sizes, per_rank) -> list[dict]:
     """One JSON result per (size, peer) from every rank's records."""
     results = []
@@ -41,6 +45,9 @@ def summarize(names, sizes, per_rank) -> list[dict]:
             "correct": all(r["correct"] for r in ranks),
             "wrong_ranks": [k for k, r in enumerate(ranks) if not r["correct"]],
         })
+        if all("messages_per_run" in r for r in ranks):  # herring: its transport's counters
+            results[-1]["messages_per_run"] = max(r["messages_per_run"] for r in ranks)
+            results[-1]["bytes_sent_per_run"] = max(r["bytes_sent_per_run"] for r in ranks)
     return results
 
 
@@ -103,6 +110,9 @@ def table(results, n, bound) -> str:
 
 def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     """Prints the table and every wrong run, writes --json; returns the report."""
+    rss = [r["max_rss_mib"] for records in per_rank for r in records
+           if r.get("peer") == PROCESS_RECORD]
+    per_rank = [[r for r in records if r.get("peer") != PROCESS_RECORD] for records in per_rank]
     results = summarize(names, sizes, per_rank)
     bound = _bound(args, n)
     memory = getattr(args, "bound_kind", "link") == "memory"
@@ -121,6 +131,13 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
         if limit and r["peer"] == "herring":
             print(f"herring at {r['mib']:g} MiB: {limit / r['median_s']:.0%} of the bound "
                   f"({limit / r['min_s']:.0%} at its minimum)")
+        if "messages_per_run" in r:
+            print(f"herring at {r['mib']:g} MiB, per reduction, the busiest rank's transport: "
+                  f"{r['messages_per_run']:.0f} messages, "
+                  f"{r['bytes_sent_per_run'] / 2**20:.2f} MiB sent")
+    if rss:
+        print(f"peak memory per process (every peer's buffers, jax and the libraries): "
+              f"{min(rss):.0f} to {max(rss):.0f} MiB")
     if any(r["median_s"] < (bound(r["mib"] * 2**20) or 0) for r in results):
         print("!: faster than the bound: the rate given is below what the transport (or "
               "memory) carries, so this bound is no bound")
@@ -142,7 +159,7 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
         "processes_per_host": getattr(args, "processes_per_host", 1),
         "bound_formula": formula,
         "bound_s": {str(mib): bound(mib * 2**20) for mib in sizes},
-        "results": results, "missing": missing,
+        "results": results, "missing": missing, "max_rss_mib_by_rank": rss,
         "network": os.environ.get("HERRING_BENCH_NETWORK", "loopback"),
         "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": platform.python_version(),
         "host": platform.node(), "cpus": os.cpu_count(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import os
 import sys
 import time
@@ -14,6 +15,7 @@ import numpy as np
 
 from herring_jax._src.bench.peers import PEERS
 from herring_jax._src.bench.peers.base import KV_PREFIX, KV_TIMEOUT_MS
+from herring_jax._src.bench.report import PROCESS_RECORD
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -133,16 +135,30 @@ def run_worker(args: argparse.Namespace) -> int:
         local = pattern(count, rank)
         expected = pattern(count, 0) * np.float32(n * (n + 1) // 2)
         for name, peer in peers.items():
+            before = herring_jax.stats()
             times, wrong = measure(peer, local, expected, args.iters, args.warmup)
+            after = herring_jax.stats()
             for w in wrong:  # at once too, in case the job never gets to its report
                 print(f"rank {rank}: {report.wrong_line(name, mib, rank, w)}", file=sys.stderr,
                       flush=True)
-            records.append({"mib": mib, "peer": name, "times": times, "correct": not wrong,
-                            "wrong_runs": wrong})
+            record = {"mib": mib, "peer": name, "times": times, "correct": not wrong,
+                      "wrong_runs": wrong}
+            if name == "herring":
+                # What this rank's transport sent per reduction (heartbeats
+                # included; the host stage's memory reads are not messages).
+                runs = args.iters + args.warmup
+                record["messages_per_run"] = (after["messages_sent"]
+                                              - before["messages_sent"]) / runs
+                record["bytes_sent_per_run"] = (after["bytes_sent"] - before["bytes_sent"]) / runs
+            records.append(record)
         del local, expected
     # Gathered through jax.distributed's key-value store rather than an
     # all-reduce, so the figures do not depend on the code under test.
     client = jax_compat.distributed_client()
+    # The last entry: this process's peak memory (every peer's buffers and
+    # libraries, not herring's alone).
+    records.append({"peer": PROCESS_RECORD,
+                    "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     client.key_value_set(f"{KV_PREFIX}/{rank}", json.dumps(records))
     code = 0
     if rank == 0:
