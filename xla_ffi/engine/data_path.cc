@@ -199,6 +199,15 @@ bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_r
            mine + "; every process must run the same reductions (shapes, dtypes, ops) in "
            "the same executables";
   }
+  if (readable) {
+    // Which message it was, and what the provider said: a truncation of a
+    // message of the very reduction this receive waits for is no mismatch of
+    // programs but of messages (or of the provider's accounting).
+    *why += " [the message: kind " + std::to_string(header.kind) + ", part " +
+            std::to_string(header.part) + ", chunk " + std::to_string(header.chunk) + ", " +
+            std::to_string(header.payload_bytes) + " payload bytes; provider: " + done.error +
+            "]";
+  }
   return true;
 }
 

@@ -655,6 +655,12 @@ class FabricTransport final : public Transport {
     c.tag = err.tag;
     c.truncated = err.err == FI_ETRUNC;
     c.error = error;
+    if (c.truncated) {
+      char tag[32];
+      std::snprintf(tag, sizeof(tag), "0x%016llx", static_cast<unsigned long long>(err.tag));
+      c.error += " (" + std::to_string(err.len) + " bytes received, " +
+                 std::to_string(err.olen) + " more cut off, tag " + tag + ")";
+    }
     Finish(static_cast<Op*>(err.op_context), c);
     return 1;
   }
