@@ -143,6 +143,12 @@ class Communicator {
   // Reads peer `q`'s slices of the result (its kHostReady entries) into the
   // outputs, then tells it.
   Status GatherFrom(Batch* batch, int q, const std::vector<ReduceRequest>& requests);
+  // The error of a failed read of local peer `q`'s memory (`what`: whose
+  // buffer, `s`: the read's error). When q has exited, another process of
+  // the host usually caused it and q's abort, naming the cause, may be on its
+  // way: waits up to a second for the batch to fail by it (the first error
+  // stays), and names every process of the host that has exited.
+  Status HostReadFailed(Batch* batch, int q, const std::string& what, const Status& s);
   // A successful host-stage call returns before the other processes have
   // said that they read its slice: its batch (staging buffers, posted
   // receives of kHostDone) lingers until then. Linger frees the lingering

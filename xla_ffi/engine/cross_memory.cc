@@ -9,6 +9,18 @@
 
 namespace herring::engine {
 
+bool ProcessExited(int64_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;
+  // "pid (comm) state ...": comm may hold spaces and parentheses, the state
+  // follows the last ')'.
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  const char state = line[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
 Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len) {
   size_t done = 0;
   while (done < len) {

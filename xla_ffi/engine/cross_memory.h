@@ -20,6 +20,10 @@ using transport::Status;
 // permitted: EPERM, see AllowPeersToRead).
 Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len);
 
+// Whether process `pid` has exited: it is gone, or a zombie (an exited child
+// its parent has not reaped yet, whose memory can no longer be read).
+bool ProcessExited(int64_t pid);
+
 // Where Yama restricts ptrace to descendants (kernel.yama.ptrace_scope = 1,
 // Ubuntu's default), lets any process of this user read this one's memory,
 // as Open MPI's shared-memory transport does; elsewhere does nothing. Returns

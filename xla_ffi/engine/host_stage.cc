@@ -211,14 +211,33 @@ Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceReq
                                  static_cast<char*>(r.out) + SliceBegin(r, w.size(), q) * elem,
                                  len);
     if (!s.ok()) {
-      return Status::Error("rank " + std::to_string(config_.rank) + " cannot read rank " +
-                           std::to_string(w.local[q]) + "'s slice of " +
-                           batch->jobs[k]->Describe() + ": " + s.message());
+      return HostReadFailed(batch, q, "slice of " + batch->jobs[k]->Describe(), s);
     }
     host_bytes_read_ += len;
   }
   SendHost(batch, 2, q);
   return Status::Ok();
+}
+
+Status Communicator::HostReadFailed(Batch* batch, int q, const std::string& what,
+                                   const Status& s) {
+  const HostWait& w = *batch->host;
+  std::string text = "rank " + std::to_string(config_.rank) + " cannot read rank " +
+                     std::to_string(w.local[q]) + "'s " + what + ": " + s.message();
+  if (!ProcessExited(w.pids[q])) return Status::Error(text);
+  {
+    std::unique_lock<std::mutex> lock(batch->mu);
+    batch->cv.wait_until(lock, std::min(Deadline(), std::chrono::steady_clock::now() +
+                                                        std::chrono::seconds(1)),
+                         [&] { return batch->failed; });
+  }
+  std::string exited;
+  for (int i = 0; i < w.size(); ++i) {
+    if (i != w.me && ProcessExited(w.pids[i])) {
+      exited += (exited.empty() ? "" : ", ") + std::string("rank ") + std::to_string(w.local[i]);
+    }
+  }
+  return Status::Error(text + "; processes of this host that have exited: " + exited);
 }
 
 Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
@@ -334,9 +353,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
           char* into = pieces.data() + (slot++) * kPieceBytes;
           Status s = ReadProcessMemory(w.pids[q], from, into, n * elem);
           if (!s.ok()) {
-            fail(Status::Error("rank " + std::to_string(config_.rank) + " cannot read rank " +
-                               std::to_string(w.local[q]) + "'s input of " +
-                               batch->jobs[k]->Describe() + ": " + s.message()),
+            fail(HostReadFailed(batch.get(), q, "input of " + batch->jobs[k]->Describe(), s),
                  true);
             break;
           }
