@@ -50,3 +50,11 @@ def test_transport(sanitizer):
     # while their messages arrive; queued posts complete in order.
     _build_and_run("transport_test", sanitizer, "TRANSPORT_OK",
                    extra_sources=["transport/fabric.cc"], libs=["-lfabric"])
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_codecs_and_truncation_words(sanitizer):
+    # Each codec's round trip and bounds; a truncated receive named for what
+    # it is (the provider's loss, a mismatch, a tag collision).
+    _build_and_run("codec_wire_test", sanitizer, "CODEC_WIRE_OK",
+                   extra_sources=["engine/codec.cc", "engine/wire.cc"])

@@ -20,6 +20,18 @@ def test_mismatched_shapes_fail_every_rank_within_the_timeout():
         assert "float32[1000]" in first["message"] and "float32[1024]" in first["message"]
 
 
+def test_mismatched_codecs_fail_every_rank_naming_the_codec():
+    run = launch("failure_worker.py", ["codec-mismatch"], nproc=2,
+                 env={"HERRING_TIMEOUT_S": "5"})
+    assert_all_ok(run, expected_cases=2)
+    for rank, results in run.results.items():
+        first = results[0]
+        assert first["seconds"] < 30, first
+        # Each rank's own reduction and, from its heartbeats, the peer's.
+        assert "float32[1000] sum over bf16" in first["message"], first
+        assert "float32[1000] sum (key" in first["message"], first
+
+
 def test_different_order_fails_every_rank_naming_both_reductions():
     run = launch("failure_worker.py", ["order"], nproc=2, env={"HERRING_TIMEOUT_S": "5"})
     assert_all_ok(run, expected_cases=1)

@@ -170,6 +170,12 @@ ffi::Error NoThrow(const char* what, Body&& body) {
 constexpr int64_t kOpSum = 0;
 constexpr int64_t kOpMean = 1;
 constexpr int64_t kOpBroadcast = 2;
+// Bits 24..31 of the op attribute carry the wire codec of a sum or mean
+// (engine/codec.h; 0: none), so that it is part of the attributes every
+// process compiles alike; bits 0..23 are the operation above.
+constexpr int kOpCodecShift = 24;
+inline int64_t OpKind(int64_t op) { return op & ((int64_t{1} << kOpCodecShift) - 1); }
+inline int64_t OpCodec(int64_t op) { return op >> kOpCodecShift; }
 
 // For a broadcast (op >= kOpBroadcast): off the root, points `call`'s inputs
 // at zeroed buffers kept in `zeros`; returns the engine's op (a sum) in *op.

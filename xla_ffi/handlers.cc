@@ -68,7 +68,8 @@ std::string GroupKey(int64_t stream, const std::vector<int>& group) {
 // Reduces the buffers of all local participants: first across the local
 // devices (in position order), then across processes, then copies the result
 // to every local device's output.
-engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
+engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, engine::Codec codec,
+                         uint64_t key,
                          int64_t run_id, uint32_t slot, uint32_t instance, uint32_t stream,
                          const std::vector<int>& group,
                          const std::vector<DType>& dtypes, const std::vector<size_t>& counts,
@@ -87,6 +88,7 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, uint64_t key,
     engine::ReduceRequest& r = requests[k];
     r.dtype = dtypes[k];
     r.op = op;
+    r.codec = codec;
     r.count = counts[k];
     r.key = key + k;
     r.run_id = run_id;
@@ -127,9 +129,16 @@ ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, Decod
   }
   call->where = "herring allreduce on rank " + std::to_string(call->comm->rank()) + ": ";
   const std::string& where = call->where;
-  if (attrs.op < kOpSum || attrs.op >= kOpBroadcast + call->comm->size()) {
+  const int64_t kind = OpKind(attrs.op);
+  const int64_t codec = OpCodec(attrs.op);
+  if (kind < kOpSum || kind >= kOpBroadcast + call->comm->size()) {
     return ffi::Error::InvalidArgument(where + "op must be 0 (sum), 1 (mean) or 2 + a rank "
                                        "(broadcast from it)");
+  }
+  if (codec < 0 || codec > static_cast<int64_t>(engine::Codec::kInt8) ||
+      (codec != 0 && kind >= kOpBroadcast)) {
+    return ffi::Error::InvalidArgument(where + "op's codec bits must name a codec (0 none, "
+                                       "1 bf16, 2 fp16, 3 int8), and a broadcast takes none");
   }
   for (size_t k = 0; k < args.size(); ++k) {
     auto in = args.get<ffi::AnyBuffer>(k);
@@ -171,7 +180,7 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
 
 ffi::Error PrepareBroadcast(DecodedCall& call, int64_t* op,
                             std::vector<engine::PooledBuffer>* zeros) {
-  if (*op < kOpBroadcast) return ffi::Error::Success();
+  if (OpKind(*op) < kOpBroadcast) return ffi::Error::Success();
   const int64_t root = *op - kOpBroadcast;
   *op = kOpSum;
   if (call.comm->rank() == root) return ffi::Error::Success();
@@ -199,7 +208,8 @@ ffi::Error ReduceCall(int64_t run_id, int32_t device, const InstructionState& in
   const std::vector<int>& ranks = place.ranks;
 
   auto work = [&](const std::vector<engine::LocalArrival>& all) {
-    return ReduceAll(*call.comm, static_cast<ReduceOp>(attrs.op),
+    return ReduceAll(*call.comm, static_cast<ReduceOp>(OpKind(attrs.op)),
+                     static_cast<engine::Codec>(OpCodec(attrs.op)),
                      static_cast<uint64_t>(attrs.key), run_id, static_cast<uint32_t>(attrs.slot),
                      instruction.instance, static_cast<uint32_t>(stream), ranks, call.dtypes,
                      call.counts, all);

@@ -16,6 +16,8 @@ parameters:
              which every other process contributes zeros, made by the handler
              so that the program is the same on every process); one device
              per process.
+  codec      how float32 data crosses between processes: "none", "bf16",
+             "fp16" or "int8" (codecs.py); "none" for every other dtype.
   tokens     how many leading operands are start tokens (0 except in
              split.split_reductions): the first is this reduction's own
              start's, the others order it after the other buckets' starts.
@@ -38,6 +40,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, mlir
 
+from herring_jax._src import codecs
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
 from herring_jax._src import lowering
@@ -74,7 +77,26 @@ def is_floating(x) -> bool:
     return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
 
 
-def allreduce(tree: Any, op: str = "sum") -> Any:
+def leaf_codec(x, codec: str) -> str:
+    """The codec a leaf travels with: `codec` for float32, none for the rest
+    (which a compressed reduction reduces exactly)."""
+    return codec if np.dtype(x.dtype) == np.float32 else "none"
+
+
+def bind_grouped(leaves, *, ops, codec, axes, groups=None):
+    """Binds the leaves as one reduction per (op, codec) they need; results in
+    leaf order."""
+    kinds = [(o, leaf_codec(v, codec)) for o, v in zip(ops, leaves)]
+    outs = [None] * len(leaves)
+    for this_op, this_codec in sorted(set(kinds)):
+        idx = [i for i, k in enumerate(kinds) if k == (this_op, this_codec)]
+        for i, r in zip(idx, bind([leaves[i] for i in idx], op=this_op, axes=axes,
+                                  groups=groups, codec=this_codec)):
+            outs[i] = r
+    return outs
+
+
+def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     """Reduces a pytree of process-local arrays across all processes.
 
     Every process must call it with the same tree structure, shapes and dtypes,
@@ -101,6 +123,12 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
         (u)int8/16/32/64, bool).
       op: ``"sum"`` or ``"mean"`` (mean divides by the number of contributing
         devices on the server; floating and complex dtypes only).
+      codec: how float32 leaves cross between processes: ``"none"`` (exact),
+        ``"bf16"``, ``"fp16"`` or ``"int8"`` (lossy, 2x / 2x / 4x fewer bytes;
+        see herring_jax/_src/codecs.py). Contributions are decoded and summed
+        in float32 in rank order, and the result is encoded once more, so every
+        process gets the same bits. Other dtypes are reduced exactly. Every
+        process must pass the same codec (a mismatch is a named error).
 
     Returns:
       A pytree of the same structure with the reduced arrays.
@@ -117,6 +145,7 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
       {'w': Array([4., 4., 4.], dtype=float32)}   # with 4 processes
     """
     check_op(op)
+    codecs.check_codec(codec)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
@@ -130,13 +159,13 @@ def allreduce(tree: Any, op: str = "sum") -> Any:
                 raise TypeError(
                     f"leaf {i} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
                     "floating dtype (use op='sum' and divide, or cast to float first)")
-    outs = bind(leaves, op=op, axes=None)
+    outs = bind_grouped(leaves, ops=[op] * len(leaves), codec=codec, axes=None)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def bind(leaves, *, op, axes, groups=None, root=None):
+def bind(leaves, *, op, axes, groups=None, root=None, codec="none"):
     """Binds one reduction; every public function reduces through here."""
-    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root)
+    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec)
     receiver = _receiver.current
     if receiver is None:
         return allreduce_p.bind(*leaves, tokens=0, **params)
@@ -168,8 +197,8 @@ def binds_received_by(receiver):
 # the same on every device of those axes: no longer varying (or unreduced)
 # over them, as for lax.psum. Tokens give nothing back.
 
-def _abstract_eval(*avals, op, axes, groups, transpose, root, tokens):
-    del op, groups, transpose, root
+def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens):
+    del op, groups, transpose, root, codec
     avals = avals[tokens:]
     if axes is None:
         return list(avals)
@@ -177,8 +206,8 @@ def _abstract_eval(*avals, op, axes, groups, transpose, root, tokens):
     return [jax_compat.drop_reduced_axes(a, axes) for a in avals]
 
 
-def _start_abstract_eval(*avals, op, axes, groups, transpose, root):
-    del avals, op, groups, transpose, root
+def _start_abstract_eval(*avals, op, axes, groups, transpose, root, codec):
+    del avals, op, groups, transpose, root, codec
     if axes is not None:
         jax_compat.check_axis_names(axes, "herring_jax.psum")
     return lowering.TOKEN
@@ -217,7 +246,7 @@ def _lower_transposed(ctx, *args, op):
                           multiple_results=True)(ctx, *args)
 
 
-def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, tokens):
+def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens):
     own_tokens, args = args[:tokens], args[tokens:]
     avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
     if transpose:
@@ -229,27 +258,27 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, tokens):
     operands = [args[i] for i in kept]
     kept_in = [avals_in[i] for i in kept]
     kept_out = [avals_out[i] for i in kept]
-    params = dict(op=op, axes=axes, groups=groups, root=root)
+    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec)
     if platform == "cpu":
         # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
         results = lowering.reduce_cpu(ctx, operands, kept_in, kept_out, **params)
     elif own_tokens:
-        results = lowering.done_cuda(ctx, own_tokens, kept_out, op=op)
+        results = lowering.done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec)
     else:
         token = lowering.start_cuda(ctx, operands, kept_in, **params)
-        results = lowering.done_cuda(ctx, [token], kept_out, op=op)
+        results = lowering.done_cuda(ctx, [token], kept_out, op=op, codec=codec)
     for i, r in zip(kept, results):
         outs[i] = r
     return outs
 
 
-def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root):
+def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec):
     del transpose
     kept = lowering.nonempty(ctx.avals_in)
     if platform == "cpu" or not kept:
         return [lowering.token_constant()]
     return [lowering.start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
-                                op=op, axes=axes, groups=groups, root=root)]
+                                op=op, axes=axes, groups=groups, root=root, codec=codec)]
 
 
 # -- differentiation ---------------------------------------------------------
@@ -283,9 +312,9 @@ def _start_jvp(primals, tangents, **params):
     return token, jax_compat.zero_tangent(token)
 
 
-def _transpose(cts, *args, op, axes, groups, transpose, root, tokens):
+def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens):
     params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root, tokens=0)
+                  root=root, codec=codec, tokens=0)
     args = args[tokens:]
     outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
     if axes is None:
@@ -333,9 +362,9 @@ def _reduce_batch_in_place(axis_data, args, dims, op, axes, groups):
     return local, tuple(a for a in axes if a != axis_data.name)
 
 
-def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root, tokens):
+def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root, codec, tokens):
     params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root, tokens=tokens)
+                  root=root, codec=codec, tokens=tokens)
     if axes is None or axis_data.name not in axes:
         return allreduce_p.bind(*args, **params), list(dims[tokens:])
     own_tokens, args, dims = args[:tokens], args[tokens:], dims[tokens:]
@@ -344,8 +373,9 @@ def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root, tokens):
     return outs, [jax_compat.not_mapped] * len(outs)
 
 
-def _start_batch(axis_data, args, dims, *, op, axes, groups, transpose, root):
-    params = dict(op=op, axes=axes, groups=groups, transpose=transpose, root=root)
+def _start_batch(axis_data, args, dims, *, op, axes, groups, transpose, root, codec):
+    params = dict(op=op, axes=axes, groups=groups, transpose=transpose, root=root,
+                  codec=codec)
     if axes is None or axis_data.name not in axes:
         return allreduce_start_p.bind(*args, **params), jax_compat.not_mapped
     local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)

@@ -32,6 +32,10 @@ from herring_jax._src import layout
 from herring_jax._src import runtime
 
 OPS = {"sum": 0, "mean": 1}
+# Wire codecs (engine/codec.h), in bits 24..31 of the op attribute
+# (handler_common.h): how float32 data crosses between processes.
+CODECS = {"none": 0, "bf16": 1, "fp16": 2, "int8": 3}
+_OP_CODEC_SHIFT = 24
 _OP_BROADCAST = 2  # the op attribute of a broadcast from rank r is 2 + r (handler_common.h)
 
 # What a start returns for its done. Its bytes are never read (XLA:CUDA: the
@@ -40,9 +44,9 @@ _OP_BROADCAST = 2  # the op attribute of a broadcast from rank r is 2 + r (handl
 TOKEN = jax.core.ShapedArray((8,), np.uint8)
 
 
-def key(op: str, avals) -> int:
+def key(op: str, avals, codec: str = "none") -> int:
     """A stable 63-bit description of the call, compared across processes."""
-    text = op + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
+    text = op + ("" if codec == "none" else "@" + codec) + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
 
@@ -76,15 +80,16 @@ def zeros_for_empty(avals_out, kept) -> list:
             for i, a in enumerate(avals_out)]
 
 
-def _attributes(ctx, avals_in, *, platform, op, axes, groups, root) -> dict:
+def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec) -> dict:
     """The attributes every reducing call takes (handler_common.h's CallAttrs)."""
     state = runtime.state()
     plan = layout.plan(ctx, axes, groups, root is not None, platform)
     i64 = functools.partial(np.asarray, dtype=np.int64)
     return dict(
         comm=np.int64(state.handle),
-        op=np.int64(OPS[op] if root is None else _OP_BROADCAST + root),
-        key=np.int64(key(op, avals_in)),
+        op=np.int64((OPS[op] if root is None else _OP_BROADCAST + root)
+                    | CODECS[codec] << _OP_CODEC_SHIFT),
+        key=np.int64(key(op, avals_in, codec)),
         slot=np.int64(next_slot(ctx)),
         device_procs=i64(plan.device_procs),
         device_locals=i64(plan.device_locals),
@@ -112,10 +117,10 @@ def start_cuda(ctx, operands, avals_in, **params):
     return token
 
 
-def done_cuda(ctx, tokens, avals_out, *, op):
+def done_cuda(ctx, tokens, avals_out, *, op, codec):
     """XLA:CUDA: the done of the reduction whose start returned tokens[0], after
     every start that returned the other tokens."""
-    attrs = dict(comm=np.int64(runtime.state().handle), key=np.int64(key(op, avals_out)))
+    attrs = dict(comm=np.int64(runtime.state().handle), key=np.int64(key(op, avals_out, codec)))
     return _call("herring_allreduce_done", ctx, tokens, [TOKEN] * len(tokens), avals_out,
                  attrs)
 

@@ -3,12 +3,14 @@ sums) gradients across processes or a mesh axis through herring_jax."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
+from herring_jax._src import codecs
 from herring_jax._src import fusion
 from herring_jax._src import jax_compat
 from herring_jax._src.allreduce import allreduce
@@ -41,9 +43,18 @@ class AllReduceGradientsState(NamedTuple):
     """allreduce_gradients keeps no state."""
 
 
+class CompressedGradientsState(NamedTuple):
+    """allreduce_gradients(compression=...) with error feedback: what this
+    process's compressed contributions lost so far (one array per float32
+    gradient leaf, () for the others), added to its next gradients."""
+
+    residual: Any
+
+
 def allreduce_gradients(axis_name=None, *, average: bool = True,
                         fusion_bytes: int | None = None,
-                        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES
+                        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+                        compression: str = "none", error_feedback: bool = True
                         ) -> optax.GradientTransformation:
     """Reduces gradients across data-parallel workers with Herring.
 
@@ -70,6 +81,16 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         that small models get enough buffers to overlap.
       first_bucket_bytes: the most bytes in the first buffer of each dtype
         (default 1 MiB), so that the first reduction starts early.
+      compression: the wire codec of float32 gradients: ``"none"`` (exact),
+        ``"bf16"``, ``"fp16"`` or ``"int8"`` (see ``herring_jax.allreduce``).
+      error_feedback: with a lossy codec, keep in the optimizer state what
+        this process's contribution lost in encoding and add it to the next
+        step's gradients (EF-SGD), so that the error does not accumulate. The
+        residual is exact where the process's fusion buffer is what crosses the
+        wire (one device per process, one process per host, or the host stage
+        off); where the host stage sums a host's processes first, or a process
+        sums its devices first, the engine encodes that sum and the residual
+        models each process's share of the loss only approximately.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -83,26 +104,50 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         raise ValueError("fusion_bytes and first_bucket_bytes must be positive, got "
                          f"{fusion_bytes} and {first_bucket_bytes}")
     op = "mean" if average else "sum"
+    codecs.check_codec(compression)
+    feedback = error_feedback and compression != "none"
 
     def reduce(buffer):
         if axis_name is None:
-            return allreduce(buffer, op=op)
-        return (pmean if average else psum)(buffer, axis_name)
+            return allreduce(buffer, op=op, codec=compression)
+        return (pmean if average else psum)(buffer, axis_name, codec=compression)
+
+    def is_f32(x) -> bool:
+        return np.dtype(x.dtype) == np.float32
 
     def init_fn(params):
-        del params
-        return AllReduceGradientsState()
+        if not feedback:
+            return AllReduceGradientsState()
+        return CompressedGradientsState(residual=jax.tree_util.tree_map(
+            lambda p: jnp.zeros(p.shape if is_f32(p) else (), jnp.float32), params))
 
     def update_fn(updates, state, params=None):
         del params
         leaves, treedef = jax.tree_util.tree_flatten(updates)
+        ready = jax_compat.production_order(leaves)
+        if feedback:
+            residual = treedef.flatten_up_to(state.residual)
+            leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
         size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
-        buckets = fusion.plan(leaves, size, first_bucket_bytes,
-                              ready=jax_compat.production_order(leaves))
+        buckets = fusion.plan(leaves, size, first_bucket_bytes, ready=ready)
+        buffers = fusion.pack(leaves, buckets)
         # On XLA:CUDA every bucket's start comes before any bucket's done (the
         # host wait), so the whole backward pass is enqueued first; on XLA:CPU
         # this is one asynchronous call per bucket, as without the split.
-        reduced = split_reductions(reduce, fusion.pack(leaves, buckets))
-        return jax.tree_util.tree_unflatten(treedef, fusion.unpack(reduced, buckets, leaves)), state
+        reduced = split_reductions(reduce, buffers)
+        out = jax.tree_util.tree_unflatten(treedef, fusion.unpack(reduced, buckets, leaves))
+        if not feedback:
+            return out, state
+        # What each buffer loses on the wire (the engine's blocks start at the
+        # buffer's first element, as codecs.roundtrip's; its decode is exact,
+        # so XLA's fused multiply-adds give the engine's bits).
+        # A non-finite gradient (an overflow) makes this step's update NaN or
+        # inf, as without compression, but leaves no residual behind to
+        # poison the steps after it.
+        lost = [jnp.where(jnp.isfinite(b), b - codecs.roundtrip(compression, b), 0.0)
+                if is_f32(b) else b for b in buffers]
+        kept = fusion.unpack(lost, buckets, leaves)
+        residual = [k if is_f32(g) else e for k, g, e in zip(kept, leaves, residual)]
+        return out, CompressedGradientsState(jax.tree_util.tree_unflatten(treedef, residual))
 
     return optax.GradientTransformation(init_fn, update_fn)

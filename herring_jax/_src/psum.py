@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 from herring_jax._src import allreduce as _allreduce
+from herring_jax._src import codecs
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
 
@@ -39,7 +40,8 @@ def _groups(axis_index_groups):
     return groups
 
 
-def _reduce(x: Any, axis_name, op: str, axis_index_groups) -> Any:
+def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none") -> Any:
+    codecs.check_codec(codec)
     axes = jax_compat.skip_one_sized_axes(_axes(axis_name))
     groups = _groups(axis_index_groups)
     leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -64,7 +66,7 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups) -> Any:
         outs = [v * n for v in leaves]
         divide = [True] * len(leaves)
     else:
-        outs = _bind(leaves, axes, groups, op)
+        outs = _bind(leaves, axes, groups, op, codec)
         divide = [not _allreduce.is_floating(v) for v in leaves]
         n = layout.group_size(axes, groups) if op == "mean" and any(divide) else 1
     if op == "mean":
@@ -72,7 +74,7 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups) -> Any:
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def _bind(leaves, axes, groups, op):
+def _bind(leaves, axes, groups, op, codec):
     if jax_compat.check_vma_enabled():
         if groups is not None:
             raise NotImplementedError(
@@ -97,16 +99,10 @@ def _bind(leaves, axes, groups, op):
         leaves = prepared
     # Integers are averaged after the sum (see _reduce).
     ops = ["sum" if op == "mean" and not _allreduce.is_floating(v) else op for v in leaves]
-    outs = [None] * len(leaves)
-    for this_op in sorted(set(ops)):
-        idx = [i for i, o in enumerate(ops) if o == this_op]
-        for i, r in zip(idx, _allreduce.bind([leaves[i] for i in idx], op=this_op, axes=axes,
-                                             groups=groups)):
-            outs[i] = r
-    return outs
+    return _allreduce.bind_grouped(leaves, ops=ops, codec=codec, axes=axes, groups=groups)
 
 
-def psum(x: Any, axis_name, *, axis_index_groups=None) -> Any:
+def psum(x: Any, axis_name, *, axis_index_groups=None, codec: str = "none") -> Any:
     """Sums a pytree over the named axes, like ``jax.lax.psum``.
 
     Use inside ``jax.shard_map`` (with or without ``check_vma``) or
@@ -123,6 +119,9 @@ def psum(x: Any, axis_name, *, axis_index_groups=None) -> Any:
         (u)int8/16/32/64, bool).
       axis_name: an axis name or a tuple of names.
       axis_index_groups: optional list of lists of axis indices.
+      codec: herring_jax only: how float32 leaves cross between processes,
+        ``"none"`` (exact, the default), ``"bf16"``, ``"fp16"`` or ``"int8"``;
+        see ``herring_jax.allreduce``.
 
     Returns:
       The pytree of sums, the same on every device of the reduced axes.
@@ -132,13 +131,13 @@ def psum(x: Any, axis_name, *, axis_index_groups=None) -> Any:
       >>> f = jax.shard_map(lambda x: herring_jax.psum(x, "i"), mesh=mesh,
       ...                   in_specs=P("i"), out_specs=P())        # doctest: +SKIP
     """
-    return _reduce(x, axis_name, "sum", axis_index_groups)
+    return _reduce(x, axis_name, "sum", axis_index_groups, codec)
 
 
-def pmean(x: Any, axis_name, *, axis_index_groups=None) -> Any:
+def pmean(x: Any, axis_name, *, axis_index_groups=None, codec: str = "none") -> Any:
     """Averages a pytree over the named axes, like ``jax.lax.pmean``.
 
     Floating values are divided on the server, off the accelerator; integers
     give a floating mean, as ``jax.lax.pmean`` does.
     """
-    return _reduce(x, axis_name, "mean", axis_index_groups)
+    return _reduce(x, axis_name, "mean", axis_index_groups, codec)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import socket
+import sys
 import threading
 
 import jax
@@ -200,6 +201,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             raise
         except Exception as e:
             raise HerringError(f"herring_jax.initialize() failed on rank {rank} of {size}: {e}") from e
+        if "ofi_rxd" in provider and rank == 0:
+            # Seen on this project's machines (libfabric 1.17, simulated
+            # hosts with shaped links): ofi_rxd completed a 1 MiB message
+            # with bytes missing; herring then fails the job, never sums it.
+            print(f"herring_jax: provider {provider}: ofi_rxd has lost parts of large "
+                  "messages when the network drops packets under load (the job then fails "
+                  "with 'the provider lost data'); prefer tcp;ofi_rxm, or efa on AWS",
+                  file=sys.stderr, flush=True)
         _register_targets()
         install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _state = _State(handle, rank, size, provider, _generation, args, topology)

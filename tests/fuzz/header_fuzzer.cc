@@ -47,6 +47,8 @@
 namespace {
 
 using herring::engine::CheckAbortHeader;
+using herring::engine::Codec;
+using herring::engine::IsValidCodec;
 using herring::engine::CheckControlHeader;
 using herring::engine::CheckHeader;
 using herring::engine::DType;
@@ -159,6 +161,7 @@ HeaderVerdict CheckHeaderChecked(HeaderBuffer& buf, size_t len, const Expectatio
       FUZZ_CHECK(HeaderIdentity(h) == want.id && h.key == want.key);
       FUZZ_CHECK(h.dtype == static_cast<uint8_t>(want.dtype));
       FUZZ_CHECK(h.op == static_cast<uint8_t>(want.op));
+      FUZZ_CHECK(IsValidCodec(h.codec) && h.codec == static_cast<uint8_t>(want.codec));
       FUZZ_CHECK(h.total_elems == want.total_elems);
       break;
     case HeaderVerdict::kCollision:
@@ -190,7 +193,7 @@ HeaderVerdict CheckHeaderChecked(HeaderBuffer& buf, size_t len, const Expectatio
   // kMalformed covers "too short, bad magic/version/checksum/enum values",
   // and a count of 0 contributing devices (it would divide a mean).
   if (!Intact(h, len) || !IsValidDType(h.dtype) || !IsValidOp(h.op) ||
-      (len >= kHeaderSize && h.contributors == 0)) {
+      !IsValidCodec(h.codec) || (len >= kHeaderSize && h.contributors == 0)) {
     FUZZ_CHECK(v == HeaderVerdict::kMalformed);
   }
   return v;
@@ -254,6 +257,7 @@ Expectation ConsumeExpectation(FuzzedDataProvider& in) {
   want.chunk = in.ConsumeIntegral<uint32_t>();
   want.dtype = static_cast<DType>(in.ConsumeIntegral<uint8_t>());
   want.op = static_cast<ReduceOp>(in.ConsumeIntegral<uint8_t>());
+  want.codec = static_cast<Codec>(in.ConsumeIntegral<uint8_t>());
   want.payload_bytes = in.ConsumeIntegral<uint64_t>();
   want.total_elems = in.ConsumeIntegral<uint64_t>();
   return want;
@@ -273,6 +277,7 @@ Expectation ExpectationOf(const WireHeader& h, uint32_t self) {
   want.chunk = h.chunk;
   want.dtype = static_cast<DType>(h.dtype);
   want.op = static_cast<ReduceOp>(h.op);
+  want.codec = static_cast<Codec>(h.codec);
   want.payload_bytes = h.payload_bytes;
   want.total_elems = h.total_elems;
   return want;
@@ -282,7 +287,7 @@ Expectation ExpectationOf(const WireHeader& h, uint32_t self) {
 enum class Field {
   kToken, kKind, kSrcRank, kStream, kPart, kChunk,  // who sent it / which tag
   kRunId, kSlot, kInstance, kOccurrence, kBuffer,   // which reduction (identity)
-  kKey, kDType, kOp, kPayloadBytes, kTotalElems,    // what was reduced
+  kKey, kDType, kOp, kCodec, kPayloadBytes, kTotalElems,  // what was reduced
   kCount,
 };
 
@@ -310,6 +315,7 @@ void Perturb(Expectation* want, Field field, uint64_t delta) {
     case Field::kKey: want->key ^= d64; break;
     case Field::kDType: want->dtype = flip8(want->dtype); break;
     case Field::kOp: want->op = flip8(want->op); break;
+    case Field::kCodec: want->codec = flip8(want->codec); break;
     case Field::kPayloadBytes: want->payload_bytes ^= d64; break;
     case Field::kTotalElems: want->total_elems ^= d64; break;
     case Field::kCount: break;
@@ -375,6 +381,7 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   h.kind = in.ConsumeIntegralInRange<uint8_t>(1, 7);  // the kinds CheckHeader takes
   h.dtype = in.ConsumeIntegralInRange<uint8_t>(1, 12);
   h.op = in.ConsumeIntegralInRange<uint8_t>(0, 1);
+  h.codec = in.ConsumeIntegralInRange<uint8_t>(0, 3);
   h.token = in.ConsumeIntegral<uint64_t>();
   h.key = in.ConsumeIntegral<uint64_t>();
   h.run_id = in.ConsumeIntegral<int64_t>();
@@ -463,6 +470,7 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
       case Field::kKey:
       case Field::kDType:
       case Field::kOp:
+      case Field::kCodec:
       case Field::kPayloadBytes:
       case Field::kTotalElems:
         FUZZ_CHECK(v == HeaderVerdict::kMismatch);

@@ -15,6 +15,8 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from herring_jax._src import codecs
+
 NP_DTYPES = {
     "float32": np.dtype(np.float32),
     "float64": np.dtype(np.float64),
@@ -74,14 +76,22 @@ def hosts_from_env(nproc: int) -> list[list[int]]:
     return [list(range(h * per_host, (h + 1) * per_host)) for h in range(hosts)]
 
 
+def host_stage_on() -> bool:
+    return os.environ.get("HERRING_HOST_STAGE", "1") not in ("0", "false", "no", "off")
+
+
 def reference(dtype: str, op: str, inputs: list[list[np.ndarray]],
-              hosts: list[list[int]] | None = None) -> np.ndarray:
+              hosts: list[list[int]] | None = None, codec: str = "none") -> np.ndarray:
     """inputs[process][device], hosts[h] = the ranks of host h. The engine's
     documented order: the local devices of each process; then, where a host
     holds several processes (and every host the same number), the processes of
     each host in rank order and then the hosts in order; otherwise the processes
     in rank order. 16-bit types accumulate in float32 and round once per stage;
-    a mean divides once, by the number of devices, at the last stage."""
+    a mean divides once, by the number of devices, at the last stage.
+
+    A codec (float32 only) applies where data crosses over the transport: to
+    the last stage, unless that is one host's processes reducing through the
+    host stage (herring_jax/_src/codecs.py's reduce_np is its model)."""
     acc_t = _acc_dtype(dtype)
     out_t = NP_DTYPES[dtype]
     procs = [_sum_in_order(devs, acc_t).astype(out_t) for devs in inputs]
@@ -92,6 +102,11 @@ def reference(dtype: str, op: str, inputs: list[list[np.ndarray]],
             stage = [_sum_in_order([procs[r] for r in h], acc_t).astype(out_t) for h in hosts]
     else:
         stage = procs
+    one_host_in_memory = len(hosts) == 1 and len(hosts[0]) > 1 and host_stage_on()
+    if codec != "none" and len(stage) > 1 and not one_host_in_memory:
+        assert dtype == "float32", dtype
+        devices = sum(len(devs) for devs in inputs)
+        return codecs.reduce_np(codec, op, stage, devices)
     with np.errstate(over="ignore"):
         acc = _sum_in_order(stage, acc_t)
         if op == "mean":

@@ -14,6 +14,8 @@ return a wrong sum.
   order: rank 0 reduces float32[100] then float32[200], rank 1 the other way
     round (each call waits for its result); both must fail within
     HERRING_TIMEOUT_S, each naming its own reduction and the peer's.
+  codec-mismatch: both ranks reduce float32[1000], rank 0 with codec bf16,
+    rank 1 uncompressed: as mismatch, naming the codec.
   absent-peer: rank 1 is alive but never reduces; rank 0's timeout must say
     that rank 1 is alive and in no reduction.
   slow-peer: rank 1 starts its reduction long after rank 0 (more than
@@ -160,10 +162,15 @@ def main() -> int:
     if sys.argv[1:2] == ["slow-peer"]:
         slow_peer(rank, float(sys.argv[2]))
         return 0
-    x = np.ones(1000 + rank * 24, np.float32)  # rank 1 reduces 24 more elements
+    codec_mismatch = sys.argv[1:2] == ["codec-mismatch"]
+    if codec_mismatch:
+        # Equal shapes, rank 0 compressing with bf16: other executables too.
+        x, codec = np.ones(1000, np.float32), "bf16" if rank == 0 else "none"
+    else:
+        x, codec = np.ones(1000 + rank * 24, np.float32), "none"  # rank 1: 24 more elements
     start = time.monotonic()
     try:
-        herring_jax.allreduce(x)
+        herring_jax.allreduce(x, codec=codec)
     except herring_jax.HerringError as e:
         common.report("mismatch", True, seconds=time.monotonic() - start, message=str(e)[:600])
     else:

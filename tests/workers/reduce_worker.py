@@ -40,6 +40,8 @@ def main() -> int:
     parser.add_argument("--ops", default="sum,mean")
     parser.add_argument("--counts", default="0,1,7,4097")
     parser.add_argument("--mib", default="")
+    parser.add_argument("--codec", default="none",
+                        help="wire codec of every reduction (float32 leaves travel with it)")
     parser.add_argument("--devices", type=int, default=1,
                         help="local devices per process that contribute")
     parser.add_argument("--describe", action="store_true",
@@ -69,14 +71,15 @@ def main() -> int:
         sharding = NamedSharding(mesh, P("d"))
 
         def make_fn(op):
-            return jax.jit(jax.shard_map(lambda x: herring_jax.allreduce(x, op=op),
+            return jax.jit(jax.shard_map(lambda x: herring_jax.allreduce(x, op=op,
+                                                                          codec=args.codec),
                                          mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     fns = {}
     for salt, (dtype, op, count) in enumerate(cases(args)):
         mine = [common.make_input(dtype, count, rank * ndev + d, salt) for d in range(ndev)]
         if ndev == 1:
-            got = [np.asarray(herring_jax.allreduce(mine[0], op=op))]
+            got = [np.asarray(herring_jax.allreduce(mine[0], op=op, codec=args.codec))]
         else:
             local = np.stack(mine)  # (ndev, count): one row per local device
             x = jax.make_array_from_process_local_data(sharding, local,
@@ -89,13 +92,20 @@ def main() -> int:
         # checks them against the numpy reference (the driver then compares
         # the other ranks' digests with rank 0's).
         ok = len(got) == ndev and all(common.bitwise_equal(g, got[0]) for g in got)
+        extra = {}
         if rank == 0:
             inputs = [[common.make_input(dtype, count, p * ndev + d, salt)
                        for d in range(ndev)] for p in range(nproc)]
-            want = common.reference(dtype, op, inputs, common.hosts_from_env(nproc))
+            hosts = common.hosts_from_env(nproc)
+            codec = args.codec if dtype == "float32" else "none"
+            want = common.reference(dtype, op, inputs, hosts, codec=codec)
             ok = ok and common.bitwise_equal(got[0], want)
+            if codec != "none":
+                # Whether the codec lost anything: the exact reduction's bits.
+                exact = common.reference(dtype, op, inputs, hosts)
+                extra["exact"] = common.bitwise_equal(got[0], exact)
         common.report(f"{dtype}/{op}/{count}", ok, digest=common.digest(got[0]),
-                      devices=len(got))
+                      devices=len(got), **extra)
     if args.describe:
         common.report("describe", True, describe=herring_jax.describe())
     if args.stats:

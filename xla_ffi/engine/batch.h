@@ -92,6 +92,13 @@ struct Job {
   size_t part_elems = 0;
   size_t chunk_elems = 0;
   size_t max_chunks = 0;
+  // Bytes between chunks in the buffers that hold data as it travels (the
+  // staging buffers; with a codec also wire_in and wire_out).
+  size_t wire_stride = 0;
+  // With a codec (req.codec): this process's contribution encoded, and the
+  // results encoded (received, and for its own part sent), [part][chunk].
+  PooledBuffer wire_in;
+  PooledBuffer wire_out;
 
   std::vector<WireHeader> send_hdrs;     // [part][chunk] contributions sent
   std::vector<WireHeader> result_hdrs;   // [part][chunk] results received
@@ -114,6 +121,17 @@ struct Job {
   size_t ChunkLen(int i, size_t c) const {
     return std::min(chunk_elems, PartLen(i) - c * chunk_elems);
   }
+  bool Encoded() const { return req.codec != Codec::kNone; }
+  // Bytes of chunk c of part i on the wire.
+  size_t WireBytes(int i, size_t c) const {
+    return Encoded() ? EncodedBytes(req.codec, ChunkLen(i, c)) : ChunkLen(i, c) * elem;
+  }
+  char* WireIn(int i, size_t c) const {
+    return wire_in.data() + (i * max_chunks + c) * wire_stride;
+  }
+  char* WireOut(int i, size_t c) const {
+    return wire_out.data() + (i * max_chunks + c) * wire_stride;
+  }
   char* OutAt(size_t elem_index) const {
     return static_cast<char*>(req.out) + elem_index * elem;
   }
@@ -122,7 +140,8 @@ struct Job {
   }
   std::string Describe() const {
     return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " +
-           ReduceOpName(req.op) + " (key " + std::to_string(req.key) + "; " +
+           ReduceOpName(req.op) + (Encoded() ? std::string(" over ") + CodecName(req.codec) : "") +
+           " (key " + std::to_string(req.key) + "; " +
            DescribeIdentity(id) + ")";
   }
 };
@@ -187,6 +206,7 @@ inline WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint3
   h.payload_bytes = payload_bytes;
   h.total_elems = job.req.count;
   h.op = static_cast<uint8_t>(job.req.op);
+  h.codec = static_cast<uint8_t>(job.req.codec);
   h.contributors = contributors;
   SealHeader(&h);
   return h;

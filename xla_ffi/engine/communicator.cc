@@ -214,6 +214,12 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   }
   for (const ReduceRequest& r : requests) {
     if (ElementSize(r.dtype) == 0) return Status::Error("unsupported dtype");
+    if (r.codec != Codec::kNone &&
+        (r.dtype != DType::kFloat32 || (r.op != ReduceOp::kSum && r.op != ReduceOp::kMean))) {
+      return Status::Error(std::string("codec ") + CodecName(r.codec) + " compresses float32 "
+                           "sums and means only; this reduction is a " + ReduceOpName(r.op) +
+                           " of " + DTypeName(r.dtype) + " (use codec none for it)");
+    }
     bytes_reduced_ += r.count * ElementSize(r.dtype);
   }
   reductions_ += requests.size();
@@ -284,11 +290,17 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     j.n = n;
     j.me = me;
     j.elem = ElementSize(j.req.dtype);
-    const size_t align = std::max<size_t>(1, 64 / j.elem);
+    // A codec's scale blocks start at multiples of kCodecBlock elements of
+    // the buffer, so parts and chunks are cut there.
+    const size_t align =
+        j.Encoded() ? kCodecBlock : std::max<size_t>(1, 64 / j.elem);
     j.part_elems = ((j.req.count + n - 1) / n + align - 1) / align * align;
     j.chunk_elems = std::max<size_t>(1, config_.chunk_bytes / j.elem);
     j.chunk_elems = std::max(j.chunk_elems, (j.part_elems + kMaxChunksPerPart - 1) /
                                                 kMaxChunksPerPart);
+    if (j.Encoded()) j.chunk_elems = (j.chunk_elems + align - 1) / align * align;
+    j.wire_stride = j.Encoded() ? EncodedBytes(j.req.codec, j.chunk_elems)
+                                : j.chunk_elems * j.elem;
     j.max_chunks = j.part_elems == 0 ? 0 : (j.part_elems + j.chunk_elems - 1) / j.chunk_elems;
     const size_t mine = j.Chunks(j.me);
     // Server: n-1 receives, one sum and n-1 result sends per chunk.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/buffer_pool.h"
+#include "engine/codec.h"
 #include "engine/dtype.h"
 #include "engine/host_topology.h"
 #include "engine/occurrence_table.h"
@@ -65,6 +66,10 @@ struct ReduceRequest {
   const void* in = nullptr;
   void* out = nullptr;
   uint32_t contributors = 1;  // devices summed into `in` (divisor for mean)
+  // How the data travels between processes over the transport (codec.h):
+  // other than kNone only for float32 sums and means. Inside a host the host
+  // stage moves float32 through memory; a group of one process is exact.
+  Codec codec = Codec::kNone;
 };
 
 struct CommStats {

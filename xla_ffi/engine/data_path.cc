@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine/batch.h"
+#include "engine/codec.h"
 #include "engine/reduce_kernels.h"
 
 namespace herring::engine {
@@ -90,11 +91,25 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   job->results_from.reset(new std::atomic<int>[n]());
   job->staging.resize(n);
 
+  if (job->Encoded()) {
+    job->wire_in = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
+    job->wire_out = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
+    if (!job->wire_in.ok() || !job->wire_out.ok()) {
+      return Status::Error("out of memory for encoded buffers");
+    }
+    // This process's contribution to its own part, encoded before any
+    // receive is posted: a server task may sum a chunk as soon as the other
+    // contributions to it have arrived, and it sums this one as decoded.
+    for (size_t c = 0; c < chunks_me; ++c) {
+      Encode(job->req.codec, reinterpret_cast<const float*>(job->InAt(job->ChunkBegin(me, c))),
+             job->ChunkLen(me, c), job->WireIn(me, c));
+    }
+  }
   // Receives before sends, so that peers' messages find posted buffers.
   if (chunks_me > 0) {
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
-      job->staging[p] = PooledBuffer(&pool_, job->PartLen(me) * job->elem);
+      job->staging[p] = PooledBuffer(&pool_, chunks_me * job->wire_stride);
       if (!job->staging[p].ok()) return Status::Error("out of memory for staging buffers");
       for (size_t c = 0; c < chunks_me; ++c) PostContributionRecv(job, p, c);
     }
@@ -106,16 +121,22 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   // Contributions, chunk-major and starting at the next server, so that the
   // processes do not all send to the same server at the same moment.
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  // With a codec each chunk is encoded just before it is sent.
   for (size_t c = 0; c < job->max_chunks; ++c) {
     for (int step = 1; step < n; ++step) {
       const int i = (me + step) % n;
       if (c >= job->Chunks(i)) continue;
-      const size_t len = job->ChunkLen(i, c) * job->elem;
+      const size_t len = job->WireBytes(i, c);
+      char* data = const_cast<char*>(job->InAt(job->ChunkBegin(i, c)));
+      if (job->Encoded()) {
+        Encode(job->req.codec, reinterpret_cast<const float*>(data), job->ChunkLen(i, c),
+               job->WireIn(i, c));
+        data = job->WireIn(i, c);
+      }
       WireHeader& h = job->send_hdrs[i * job->max_chunks + c];
       h = MakeHeader(*job, MsgKind::kContribution, config_.token, my_rank, i, c, len,
                      job->req.contributors);
-      transport::IoVec iov[2] = {{&h, sizeof(h)},
-                                 {const_cast<char*>(job->InAt(job->ChunkBegin(i, c))), len}};
+      transport::IoVec iov[2] = {{&h, sizeof(h)}, {data, len}};
       const uint64_t tag =
           MakeTag(MsgKind::kContribution, my_rank, batch->stream, job->tag_bits, c);
       if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[i], tag, h);
@@ -139,9 +160,8 @@ void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
   Batch* batch = job->batch;
   const int me = job->me;
   WireHeader* h = &job->contrib_hdrs[p * job->max_chunks + c];
-  const size_t len = job->ChunkLen(me, c) * job->elem;
-  transport::IoVec iov[2] = {{h, sizeof(*h)},
-                             {job->staging[p].data() + c * job->chunk_elems * job->elem, len}};
+  const size_t len = job->WireBytes(me, c);
+  transport::IoVec iov[2] = {{h, sizeof(*h)}, {job->staging[p].data() + c * job->wire_stride, len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
       MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->tag_bits, c), 0,
@@ -158,8 +178,9 @@ void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
 void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   Batch* batch = job->batch;
   WireHeader* h = &job->result_hdrs[i * job->max_chunks + c];
-  const size_t len = job->ChunkLen(i, c) * job->elem;
-  transport::IoVec iov[2] = {{h, sizeof(*h)}, {job->OutAt(job->ChunkBegin(i, c)), len}};
+  const size_t len = job->WireBytes(i, c);
+  char* into = job->Encoded() ? job->WireOut(i, c) : job->OutAt(job->ChunkBegin(i, c));
+  transport::IoVec iov[2] = {{h, sizeof(*h)}, {into, len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
       MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->tag_bits, c), 0, iov, 2,
@@ -178,36 +199,17 @@ bool ReceiveFailed(const transport::Completion& done, const Job& job, int from_r
            ": " + done.error;
     return true;
   }
-  const bool readable = header.magic == kMagic && header.version == kWireVersion &&
-                        header.checksum == HeaderChecksum(header) && header.token == token &&
-                        IsValidDType(header.dtype) && IsValidOp(header.op);
-  std::string theirs;
-  if (readable) {
-    theirs = std::string(DTypeName(static_cast<DType>(header.dtype))) + "[" +
-             std::to_string(header.total_elems) + "] " +
-             ReduceOpName(static_cast<ReduceOp>(header.op)) + " (key " +
-             std::to_string(header.key) + "; " + DescribeIdentity(HeaderIdentity(header)) + ")";
-  }
-  const std::string mine = "rank " + std::to_string(my_rank) + "'s receive for " + job.Describe();
-  if (readable && HeaderIdentity(header) != job.id) {
-    *why = "tag collision: rank " + std::to_string(from_rank) + " sent " + theirs +
-           ", a larger message that matched " + mine + "; two reductions in flight at once "
-           "share their 30-bit tag hash. Rerunning will most likely not collide again";
-  } else {
-    *why = "mismatched reductions: rank " + std::to_string(from_rank) + " sent a larger "
-           "message than expected" + (readable ? " for " + theirs : std::string()) + " to " +
-           mine + "; every process must run the same reductions (shapes, dtypes, ops) in "
-           "the same executables";
-  }
-  if (readable) {
-    // Which message it was, and what the provider said: a truncation of a
-    // message of the very reduction this receive waits for is no mismatch of
-    // programs but of messages (or of the provider's accounting).
-    *why += " [the message: kind " + std::to_string(header.kind) + ", part " +
-            std::to_string(header.part) + ", chunk " + std::to_string(header.chunk) + ", " +
-            std::to_string(header.payload_bytes) + " payload bytes; provider: " + done.error +
-            "]";
-  }
+  TruncatedReceive t;
+  t.header = &header;
+  t.token = token;
+  t.id = job.id;
+  t.key = job.req.key;
+  t.receive = "rank " + std::to_string(my_rank) + "'s receive for " + job.Describe();
+  t.from_rank = from_rank;
+  t.received_len = done.len;
+  t.cut_off = done.cut_off;
+  t.provider_error = done.error;
+  *why = DescribeTruncation(t);
   return true;
 }
 
@@ -225,7 +227,8 @@ Expectation Communicator::Expect(const Job& job, MsgKind kind, int from_rank, in
   want.chunk = static_cast<uint32_t>(chunk);
   want.dtype = job.req.dtype;
   want.op = job.req.op;
-  want.payload_bytes = job.ChunkLen(part, chunk) * job.elem;
+  want.codec = job.req.codec;
+  want.payload_bytes = job.WireBytes(part, chunk);
   want.total_elems = job.req.count;
   return want;
 }
@@ -271,21 +274,37 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   uint32_t contributors = 0;
   for (int p = 0; p < n; ++p) {
     srcs[p] = p == me ? static_cast<const void*>(job->InAt(begin))
-                      : job->staging[p].data() + c * job->chunk_elems * job->elem;
+                      : job->staging[p].data() + c * job->wire_stride;
     contributors += job->contributors[p].load(std::memory_order_relaxed);
   }
   const double divisor = job->req.op == ReduceOp::kMean ? contributors : 1.0;
   char* dst = job->OutAt(begin);
-  ReduceInto(job->req.dtype, dst, srcs.data(), n, count, divisor);
+  const char* payload = dst;
+  size_t payload_bytes = count * job->elem;
+  if (job->Encoded()) {
+    // Every contribution as decoded (this process's own from its encoding),
+    // summed in float32 in rank order; the result encoded for the way back,
+    // and kept as decoded here too, so every process holds the same bits.
+    const Codec codec = job->req.codec;
+    srcs[me] = job->WireIn(me, c);
+    DecodeSum(codec, srcs.data(), n, count, static_cast<float>(divisor),
+              reinterpret_cast<float*>(dst));
+    Encode(codec, reinterpret_cast<const float*>(dst), count, job->WireOut(me, c));
+    Decode(codec, job->WireOut(me, c), count, reinterpret_cast<float*>(dst));
+    payload = job->WireOut(me, c);
+    payload_bytes = job->WireBytes(me, c);
+  } else {
+    ReduceInto(job->req.dtype, dst, srcs.data(), n, count, divisor);
+  }
 
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
   WireHeader& h = job->out_hdrs[c];
-  h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, count * job->elem,
+  h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, payload_bytes,
                  contributors);
   size_t unposted = n - 1;
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;
-    transport::IoVec iov[2] = {{&h, sizeof(h)}, {dst, count * job->elem}};
+    transport::IoVec iov[2] = {{&h, sizeof(h)}, {const_cast<char*>(payload), payload_bytes}};
     const uint64_t tag = MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c);
     if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[p], tag, h);
     batch->AddInflight(1);
@@ -317,6 +336,10 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
     return;
   }
   Heard(static_cast<uint32_t>(from));
+  if (job->Encoded()) {
+    Decode(job->req.codec, job->WireOut(i, c), job->ChunkLen(i, c),
+           reinterpret_cast<float*>(job->OutAt(job->ChunkBegin(i, c))));
+  }
   job->results_from[i].fetch_add(1);
   batch->Complete(1, 1);
 }

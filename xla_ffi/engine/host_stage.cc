@@ -68,7 +68,9 @@ constexpr MsgKind kStepKinds[HostWait::kSteps] = {MsgKind::kHostArrive, MsgKind:
 // Slices of a buffer among `p` processes: equal, 64-byte aligned, the last
 // ones possibly shorter or empty (as the flat path's parts).
 size_t SliceElems(const ReduceRequest& r, int p) {
-  const size_t align = std::max<size_t>(1, 64 / ElementSize(r.dtype));
+  // With a codec, at the codec's blocks (as the flat path's parts).
+  const size_t align = r.codec != Codec::kNone ? kCodecBlock
+                                               : std::max<size_t>(1, 64 / ElementSize(r.dtype));
   return ((r.count + p - 1) / p + align - 1) / align * align;
 }
 size_t SliceBegin(const ReduceRequest& r, int p, int i) {
@@ -79,10 +81,14 @@ size_t SliceLen(const ReduceRequest& r, int p, int i) {
 }
 
 std::string DescribeEntry(const HostEntry& e) {
-  if (!IsValidDType(e.dtype) || !IsValidOp(e.op)) return "an invalid buffer";
+  if (!IsValidDType(e.dtype) || !IsValidOp(e.op) || !IsValidCodec(e.codec)) {
+    return "an invalid buffer";
+  }
+  const Codec codec = static_cast<Codec>(e.codec);
   return std::string(DTypeName(static_cast<DType>(e.dtype))) + "[" + std::to_string(e.count) +
-         "] " + ReduceOpName(static_cast<ReduceOp>(e.op)) + " (key " + std::to_string(e.key) +
-         ")";
+         "] " + ReduceOpName(static_cast<ReduceOp>(e.op)) +
+         (codec != Codec::kNone ? std::string(" over ") + CodecName(codec) : "") + " (key " +
+         std::to_string(e.key) + ")";
 }
 
 }  // namespace
@@ -140,12 +146,13 @@ void Communicator::OnHostMessage(Batch* batch, int step, int q,
     const HostEntry& e = entries[k];
     const ReduceRequest& mine = batch->jobs[k]->req;
     if (e.key != mine.key || e.count != mine.count ||
-        e.dtype != static_cast<uint8_t>(mine.dtype) || e.op != static_cast<uint8_t>(mine.op)) {
+        e.dtype != static_cast<uint8_t>(mine.dtype) || e.op != static_cast<uint8_t>(mine.op) ||
+        e.codec != static_cast<uint8_t>(mine.codec)) {
       why = "mismatched reductions: rank " + std::to_string(from) + " reduces " +
             DescribeEntry(e) + " as buffer " + std::to_string(k) + " where rank " +
             std::to_string(config_.rank) + " reduces " + batch->jobs[k]->Describe() +
-            "; every process must run the same reductions (shapes, dtypes, ops) in the "
-            "same executables";
+            "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
+            "the same executables";
     } else if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
       why = "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
             batch->jobs[k]->Describe();
@@ -284,6 +291,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     e.contributors = r.contributors;
     e.dtype = static_cast<uint8_t>(r.dtype);
     e.op = static_cast<uint8_t>(r.op);
+    e.codec = static_cast<uint8_t>(r.codec);
     w.out_entries[0].push_back(e);
   }
   const Job& first = *batch->jobs.front();

@@ -4,94 +4,11 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
+#include "engine/half.h"
+
 
 namespace herring::engine {
 namespace {
-
-// The handler runs on XLA's threads, which may flush denormals to zero; the
-// reduction must give the same bits as an IEEE sum everywhere, so clear
-// FTZ/DAZ for the duration of a kernel.
-class IeeeDenormals {
- public:
-#if defined(__x86_64__) || defined(__i386__)
-  IeeeDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~(0x8000u | 0x0040u)); }
-  ~IeeeDenormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned saved_;
-#endif
-};
-
-inline float HalfToFloat(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f;
-  uint32_t mant = h & 0x3ff;
-  uint32_t bits;
-  if (exp == 0x1f) {
-    bits = sign | 0x7f800000 | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  } else if (mant == 0) {
-    bits = sign;
-  } else {  // subnormal half: normalise
-    int shift = 0;
-    while ((mant & 0x400) == 0) {
-      mant <<= 1;
-      ++shift;
-    }
-    bits = sign | static_cast<uint32_t>(113 - shift) << 23 | ((mant & 0x3ff) << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-// Round to nearest even, integer arithmetic only (independent of MXCSR).
-inline uint16_t FloatToHalf(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  uint32_t sign = (x >> 16) & 0x8000;
-  x &= 0x7fffffff;
-  uint32_t o;
-  if (x >= 0x47800000) {  // >= 65536: inf, or NaN (kept quiet)
-    o = x > 0x7f800000 ? 0x7e00 : 0x7c00;
-  } else if (x < 0x38800000) {  // below the smallest normal half
-    if (x < 0x33000000) {
-      o = 0;
-    } else {
-      uint32_t e = x >> 23;
-      uint32_t m = (x & 0x7fffff) | 0x800000;
-      uint32_t shift = 126 - e;
-      o = m >> shift;
-      uint32_t rem = m & ((1u << shift) - 1);
-      uint32_t half = 1u << (shift - 1);
-      if (rem > half || (rem == half && (o & 1))) ++o;
-    }
-  } else {
-    uint32_t odd = (x >> 13) & 1;
-    x += (static_cast<uint32_t>(15 - 127) << 23) + 0xfff + odd;
-    o = x >> 13;
-  }
-  return static_cast<uint16_t>(o | sign);
-}
-
-inline float BF16ToFloat(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToBF16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((x >> 16) | 0x40);
-  x += 0x7fff + ((x >> 16) & 1);
-  return static_cast<uint16_t>(x >> 16);
-}
 
 constexpr size_t kTile = 1024;
 

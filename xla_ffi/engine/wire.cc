@@ -87,10 +87,10 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
     *why = "reserved header bytes are not zero";
     return HeaderVerdict::kMalformed;
   }
-  if (!IsValidDType(h.dtype) || !IsValidOp(h.op) ||
+  if (!IsValidDType(h.dtype) || !IsValidOp(h.op) || !IsValidCodec(h.codec) ||
       h.kind < static_cast<uint8_t>(MsgKind::kContribution) ||
       h.kind > static_cast<uint8_t>(MsgKind::kHostDone)) {
-    *why = "invalid dtype, op or kind";
+    *why = "invalid dtype, op, codec or kind";
     return HeaderVerdict::kMalformed;
   }
   if (h.payload_bytes != len - sizeof(WireHeader)) {
@@ -138,6 +138,14 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
            "30-bit tag hash. Rerunning will most likely not collide again";
     return HeaderVerdict::kCollision;
   }
+  if (h.codec != static_cast<uint8_t>(want.codec)) {
+    *why = "rank " + std::to_string(h.src_rank) + " sends " + what_theirs + " with codec " +
+           CodecName(static_cast<Codec>(h.codec)) + " where rank " +
+           std::to_string(want.self_rank) + " reduces it with codec " +
+           CodecName(want.codec) + " (" + DescribeIdentity(want.id) + "); every process "
+           "must ask for the same compression in the same reduction";
+    return HeaderVerdict::kMismatch;
+  }
   if (h.key != want.key || h.dtype != static_cast<uint8_t>(want.dtype) ||
       h.op != static_cast<uint8_t>(want.op) || h.total_elems != want.total_elems ||
       h.payload_bytes != want.payload_bytes) {
@@ -148,6 +156,46 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
     return HeaderVerdict::kMismatch;
   }
   return HeaderVerdict::kOk;
+}
+
+std::string DescribeTruncation(const TruncatedReceive& t) {
+  const WireHeader& h = *t.header;
+  const bool readable = h.magic == kMagic && h.version == kWireVersion &&
+                        h.checksum == HeaderChecksum(h) && h.token == t.token &&
+                        IsValidDType(h.dtype) && IsValidOp(h.op);
+  const std::string from = "rank " + std::to_string(t.from_rank);
+  if (!readable) {
+    return "mismatched reductions: " + from + " sent a larger message than expected to " +
+           t.receive + "; every process must run the same reductions (shapes, dtypes, ops) in "
+           "the same executables [provider: " + t.provider_error + "]";
+  }
+  const std::string theirs =
+      Describe(static_cast<DType>(h.dtype), h.total_elems, static_cast<ReduceOp>(h.op), h.key);
+  const std::string message = "kind " + std::to_string(h.kind) + ", part " +
+                              std::to_string(h.part) + ", chunk " + std::to_string(h.chunk) +
+                              ", " + std::to_string(h.payload_bytes) + " payload bytes";
+  const std::string detail = " [the message: " + message + "; provider: " + t.provider_error + "]";
+  if (HeaderIdentity(h) != t.id) {
+    return "tag collision: " + from + " sent " + theirs + " (" +
+           DescribeIdentity(HeaderIdentity(h)) + "), a larger message that matched " +
+           t.receive + "; two reductions in flight at once share their 30-bit tag hash. "
+           "Rerunning will most likely not collide again" + detail;
+  }
+  const uint64_t sent = sizeof(WireHeader) + h.payload_bytes;
+  if (h.key == t.key && t.cut_off == 0 && t.received_len < sent) {
+    // The sender's header describes the message this receive was posted
+    // for, yet fewer bytes arrived than it says it sent, and the provider
+    // cut nothing off: it lost part of the message on the way.
+    return "the provider lost data: " + from + "'s message for " + t.receive + " arrived "
+           "incomplete (" + std::to_string(t.received_len) + " of the " + std::to_string(sent) +
+           " bytes sent, and nothing reported cut off), so none of it can be used. Both "
+           "processes run the same reduction; the provider is at fault, not the program "
+           "(seen with udp;ofi_rxd when the network drops packets under load). Use a "
+           "reliable provider: tcp;ofi_rxm, or efa on AWS" + detail;
+  }
+  return "mismatched reductions: " + from + " sent a larger message than expected for " +
+         theirs + " to " + t.receive + "; every process must run the same reductions "
+         "(shapes, dtypes, ops) in the same executables" + detail;
 }
 
 }  // namespace herring::engine

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "engine/codec.h"
 #include "engine/dtype.h"
 
 namespace herring::engine {
@@ -37,7 +38,8 @@ struct HostEntry {
   uint32_t contributors;  // arrive: devices summed into the input; ready: all of them
   uint8_t dtype;          // DType
   uint8_t op;             // ReduceOp
-  uint16_t reserved;      // zero
+  uint8_t codec;          // Codec
+  uint8_t reserved;       // zero
 };
 static_assert(sizeof(HostEntry) == 32, "host entry layout changed");
 
@@ -127,7 +129,8 @@ constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // Version 2: the header carries the whole identity (run id, slot, instance,
 // occurrence, buffer) instead of version 1's per-slot round. Version 3: the
 // host stage's kinds, and a 2-bit kind in the tag (13-bit chunk index).
-constexpr uint16_t kWireVersion = 3;
+// Version 4: the codec byte (codec.h); payloads of data messages are encoded.
+constexpr uint16_t kWireVersion = 4;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.
@@ -151,7 +154,8 @@ struct WireHeader {
   uint64_t payload_bytes;
   uint64_t total_elems;  // elements of the whole buffer being reduced
   uint8_t op;            // ReduceOp
-  uint8_t reserved[3];
+  uint8_t codec;         // Codec of the payload (data messages)
+  uint8_t reserved[2];
   uint32_t checksum;     // of all bytes above
   uint64_t reserved2;    // zero: outside the checksum, so checked on its own
 };
@@ -185,6 +189,7 @@ struct Expectation {
   uint32_t chunk;
   DType dtype;
   ReduceOp op;
+  Codec codec = Codec::kNone;
   uint64_t payload_bytes;
   uint64_t total_elems;
 };
@@ -198,7 +203,7 @@ enum class HeaderVerdict {
   kCollision,  // a genuine peer's message of another reduction (identity)
                // whose tag bits collided with this receive's: fail the job
   kMismatch,   // a genuine peer reduced something different (key, shape,
-               // dtype, op) under the same identity: fail the job
+               // dtype, op, codec) under the same identity: fail the job
 };
 
 // Checks a received control message of `kind` (header, then `received_len` -
@@ -217,6 +222,27 @@ inline bool CheckAbortHeader(const WireHeader& h, size_t received_len, uint64_t 
 // `why` says what was wrong, in words fit for an error message.
 HeaderVerdict CheckHeader(const void* header, size_t received_len, const Expectation& want,
                           std::string* why);
+
+// A data receive that the provider completed as truncated, and what it wrote
+// of the message's header (a genuine peer's header if it checks out).
+struct TruncatedReceive {
+  const WireHeader* header = nullptr;
+  uint64_t token = 0;          // this job's
+  Identity id;                 // of the reduction the receive waits for
+  uint64_t key = 0;            //   "
+  std::string receive;         // "rank R's receive for <reduction>"
+  int from_rank = 0;           // the sender the tag names
+  size_t received_len = 0;     // bytes the provider delivered, header included
+  size_t cut_off = 0;          // bytes it says it cut off
+  std::string provider_error;  // its words
+};
+
+// What a truncated receive means, for the error that fails the job: a tag
+// collision (the header names another reduction), a provider that lost bytes
+// of the very message expected (same reduction, and the provider cut off
+// nothing: no program is at fault), or processes that reduce different
+// things.
+std::string DescribeTruncation(const TruncatedReceive& t);
 
 }  // namespace herring::engine
 

@@ -654,6 +654,7 @@ class FabricTransport final : public Transport {
     c.len = err.len;
     c.tag = err.tag;
     c.truncated = err.err == FI_ETRUNC;
+    c.cut_off = c.truncated ? err.olen : 0;
     c.error = error;
     if (c.truncated) {
       char tag[32];

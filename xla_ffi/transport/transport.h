@@ -49,6 +49,7 @@ struct Completion {
   size_t len = 0;       // bytes received (receives) or sent (sends)
   uint64_t tag = 0;     // the tag the message carried (receives)
   bool truncated = false;  // the message was longer than the posted buffers
+  size_t cut_off = 0;      // truncated: bytes the provider says it cut off
   std::string error;    // provider's description when !ok
 };
 

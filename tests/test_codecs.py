@@ -1,0 +1,89 @@
+"""Compressed reductions (codec= of allreduce / psum / allreduce_gradients):
+every codec on several processes, bitwise against the numpy model of the
+engine's codecs (herring_jax/_src/codecs.py: contributions encoded, decoded
+and summed in float32 in rank order, the result encoded once more), over the
+transport and through the host stage, where only the hosts' shares are
+encoded. Non-float32 leaves of a compressed reduction stay exact. Each
+codec's own round trip and bounds are tests/cpp/codec_wire_test.cc; a codec
+mismatch between processes is tests/test_failures.py."""
+
+import numpy as np
+import pytest
+
+from herring_jax._src import codecs
+from multiproc import assert_all_ok, launch
+
+COUNTS = "1,7,300,4097,100003"
+
+
+def _run(codec, nproc=4, hosts=None, env=None):
+    run = launch("reduce_worker.py",
+                 ["--dtypes", "float32,int32", "--ops", "sum,mean", "--counts", COUNTS,
+                  "--mib", "1", "--codec", codec, "--stats"],
+                 nproc=nproc, hosts=hosts, env=env)
+    # float32: 2 ops x 6 sizes, int32: 6 sizes, and the stats.
+    assert_all_ok(run, expected_cases=12 + 6 + 1)
+    lossy = [r for r in run.results[0] if r["case"].startswith("float32/")
+             and int(r["case"].split("/")[2]) >= 300]
+    assert len(lossy) == 8, run.results[0]
+    # The codec really compressed: no float32 result of 300 elements or more
+    # has the exact reduction's bits (the inputs use all 24 mantissa bits).
+    assert all(r["exact"] is False for r in lossy), lossy
+    return run
+
+
+@pytest.mark.parametrize("codec", ["bf16", "fp16", "int8"])
+def test_codec_over_the_transport_matches_the_numpy_model(codec):
+    run = _run(codec, env={"HERRING_HOST_STAGE": "0"})
+    stats = [r for r in run.results[0] if r["case"] == "stats"][0]["stats"]
+    assert stats["host_stage_calls"] == 0, stats
+
+
+def test_codec_through_the_host_stage_encodes_the_hosts_shares():
+    # 2 hosts x 2 processes: each host sums in float32 through memory, and
+    # only the hosts' sums travel as int8.
+    run = _run("int8", hosts=2)
+    for rs in run.results.values():
+        stats = [r for r in rs if r["case"] == "stats"][0]["stats"]
+        assert stats["host_stage_calls"] == stats["reductions"] > 0, stats
+
+
+@pytest.mark.parametrize("codec", ["int8", "bf16"])
+def test_error_feedback_residual_is_what_the_contribution_lost(codec):
+    # allreduce_gradients(compression=codec): every step's update and residual
+    # against the numpy model, on 2 processes (tests/workers/ef_worker.py).
+    run = launch("ef_worker.py", ["--codec", codec], nproc=2,
+                 env={"HERRING_HOST_STAGE": "0"})
+    assert_all_ok(run, expected_cases=4)
+
+
+def test_numpy_model_bounds():
+    # The model itself: each codec's error stays within its bound of the
+    # block's largest magnitude, and the sizes on the wire are as documented.
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(10_000) * np.exp(rng.uniform(-8, 8, 10_000))).astype(np.float32)
+    blocks = np.pad(np.abs(x), (0, -x.size % 256)).reshape(-1, 256).max(axis=1)
+    m = np.repeat(blocks, 256)[:x.size]
+    for codec, bound in (("bf16", None), ("fp16", 2.0**-10), ("int8", 1 / 254 + 2.0**-16)):
+        err = np.abs(codecs.roundtrip_np(codec, x) - x)
+        limit = np.abs(x) * 2.0**-8 if bound is None else m * bound
+        assert np.all(err <= limit), codec
+        assert np.any(err > 0), codec
+    # jax's model (error feedback) gives numpy's bits, inside jit too.
+    import jax
+    for codec in ("bf16", "fp16", "int8"):
+        got = np.asarray(jax.jit(lambda v: v - codecs.roundtrip(codec, v))(x))
+        assert got.tobytes() == (x - codecs.roundtrip_np(codec, x)).tobytes(), codec
+    # Blocks of tiny values (largest magnitude below 2^-100, subnormals
+    # included): int8 decodes them to zeros, nothing becomes inf or NaN.
+    tiny = np.full(512, 1e-39, np.float32)
+    tiny[256:] = 3e-31
+    for codec in ("bf16", "fp16", "int8"):
+        out = codecs.roundtrip_np(codec, tiny)
+        assert np.all(np.isfinite(out)), codec
+        assert np.all(np.isfinite(np.asarray(jax.jit(lambda v: codecs.roundtrip(codec, v))(tiny))))
+    assert np.all(codecs.roundtrip_np("int8", tiny) == 0)
+    assert codecs.wire_bytes("bf16", 1000) == 2000
+    assert codecs.wire_bytes("int8", 1000) == 1000 + 4 * 4
+    with pytest.raises(ValueError, match="unknown codec 'int4'"):
+        codecs.check_codec("int4")
