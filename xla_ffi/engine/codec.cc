@@ -24,7 +24,7 @@ constexpr float kInt8Smallest = 0x1p-100f;
 // The largest magnitude of the block's finite values, and whether it holds a
 // value that is not finite. Branch-free, on the bits, so that it vectorises:
 // the magnitude's bits order like its value, and exponent 0xff is inf/NaN.
-float MaxAbs(const float* x, size_t n, bool* non_finite) {
+float MaxAbsPortable(const float* x, size_t n, bool* non_finite) {
   uint32_t m = 0;
   uint32_t bad = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -69,6 +69,15 @@ float Int8Scale(float m) {
   return s;
 }
 
+// int8: v[i] = clamp(round_even(x[i] * inv), -127, 127), where inv = 127 / m
+// and |x[i]| <= m, so that |x[i] * inv| stays within 127 and a rounding.
+void ToInt8Portable(const float* x, size_t n, float inv, int8_t* v) {
+  for (size_t i = 0; i < n; ++i) {
+    const float q = RoundEven(x[i] * inv);
+    v[i] = static_cast<int8_t>(static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, q))));
+  }
+}
+
 // v[i] = half(x[i] * inv) and y[i] = float(v[i]) * s, with the F16C
 // instructions where the CPU has them (x86-64 since 2012), else the
 // vectorised integer conversions; the same bits either way: the hardware
@@ -108,6 +117,54 @@ __attribute__((target("avx,f16c"))) void FromHalfF16C(const uint16_t* v, size_t 
   }
   FromHalfPortable(v + i, n - i, s, y + i);
 }
+// AVX2 forms of MaxAbs and ToInt8, 32 elements at a time; the same results:
+// the maximum is taken on the same bits, and the conversion to int32 rounds
+// to nearest even in the default mode (as RoundEven) and cannot leave
+// [-127, 127] (see ToInt8Portable), so the saturating packs never clamp.
+__attribute__((target("avx2"))) float MaxAbsAvx2(const float* x, size_t n, bool* non_finite) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf = _mm256_set1_epi32(0x7f800000);
+  __m256i m = _mm256_setzero_si256();
+  __m256i bad = _mm256_setzero_si256();
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i u = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), magnitude);
+    const __m256i not_finite = _mm256_cmpgt_epi32(u, _mm256_sub_epi32(inf, _mm256_set1_epi32(1)));
+    bad = _mm256_or_si256(bad, not_finite);
+    m = _mm256_max_epu32(m, _mm256_andnot_si256(not_finite, u));
+  }
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), m);
+  uint32_t best = 0;
+  for (uint32_t lane : lanes) best = std::max(best, lane);
+  bool tail_bad = false;
+  const float tail = MaxAbsPortable(x + i, n - i, &tail_bad);
+  uint32_t tail_bits;
+  std::memcpy(&tail_bits, &tail, 4);
+  best = std::max(best, tail_bits);
+  *non_finite = tail_bad || !_mm256_testz_si256(bad, bad);
+  float f;
+  std::memcpy(&f, &best, 4);
+  return f;
+}
+__attribute__((target("avx2"))) void ToInt8Avx2(const float* x, size_t n, float inv, int8_t* v) {
+  const __m256 scale = _mm256_set1_ps(inv);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) {
+      q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), scale));
+    }
+    const __m256i lo = _mm256_packs_epi32(q[0], q[1]);
+    const __m256i hi = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(lo, hi), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), bytes);
+  }
+  ToInt8Portable(x + i, n - i, inv, v + i);
+}
+
 // CPUID leaf 1: F16C (ecx bit 29) and AVX (bit 28) with the OS saving the
 // YMM registers (OSXSAVE, bit 27, and XCR0 bits 1-2).
 bool CpuHasF16C() {
@@ -119,9 +176,30 @@ bool CpuHasF16C() {
   return (lo & 6u) == 6u;
 }
 const bool kHasF16C = CpuHasF16C();
+// CPUID leaf 7: AVX2 (ebx bit 5), with the OS saving YMM as for F16C.
+bool CpuHasAvx2() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!CpuHasF16C() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (b & (1u << 5)) != 0;
+}
+const bool kHasAvx2 = CpuHasAvx2();
 #else
 constexpr bool kHasF16C = false;
+constexpr bool kHasAvx2 = false;
 #endif
+
+float MaxAbs(const float* x, size_t n, bool* non_finite) {
+#if defined(__x86_64__)
+  if (kHasAvx2) return MaxAbsAvx2(x, n, non_finite);
+#endif
+  return MaxAbsPortable(x, n, non_finite);
+}
+void ToInt8(const float* x, size_t n, float inv, int8_t* v) {
+#if defined(__x86_64__)
+  if (kHasAvx2) return ToInt8Avx2(x, n, inv, v);
+#endif
+  ToInt8Portable(x, n, inv, v);
+}
 
 void ToHalf(const float* x, size_t n, float inv, uint16_t* v) {
 #if defined(__x86_64__)
@@ -183,12 +261,7 @@ void Encode(Codec codec, const float* src, size_t count, void* dst_v) {
             std::memcpy(dst + b * 4, &s, 4);
             continue;
           }
-          const float inv = 127.0f / m;
-          for (size_t i = 0; i < n; ++i) {
-            // |x * inv| <= 127 (plus a rounding), well inside RoundEven's range.
-            const float q = RoundEven(x[i] * inv);
-            v[i] = static_cast<int8_t>(static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, q))));
-          }
+          ToInt8(x, n, 127.0f / m, v);
           const float s = Int8Scale(m);
           std::memcpy(dst + b * 4, &s, 4);
         }
