@@ -23,6 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="herring: herring_jax.allreduce_gradients; native: jax.lax.pmean; "
                              "none: no averaging (each process trains alone: the compute-only "
                              "baseline of the training benchmark)")
+    parser.add_argument("--compression", choices=["none", "bf16", "fp16", "int8"],
+                        default="none",
+                        help="--reduce herring: wire codec of the gradients (with error "
+                             "feedback); it applies where they cross between processes over "
+                             "the transport (between hosts, or everywhere with "
+                             "HERRING_HOST_STAGE=0)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -50,7 +56,7 @@ def setup(args) -> jax.sharding.Mesh:
 def make_trainer(mesh, args, loss_fn, init_fn):
     """Returns (params, opt_state, step(params, opt_state, batch) -> (..., loss))."""
     if args.reduce == "herring":
-        grad_tx = herring_jax.allreduce_gradients("data")
+        grad_tx = herring_jax.allreduce_gradients("data", compression=args.compression)
         mean = herring_jax.pmean
     elif args.reduce == "native":
         grad_tx = optax.GradientTransformation(
@@ -150,6 +156,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         if rank == 0 and first:
             print(f"resumed from the checkpoint after step {first} in {args.checkpoint_dir}",
                   flush=True)
+    sent_before = herring_jax.stats()["bytes_sent"]  # setup() initialized herring_jax
     for i in range(first, args.steps):
         batch = global_batch(mesh, next_local_batch(i))
         start = time.perf_counter()
@@ -167,13 +174,18 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
             recent = np.median(times[1:][-args.log_every:]) * 1e3 if len(times) > 1 else float("nan")
             print(f"step {i:4d}  loss {loss:.4f}  step {recent:.1f} ms  {extra}", flush=True)
     step_s = float(np.median(times[1:])) if len(times) > 1 else float("nan")
+    # What this process's transport sent per step (gradients, losses and
+    # heartbeats; nothing of the host stage's memory reads).
+    sent = herring_jax.stats()["bytes_sent"] - sent_before
+    sent_mib = sent / max(1, args.steps - first) / 2**20
     if checkpoints:
         checkpoints.close()
     if rank == 0 and losses:
         extra = report(params) if report else ""
         print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
               f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
-              f"{step_s * 1e3:.1f} ms, params sha256 {params_digest(params)}", flush=True)
+              f"{step_s * 1e3:.1f} ms, compression {args.compression}, sent {sent_mib:.3f} MiB "
+              f"per step, params sha256 {params_digest(params)}", flush=True)
     elif rank == 0:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
               f"params sha256 {params_digest(params)}", flush=True)

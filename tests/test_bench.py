@@ -2,6 +2,7 @@
 not asserted: they are only meaningful as ratios inside one run)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,25 @@ def test_bench_smoke(tmp_path):
     assert 3 <= herring4["messages_per_run"] < 10, herring4
     assert herring4["bytes_sent_per_run"] < 4096, herring4
     assert len(data["max_rss_mib_by_rank"]) == 2 and min(data["max_rss_mib_by_rank"]) > 50
+
+
+def test_bench_codecs_checks_the_numpy_model(tmp_path):
+    # Over the transport (host stage off), so that the codec applies: every
+    # rank's result must be the codec's model, and int8 sends about a quarter.
+    out = tmp_path / "codecs.json"
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "2", "--sizes-mib", "1",
+         "--iters", "2", "--warmup", "1", "--peers", "herring", "--codecs", "int8",
+         "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HERRING_HOST_STAGE": "0"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {r["peer"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"herring", "herring_int8"}
+    assert all(r["correct"] for r in runs.values()), runs
+    ratio = runs["herring"]["bytes_sent_per_run"] / runs["herring_int8"]["bytes_sent_per_run"]
+    assert 3.5 < ratio < 4.1, ratio
+    assert "herring_int8 at 1 MiB: " in proc.stdout and "as fast as herring" in proc.stdout
 
 
 def test_missing_peer_is_reported_not_dropped(tmp_path, monkeypatch):

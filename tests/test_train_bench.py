@@ -34,3 +34,25 @@ def test_train_bench_rejects_a_missing_script(tmp_path):
         [sys.executable, "-m", "herring_jax._src.train_bench", "--script", "nope.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "no training script" in proc.stderr, proc.stderr
+
+
+def test_train_bench_codecs_smoke(tmp_path):
+    # Two codecs on 2 processes over the transport: held-out losses, the
+    # bytes each step sent (int8 about a quarter of none's), the JSON.
+    out = tmp_path / "codecs.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.train_bench", "-n", "2", "--steps", "6",
+         "--codecs", "none,int8", "--log-every", "2", "--script",
+         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
+         "--layers", "1", "--text-bytes", str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "HERRING_HOST_STAGE=0" in proc.stdout, proc.stdout
+    runs = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"none", "int8"}
+    assert [s for s, _ in runs["int8"]["held_out_curve"]] == [0, 2, 4, 5]
+    # int8 sends about a quarter of the gradient bytes (plus losses, heartbeats).
+    assert 2.5 < runs["int8"]["bytes_reduction"] < 4.1, runs
+    # Lossy, so not the same model; error feedback keeps it close.
+    assert runs["int8"]["held_out_loss"] != runs["none"]["held_out_loss"]
+    assert abs(runs["int8"]["loss_vs_none"]) < 0.05, runs

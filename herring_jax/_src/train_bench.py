@@ -20,6 +20,14 @@ and on N processes: layers whose compute is a wait that uses no CPU (as a GPU
 host's CPU sees it) with real gradients of a BERT-like layer structure, and
 prints the scaling efficiency step(1) / step(N) next to its bound.
 
+With --codecs none,bf16,int8 it instead trains on N processes once per wire
+codec of allreduce_gradients(compression=...) for the same steps and prints,
+for each, the held-out loss (and its distance from the uncompressed run's),
+the median step and the bytes each process's transport sent per step;
+--plot draws the held-out loss against the steps. On one host (no --netns in
+--launch-args) it sets HERRING_HOST_STAGE=0, since a codec applies only to
+what crosses the transport.
+
 With --overlap it instead runs herring_jax/_src/overlap_worker.py on N
 processes: compute alone, reduction alone and the standard step of an MLP,
 the hidden fraction, a bitwise check against the reduction done outside the
@@ -53,9 +61,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra options for herring-jax launch, e.g. '--netns'")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--codecs", default=None, metavar="LIST",
+                        help="compare the held-out loss of wire codecs (see above)")
+    parser.add_argument("--log-every", type=int, default=10,
+                        help="--codecs: steps between held-out losses")
     parser.add_argument("--overlap", action="store_true",
                         help="measure how much reduction the training step hides (see above)")
-    parser.add_argument("--plot", default=None, help="--overlap: timeline PNG to write")
+    parser.add_argument("--plot", default=None,
+                        help="--overlap: timeline PNG to write; --codecs: held-out loss PNG")
     parser.add_argument("--simulated-accelerator", action="store_true",
                         help="scaling of simulated-accelerator training (see above)")
     parser.add_argument("script_args", nargs="*",
@@ -63,24 +76,111 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "worker (--layers, --width, --batch, --steps, --pin, ...)")
 
 
-def _run_one(args, n: int, reducer: str) -> dict:
+def _run_script(args, n: int, script_args: list[str], env: dict | None = None):
+    """The training script on n processes under herring-jax launch, with
+    `script_args` before the user's; the finished process."""
     script = os.path.abspath(args.script)
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(n), "--timeout",
            str(int(args.timeout)), *args.launch_args.split(), "--", sys.executable, script,
-           "--reduce", reducer, "--steps", str(args.steps), "--log-every", str(args.steps),
-           *args.script_args]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.run(cmd, cwd=os.path.dirname(script) or tmp, env=env,
-                              capture_output=True, text=True, timeout=args.timeout + 60,
-                              check=False)
+           *script_args, *args.script_args]
+    if env is None:
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)
+    return subprocess.run(cmd, cwd=os.path.dirname(script), env=env, capture_output=True,
+                          text=True, timeout=args.timeout + 60, check=False)
+
+
+def _run_one(args, n: int, reducer: str) -> dict:
+    proc = _run_script(args, n, ["--reduce", reducer, "--steps", str(args.steps),
+                                 "--log-every", str(args.steps)])
     m = _DONE.search(proc.stdout)
     if proc.returncode != 0 or m is None:
         tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
         raise RuntimeError(f"{reducer} on {n} processes failed (exit {proc.returncode}):\n{tail}")
     return {"reduce": reducer, "processes": n, "final_loss": float(m.group(3)),
             "median_step_ms": float(m.group(4))}
+
+
+_STEP = re.compile(r"step +(\d+) +loss \S+ +step \S+ ms +held-out loss ([\d.naif]+)")
+_CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, compression "
+                         r"(\w+), sent ([\d.]+) MiB per step")
+
+
+def _run_codec(args, codec: str, env: dict) -> dict:
+    proc = _run_script(args, args.num_processes,
+                       ["--reduce", "herring", "--compression", codec, "--steps",
+                        str(args.steps), "--log-every", str(args.log_every)], env)
+    done = _CODEC_DONE.search(proc.stdout)
+    if proc.returncode != 0 or done is None:
+        tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
+        raise RuntimeError(f"compression {codec} failed (exit {proc.returncode}):\n{tail}")
+    curve = [(int(m.group(1)), float(m.group(2))) for m in _STEP.finditer(proc.stdout)]
+    return {"codec": codec, "held_out_loss": float(done.group(1)),
+            "median_step_ms": float(done.group(2)), "sent_mib_per_step": float(done.group(4)),
+            "held_out_curve": curve}
+
+
+def run_codecs(args: argparse.Namespace) -> int:
+    """--codecs: one N-process training run per codec; table, JSON and plot."""
+    from herring_jax._src import codecs as codecs_lib
+    names = [c for c in args.codecs.split(",") if c]
+    unknown = [c for c in names if c not in codecs_lib.CODECS]
+    if unknown or not names:
+        print(f"herring-jax train-bench: unknown codecs {unknown}; known: "
+              f"{', '.join(codecs_lib.CODECS)}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    where = "over the simulated network"
+    if "--netns" not in args.launch_args.split():
+        env["HERRING_HOST_STAGE"] = "0"
+        where = "one host, HERRING_HOST_STAGE=0 (every process over the transport)"
+    print(f"herring-jax train-bench --codecs: {args.script}, {args.num_processes} processes, "
+          f"{args.steps} steps, {where}", flush=True)
+    results = []
+    for codec in names:
+        try:
+            r = _run_codec(args, codec, env)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"herring-jax train-bench: {e}", file=sys.stderr)
+            return 1
+        results.append(r)
+        print(f"  {codec:>5}: held-out loss {r['held_out_loss']:.4f}, median step "
+              f"{r['median_step_ms']:.1f} ms, {r['sent_mib_per_step']:.3f} MiB sent per step",
+              flush=True)
+    base = next((r for r in results if r["codec"] == "none"), None)
+    print(f"{'codec':>6} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
+          f"{'bytes x':>8}")
+    for r in results:
+        if base:
+            r["loss_vs_none"] = r["held_out_loss"] / base["held_out_loss"] - 1
+            r["bytes_reduction"] = base["sent_mib_per_step"] / max(r["sent_mib_per_step"], 1e-9)
+        vs = f"{r['loss_vs_none']:+.2%}" if base else "-"
+        fewer = f"{r['bytes_reduction']:.2f}" if base else "-"
+        print(f"{r['codec']:>6} {r['held_out_loss']:>9.4f} {vs:>8} {r['median_step_ms']:>8.1f} "
+              f"{r['sent_mib_per_step']:>9.3f} {fewer:>8}")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in results:
+            steps, losses = zip(*r["held_out_curve"]) if r["held_out_curve"] else ((), ())
+            ax.plot(steps, losses, label=f"{r['codec']} ({r['held_out_loss']:.4f})")
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss")
+        ax.set_title(f"{os.path.basename(args.script)}, {args.num_processes} processes: "
+                     "allreduce_gradients(compression=...)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=100)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"script": args.script, "steps": args.steps,
+                       "processes": args.num_processes, "launch_args": args.launch_args,
+                       "where": where, "cpus": os.cpu_count(), "results": results}, f, indent=1)
+    return 0
 
 
 def _launch_worker(args, n: int, launch_args: str, module: str, worker_args: list[str],
@@ -175,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
     """Runs every (process count, reducer) pair and prints the table."""
     if args.overlap:
         return run_overlap(args)
+    if args.codecs:
+        return run_codecs(args)
     if args.simulated_accelerator:
         return run_simulated(args)
     reducers = [r for r in args.reducers.split(",") if r]

@@ -10,7 +10,7 @@ import sys
 import tempfile
 
 from herring_jax._src.bench.link import memory_gbps, shaped_gbps
-from herring_jax._src.bench.peers import PEERS, missing_peers
+from herring_jax._src.bench.peers import CODEC_PEERS, PEERS, missing_peers
 
 DESCRIPTION = "herring-jax bench: herring_jax's all-reduce against its peers, in one run."
 
@@ -22,8 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated buffer sizes in MiB (float32)")
     parser.add_argument("--iters", type=int, default=10, help="timed runs per size and peer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (compile)")
-    parser.add_argument("--peers", default=",".join(PEERS),
+    parser.add_argument("--peers", default=",".join(p for p in PEERS if p not in CODEC_PEERS),
                         help=f"comma-separated subset of {', '.join(PEERS)}")
+    parser.add_argument("--codecs", default="", metavar="LIST",
+                        help="also time herring with these wire codecs (bf16,fp16,int8): "
+                             "peers herring_<codec>, checked against the codec's numpy model")
     parser.add_argument("--provider", default=None,
                         help="libfabric provider for herring (sets HERRING_FI_PROVIDER)")
     parser.add_argument("--link-gbps", type=float, default=None,
@@ -59,6 +62,13 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.provider:
         env["HERRING_FI_PROVIDER"] = args.provider
+    for codec in (c for c in args.codecs.split(",") if c):
+        if f"herring_{codec}" not in CODEC_PEERS:
+            print(f"herring-jax bench: unknown codec {codec!r}; known: bf16, fp16, int8",
+                  file=sys.stderr)
+            return 2
+        if f"herring_{codec}" not in args.peers.split(","):
+            args.peers += f",herring_{codec}"
     unknown = [p for p in args.peers.split(",") if p and p not in PEERS]
     if unknown:
         print(f"herring-jax bench: unknown peers {unknown}; known: {', '.join(PEERS)}",

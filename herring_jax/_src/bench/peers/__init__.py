@@ -11,7 +11,7 @@ import importlib.util as importlib_util
 import shutil
 
 from herring_jax._src.bench.peers.base import Peer
-from herring_jax._src.bench.peers.herring import HerringPeer
+from herring_jax._src.bench.peers.herring import HerringPeer, codec_peer
 from herring_jax._src.bench.peers.jax_psum import JaxPsumPeer
 from herring_jax._src.bench.peers.mpi4jax import Mpi4jaxPeer
 from herring_jax._src.bench.peers.mpi4py import Mpi4pyPeer
@@ -21,6 +21,11 @@ from herring_jax._src.bench.peers.torch_gloo import TorchGlooPeer
 PEERS: dict[str, type[Peer]] = {
     "herring": HerringPeer, "jax_psum": JaxPsumPeer, "mpi4jax": Mpi4jaxPeer,
     "mpi4py": Mpi4pyPeer, "torch_gloo": TorchGlooPeer}
+# herring with a wire codec (--codecs adds them after the others), e.g.
+# herring_int8; timed against `herring` in the same run.
+CODEC_PEERS: dict[str, type[Peer]] = {
+    f"herring_{c}": codec_peer(c) for c in ("bf16", "fp16", "int8")}
+PEERS.update(CODEC_PEERS)
 
 
 def missing_peers(names: list[str]) -> dict[str, str]:
