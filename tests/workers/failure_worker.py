@@ -172,7 +172,7 @@ def main() -> int:
     try:
         herring_jax.allreduce(x, codec=codec)
     except herring_jax.HerringError as e:
-        common.report("mismatch", True, seconds=time.monotonic() - start, message=str(e)[:600])
+        common.report("mismatch", True, seconds=time.monotonic() - start, message=str(e)[:3000])
     else:
         common.report("mismatch", False, message="no error")
     # The communicator refuses further reductions with the original reason.

@@ -32,6 +32,7 @@ std::string Communicator::OldestWait(WireHeader* h) {
     h->contributors = 1;
     h->dtype = static_cast<uint8_t>(job.req.dtype);
     h->op = static_cast<uint8_t>(job.req.op);
+    h->codec = static_cast<uint8_t>(job.req.codec);
     h->total_elems = job.req.count;
     h->key = job.req.key;
     SetHeaderIdentity(h, job.id);

@@ -56,10 +56,14 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
         // It waits in a reduction: answer at the full rate for a while.
         waiter_until_[sender] = NowNs() + static_cast<int64_t>(3e9 * config_.heartbeat_s);
       }
-      if (h.contributors == 1 && IsValidDType(h.dtype) && IsValidOp(h.op)) {
+      if (h.contributors == 1 && IsValidDType(h.dtype) && IsValidOp(h.op) &&
+          IsValidCodec(h.codec)) {
+        const Codec codec = static_cast<Codec>(h.codec);
         wait.what = std::string(DTypeName(static_cast<DType>(h.dtype))) + "[" +
                     std::to_string(h.total_elems) + "] " +
-                    ReduceOpName(static_cast<ReduceOp>(h.op)) + " (key " +
+                    ReduceOpName(static_cast<ReduceOp>(h.op)) +
+                    (codec != Codec::kNone ? std::string(" over ") + CodecName(codec) : "") +
+                    " (key " +
                     std::to_string(h.key) + "; " + DescribeIdentity(HeaderIdentity(h)) + ")";
         wait.seconds = h.chunk;
       }
