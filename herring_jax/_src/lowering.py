@@ -46,7 +46,8 @@ TOKEN = jax.core.ShapedArray((8,), np.uint8)
 
 def key(op: str, avals, codec: str = "none") -> int:
     """A stable 63-bit description of the call, compared across processes."""
-    text = op + ("" if codec == "none" else "@" + codec) + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
+    what = op if codec == "none" else f"{op}@{codec}"
+    text = what + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
 
