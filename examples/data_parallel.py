@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "feedback); it applies where they cross between processes over "
                              "the transport (between hosts, or everywhere with "
                              "HERRING_HOST_STAGE=0)")
+    parser.add_argument("--powersgd-rank", type=int, default=0,
+                        help="--reduce herring: average the gradients with herring_jax.powersgd "
+                             "of this rank instead of allreduce_gradients (0: off)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -44,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "after this step (then relaunch to resume)")
 
 
+def compression_name(args) -> str:
+    return f"powersgd{args.powersgd_rank}" if args.powersgd_rank else args.compression
+
+
 def setup(args) -> jax.sharding.Mesh:
     if args.reduce == "native":
         # lax.pmean across processes on CPU needs jax's gloo collectives.
@@ -56,7 +63,8 @@ def setup(args) -> jax.sharding.Mesh:
 def make_trainer(mesh, args, loss_fn, init_fn):
     """Returns (params, opt_state, step(params, opt_state, batch) -> (..., loss))."""
     if args.reduce == "herring":
-        grad_tx = herring_jax.allreduce_gradients("data", compression=args.compression)
+        grad_tx = (herring_jax.powersgd(args.powersgd_rank, "data") if args.powersgd_rank
+                   else herring_jax.allreduce_gradients("data", compression=args.compression))
         mean = herring_jax.pmean
     elif args.reduce == "native":
         grad_tx = optax.GradientTransformation(
@@ -184,7 +192,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         extra = report(params) if report else ""
         print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
               f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
-              f"{step_s * 1e3:.1f} ms, compression {args.compression}, sent {sent_mib:.3f} MiB "
+              f"{step_s * 1e3:.1f} ms, compression {compression_name(args)}, sent {sent_mib:.3f} MiB "
               f"per step, params sha256 {params_digest(params)}", flush=True)
     elif rank == 0:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "

@@ -29,5 +29,7 @@ from herring_jax._src.psum import psum as psum  # noqa: E402
 from herring_jax._src.optax_transform import AllReduceGradientsState as AllReduceGradientsState  # noqa: E402
 from herring_jax._src.optax_transform import CompressedGradientsState as CompressedGradientsState  # noqa: E402
 from herring_jax._src.optax_transform import allreduce_gradients as allreduce_gradients  # noqa: E402
+from herring_jax._src.powersgd import PowerSGDState as PowerSGDState  # noqa: E402
+from herring_jax._src.powersgd import powersgd as powersgd  # noqa: E402
 
 __version__ = "0.1.0"

@@ -20,8 +20,9 @@ and on N processes: layers whose compute is a wait that uses no CPU (as a GPU
 host's CPU sees it) with real gradients of a BERT-like layer structure, and
 prints the scaling efficiency step(1) / step(N) next to its bound.
 
-With --codecs none,bf16,int8 it instead trains on N processes once per wire
-codec of allreduce_gradients(compression=...) for the same steps and prints,
+With --codecs none,bf16,int8,powersgd4 it instead trains on N processes once
+per wire codec of allreduce_gradients(compression=...) (powersgd<r>:
+herring_jax.powersgd of rank r instead) for the same steps and prints,
 for each, the held-out loss (and its distance from the uncompressed run's),
 the median step and the bytes each process's transport sent per step;
 --plot draws the held-out loss against the steps. On one host (no --netns in
@@ -107,9 +108,11 @@ _CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, 
 
 
 def _run_codec(args, codec: str, env: dict) -> dict:
+    how = (["--powersgd-rank", codec[len("powersgd"):]] if codec.startswith("powersgd")
+           else ["--compression", codec])
     proc = _run_script(args, args.num_processes,
-                       ["--reduce", "herring", "--compression", codec, "--steps",
-                        str(args.steps), "--log-every", str(args.log_every)], env)
+                       ["--reduce", "herring", *how, "--steps", str(args.steps), "--log-every",
+                        str(args.log_every)], env)
     done = _CODEC_DONE.search(proc.stdout)
     if proc.returncode != 0 or done is None:
         tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
@@ -124,10 +127,11 @@ def run_codecs(args: argparse.Namespace) -> int:
     """--codecs: one N-process training run per codec; table, JSON and plot."""
     from herring_jax._src import codecs as codecs_lib
     names = [c for c in args.codecs.split(",") if c]
-    unknown = [c for c in names if c not in codecs_lib.CODECS]
+    unknown = [c for c in names if c not in codecs_lib.CODECS
+               and not re.fullmatch(r"powersgd[1-9]\d*", c)]
     if unknown or not names:
         print(f"herring-jax train-bench: unknown codecs {unknown}; known: "
-              f"{', '.join(codecs_lib.CODECS)}", file=sys.stderr)
+              f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>", file=sys.stderr)
         return 2
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
@@ -276,6 +280,10 @@ def run(args: argparse.Namespace) -> int:
     if args.overlap:
         return run_overlap(args)
     if args.codecs:
+        if not os.path.isfile(args.script):
+            print(f"herring-jax train-bench: no training script at {args.script!r}; pass "
+                  "--script", file=sys.stderr)
+            return 2
         return run_codecs(args)
     if args.simulated_accelerator:
         return run_simulated(args)
