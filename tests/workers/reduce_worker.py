@@ -41,7 +41,9 @@ def main() -> int:
     parser.add_argument("--counts", default="0,1,7,4097")
     parser.add_argument("--mib", default="")
     parser.add_argument("--codec", default="none",
-                        help="wire codec of every reduction (float32 leaves travel with it)")
+                        help="wire codec of every reduction (float32 leaves travel with it); "
+                             "a comma-separated list runs every case once per codec, each "
+                             "case named <codec>:<dtype>/<op>/<count>")
     parser.add_argument("--devices", type=int, default=1,
                         help="local devices per process that contribute")
     parser.add_argument("--describe", action="store_true",
@@ -70,21 +72,22 @@ def main() -> int:
         mesh = jax.sharding.Mesh(np.array(devices), ("d",))
         sharding = NamedSharding(mesh, P("d"))
 
-        def make_fn(op):
-            return jax.jit(jax.shard_map(lambda x: herring_jax.allreduce(x, op=op,
-                                                                          codec=args.codec),
+        def make_fn(op, codec):
+            return jax.jit(jax.shard_map(lambda x: herring_jax.allreduce(x, op=op, codec=codec),
                                          mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     fns = {}
-    for salt, (dtype, op, count) in enumerate(cases(args)):
+    codecs = args.codec.split(",")
+    all_cases = [(c, case) for c in codecs for case in cases(args)]
+    for salt, (wire, (dtype, op, count)) in enumerate(all_cases):
         mine = [common.make_input(dtype, count, rank * ndev + d, salt) for d in range(ndev)]
         if ndev == 1:
-            got = [np.asarray(herring_jax.allreduce(mine[0], op=op, codec=args.codec))]
+            got = [np.asarray(herring_jax.allreduce(mine[0], op=op, codec=wire))]
         else:
             local = np.stack(mine)  # (ndev, count): one row per local device
             x = jax.make_array_from_process_local_data(sharding, local,
                                                        (nproc * ndev, count))
-            fn = fns.setdefault(op, make_fn(op))
+            fn = fns.setdefault((op, wire), make_fn(op, wire))
             out = fn(x)
             got = [np.asarray(s.data)[0] for s in sorted(out.addressable_shards,
                                                          key=lambda s: s.device.id)]
@@ -97,15 +100,15 @@ def main() -> int:
             inputs = [[common.make_input(dtype, count, p * ndev + d, salt)
                        for d in range(ndev)] for p in range(nproc)]
             hosts = common.hosts_from_env(nproc)
-            codec = args.codec if dtype == "float32" else "none"
+            codec = wire if dtype == "float32" else "none"
             want = common.reference(dtype, op, inputs, hosts, codec=codec)
             ok = ok and common.bitwise_equal(got[0], want)
             if codec != "none":
                 # Whether the codec lost anything: the exact reduction's bits.
                 exact = common.reference(dtype, op, inputs, hosts)
                 extra["exact"] = common.bitwise_equal(got[0], exact)
-        common.report(f"{dtype}/{op}/{count}", ok, digest=common.digest(got[0]),
-                      devices=len(got), **extra)
+        name = f"{dtype}/{op}/{count}" if len(codecs) == 1 else f"{wire}:{dtype}/{op}/{count}"
+        common.report(name, ok, digest=common.digest(got[0]), devices=len(got), **extra)
     if args.describe:
         common.report("describe", True, describe=herring_jax.describe())
     if args.stats:
