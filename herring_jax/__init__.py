@@ -31,5 +31,7 @@ from herring_jax._src.optax_transform import CompressedGradientsState as Compres
 from herring_jax._src.optax_transform import allreduce_gradients as allreduce_gradients  # noqa: E402
 from herring_jax._src.powersgd import PowerSGDState as PowerSGDState  # noqa: E402
 from herring_jax._src.powersgd import powersgd as powersgd  # noqa: E402
+from herring_jax._src.topk import TopKState as TopKState  # noqa: E402
+from herring_jax._src.topk import topk as topk  # noqa: E402
 
 __version__ = "0.1.0"
