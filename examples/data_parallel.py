@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--powersgd-rank", type=int, default=0,
                         help="--reduce herring: average the gradients with herring_jax.powersgd "
                              "of this rank instead of allreduce_gradients (0: off)")
+    parser.add_argument("--topk-fraction", type=float, default=0.0,
+                        help="--reduce herring: average the gradients with herring_jax.topk "
+                             "sending this share of each leaf (with error feedback) instead of "
+                             "allreduce_gradients (0: off)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -48,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def compression_name(args) -> str:
+    if args.topk_fraction:
+        return f"topk{args.topk_fraction:g}"
     return f"powersgd{args.powersgd_rank}" if args.powersgd_rank else args.compression
 
 
@@ -63,8 +69,12 @@ def setup(args) -> jax.sharding.Mesh:
 def make_trainer(mesh, args, loss_fn, init_fn):
     """Returns (params, opt_state, step(params, opt_state, batch) -> (..., loss))."""
     if args.reduce == "herring":
-        grad_tx = (herring_jax.powersgd(args.powersgd_rank, "data") if args.powersgd_rank
-                   else herring_jax.allreduce_gradients("data", compression=args.compression))
+        if args.topk_fraction:
+            grad_tx = herring_jax.topk(args.topk_fraction, "data")
+        elif args.powersgd_rank:
+            grad_tx = herring_jax.powersgd(args.powersgd_rank, "data")
+        else:
+            grad_tx = herring_jax.allreduce_gradients("data", compression=args.compression)
         mean = herring_jax.pmean
     elif args.reduce == "native":
         grad_tx = optax.GradientTransformation(

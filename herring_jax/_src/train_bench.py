@@ -22,7 +22,8 @@ prints the scaling efficiency step(1) / step(N) next to its bound.
 
 With --codecs none,bf16,int8,powersgd4 it instead trains on N processes once
 per wire codec of allreduce_gradients(compression=...) (powersgd<r>:
-herring_jax.powersgd of rank r instead) for the same steps and prints,
+herring_jax.powersgd of rank r instead; topk<f>: herring_jax.topk sending
+the share f of each leaf, e.g. topk0.01) for the same steps and prints,
 for each, the held-out loss (and its distance from the uncompressed run's),
 the median step and the bytes each process's transport sent per step;
 --plot draws the held-out loss against the steps. On one host (no --netns in
@@ -104,12 +105,22 @@ def _run_one(args, n: int, reducer: str) -> dict:
 
 _STEP = re.compile(r"step +(\d+) +loss \S+ +step \S+ ms +held-out loss ([\d.naif]+)")
 _CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, compression "
-                         r"(\w+), sent ([\d.]+) MiB per step")
+                         r"(\S+), sent ([\d.]+) MiB per step")
+
+
+def _topk_name(name: str) -> bool:
+    """topk<fraction>, the fraction in (0, 1]."""
+    m = re.fullmatch(r"topk(\d*\.?\d+(?:e-?\d+)?)", name)
+    return bool(m) and 0 < float(m.group(1)) <= 1
 
 
 def _run_codec(args, codec: str, env: dict) -> dict:
-    how = (["--powersgd-rank", codec[len("powersgd"):]] if codec.startswith("powersgd")
-           else ["--compression", codec])
+    if codec.startswith("powersgd"):
+        how = ["--powersgd-rank", codec[len("powersgd"):]]
+    elif codec.startswith("topk"):
+        how = ["--topk-fraction", codec[len("topk"):]]
+    else:
+        how = ["--compression", codec]
     proc = _run_script(args, args.num_processes,
                        ["--reduce", "herring", *how, "--steps", str(args.steps), "--log-every",
                         str(args.log_every)], env)
@@ -128,10 +139,11 @@ def run_codecs(args: argparse.Namespace) -> int:
     from herring_jax._src import codecs as codecs_lib
     names = [c for c in args.codecs.split(",") if c]
     unknown = [c for c in names if c not in codecs_lib.CODECS
-               and not re.fullmatch(r"powersgd[1-9]\d*", c)]
+               and not re.fullmatch(r"powersgd[1-9]\d*", c) and not _topk_name(c)]
     if unknown or not names:
         print(f"herring-jax train-bench: unknown codecs {unknown}; known: "
-              f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>", file=sys.stderr)
+              f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>, topk<fraction> (e.g. "
+              "topk0.01)", file=sys.stderr)
         return 2
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
@@ -149,11 +161,11 @@ def run_codecs(args: argparse.Namespace) -> int:
             print(f"herring-jax train-bench: {e}", file=sys.stderr)
             return 1
         results.append(r)
-        print(f"  {codec:>5}: held-out loss {r['held_out_loss']:.4f}, median step "
+        print(f"  {codec:>9}: held-out loss {r['held_out_loss']:.4f}, median step "
               f"{r['median_step_ms']:.1f} ms, {r['sent_mib_per_step']:.3f} MiB sent per step",
               flush=True)
     base = next((r for r in results if r["codec"] == "none"), None)
-    print(f"{'codec':>6} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
+    print(f"{'codec':>9} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
           f"{'bytes x':>8}")
     for r in results:
         if base:
@@ -161,7 +173,7 @@ def run_codecs(args: argparse.Namespace) -> int:
             r["bytes_reduction"] = base["sent_mib_per_step"] / max(r["sent_mib_per_step"], 1e-9)
         vs = f"{r['loss_vs_none']:+.2%}" if base else "-"
         fewer = f"{r['bytes_reduction']:.2f}" if base else "-"
-        print(f"{r['codec']:>6} {r['held_out_loss']:>9.4f} {vs:>8} {r['median_step_ms']:>8.1f} "
+        print(f"{r['codec']:>9} {r['held_out_loss']:>9.4f} {vs:>8} {r['median_step_ms']:>8.1f} "
               f"{r['sent_mib_per_step']:>9.3f} {fewer:>8}")
     if args.plot:
         import matplotlib
