@@ -30,6 +30,9 @@ def cases(args):
             itemsize = common.NP_DTYPES[dtype].itemsize
             counts = [int(c) for c in args.counts.split(",") if c]
             counts += [int(float(m) * 2**20) // itemsize for m in args.mib.split(",") if m]
+            if dtype in args.big_dtypes.split(","):
+                counts += [int(float(m) * 2**20) // itemsize
+                           for m in args.big_mib.split(",") if m]
             for count in counts:
                 yield dtype, op, count
 
@@ -40,6 +43,10 @@ def main() -> int:
     parser.add_argument("--ops", default="sum,mean")
     parser.add_argument("--counts", default="0,1,7,4097")
     parser.add_argument("--mib", default="")
+    parser.add_argument("--big-mib", default="",
+                        help="sizes in MiB for --big-dtypes only (the largest sizes cost most "
+                             "in the numpy reference, and chunking does not depend on dtype)")
+    parser.add_argument("--big-dtypes", default="float32")
     parser.add_argument("--codec", default="none",
                         help="wire codec of every reduction (float32 leaves travel with it); "
                              "a comma-separated list runs every case once per codec, each "
