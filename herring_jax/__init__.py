@@ -10,28 +10,63 @@ Examples:
   >>> herring_jax.allreduce(jnp.ones(4), op="mean")  # doctest: +SKIP
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from herring_jax._src import fabric_env as _fabric_env
 
 _fabric_env.prepare()  # before anything starts a thread; see fabric_env.py
 
-from herring_jax._src.errors import HerringError as HerringError  # noqa: E402
-from herring_jax._src.errors import herring_errors as herring_errors  # noqa: E402
-from herring_jax._src.runtime import initialize as initialize  # noqa: E402
-from herring_jax._src.runtime import shutdown as shutdown  # noqa: E402
-from herring_jax._src.runtime import describe as describe  # noqa: E402
-from herring_jax._src.runtime import stats as stats  # noqa: E402
-from herring_jax._src.runtime import process_count as process_count  # noqa: E402
-from herring_jax._src.runtime import process_index as process_index  # noqa: E402
-from herring_jax._src.allreduce import allreduce as allreduce  # noqa: E402
-from herring_jax._src.broadcast import broadcast as broadcast  # noqa: E402
-from herring_jax._src.psum import pmean as pmean  # noqa: E402
-from herring_jax._src.psum import psum as psum  # noqa: E402
-from herring_jax._src.optax_transform import AllReduceGradientsState as AllReduceGradientsState  # noqa: E402
-from herring_jax._src.optax_transform import CompressedGradientsState as CompressedGradientsState  # noqa: E402
-from herring_jax._src.optax_transform import allreduce_gradients as allreduce_gradients  # noqa: E402
-from herring_jax._src.powersgd import PowerSGDState as PowerSGDState  # noqa: E402
-from herring_jax._src.powersgd import powersgd as powersgd  # noqa: E402
-from herring_jax._src.topk import TopKState as TopKState  # noqa: E402
-from herring_jax._src.topk import topk as topk  # noqa: E402
+# The public names, loaded on first use (PEP 562): `herring-jax launch` and
+# the other commands import this package to reach herring_jax._src, and
+# importing jax for them would cost every launch about a second.
+_EXPORTS = {
+    "HerringError": "errors",
+    "herring_errors": "errors",
+    "initialize": "runtime",
+    "shutdown": "runtime",
+    "describe": "runtime",
+    "stats": "runtime",
+    "process_count": "runtime",
+    "process_index": "runtime",
+    "allreduce": "allreduce",
+    "broadcast": "broadcast",
+    "pmean": "psum",
+    "psum": "psum",
+    "AllReduceGradientsState": "optax_transform",
+    "CompressedGradientsState": "optax_transform",
+    "allreduce_gradients": "optax_transform",
+    "PowerSGDState": "powersgd",
+    "powersgd": "powersgd",
+    "TopKState": "topk",
+    "topk": "topk",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # what static analysis and IDEs see
+    from herring_jax._src.allreduce import allreduce
+    from herring_jax._src.broadcast import broadcast
+    from herring_jax._src.errors import HerringError, herring_errors
+    from herring_jax._src.optax_transform import (AllReduceGradientsState,
+                                                  CompressedGradientsState, allreduce_gradients)
+    from herring_jax._src.powersgd import PowerSGDState, powersgd
+    from herring_jax._src.psum import pmean, psum
+    from herring_jax._src.runtime import (describe, initialize, process_count, process_index,
+                                          shutdown, stats)
+    from herring_jax._src.topk import TopKState, topk
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'herring_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"herring_jax._src.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __version__ = "0.1.0"
