@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--powersgd-rank", type=int, default=0,
                         help="--reduce herring: average the gradients with herring_jax.powersgd "
                              "of this rank instead of allreduce_gradients (0: off)")
+    parser.add_argument("--powersgd-warmup", type=int, default=0,
+                        help="with --powersgd-rank: average exactly for this many first steps")
     parser.add_argument("--topk-fraction", type=float, default=0.0,
                         help="--reduce herring: average the gradients with herring_jax.topk "
                              "sending this share of each leaf (with error feedback) instead of "
@@ -72,7 +74,8 @@ def make_trainer(mesh, args, loss_fn, init_fn):
         if args.topk_fraction:
             grad_tx = herring_jax.topk(args.topk_fraction, "data")
         elif args.powersgd_rank:
-            grad_tx = herring_jax.powersgd(args.powersgd_rank, "data")
+            grad_tx = herring_jax.powersgd(args.powersgd_rank, "data",
+                                           warmup_steps=args.powersgd_warmup)
         else:
             grad_tx = herring_jax.allreduce_gradients("data", compression=args.compression)
         mean = herring_jax.pmean

@@ -33,10 +33,13 @@ from herring_jax._src.psum import pmean
 
 class PowerSGDState(NamedTuple):
     """Per leaf: the warm-start factor Q (cols x rank; () for leaves reduced
-    exactly) and the error-feedback residual (the leaf's shape; ())."""
+    exactly) and the error-feedback residual (the leaf's shape; ()); and the
+    number of updates so far (int32, counted up to the end of the exact
+    warm-up)."""
 
     q: Any
     residual: Any
+    count: Any = None
 
 
 def _matrix_shape(shape) -> tuple[int, int]:
@@ -49,7 +52,8 @@ def _matrix_shape(shape) -> tuple[int, int]:
 
 
 def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
-             error_feedback: bool = True, seed: int = 0) -> optax.GradientTransformation:
+             error_feedback: bool = True, seed: int = 0,
+             warmup_steps: int = 0) -> optax.GradientTransformation:
     """Averages gradients across workers as rank-``rank`` approximations.
 
     Use it first in an ``optax.chain`` instead of ``allreduce_gradients``.
@@ -66,6 +70,10 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
         to its next gradient (needed for convergence in practice).
       seed: the initial Q of every leaf comes from it, the same on every
         worker (the factors of different workers must agree).
+      warmup_steps: the first ``warmup_steps`` updates average every leaf
+        exactly, as PyTorch's ``start_powerSGD_iter`` does; each of them
+        sends the uncompressed bytes. (On examples/train_lm.py with adamw
+        it did not narrow the loss gap: see BENCHMARKS.md.)
 
     Returns:
       An ``optax.GradientTransformation`` whose state (``PowerSGDState``) holds
@@ -74,6 +82,8 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
     """
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be 0 or more, got {warmup_steps}")
 
     def mean(tree):
         if axis_name is None:
@@ -101,10 +111,24 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
                 qs.append(jnp.zeros((), jnp.float32))
                 residuals.append(jnp.zeros((), jnp.float32))
         return PowerSGDState(jax.tree_util.tree_unflatten(treedef, qs),
-                             jax.tree_util.tree_unflatten(treedef, residuals))
+                             jax.tree_util.tree_unflatten(treedef, residuals),
+                             jnp.zeros((), jnp.int32))
 
     def update_fn(updates, state, params=None):
         del params
+        if state.count is None:
+            raise ValueError("this PowerSGDState has no update count: make it with "
+                             "herring_jax.powersgd(...).init(params)")
+        # Counts up to warmup_steps and stays there (no int32 wrap-around).
+        count = jnp.where(state.count < warmup_steps, state.count + 1, state.count)
+        if warmup_steps == 0:
+            return compressed_update(updates, state._replace(count=count))
+        # Every process takes the same branch: count is the same everywhere.
+        return jax.lax.cond(state.count < warmup_steps,
+                            lambda u, st: (mean(u), st),
+                            compressed_update, updates, state._replace(count=count))
+
+    def compressed_update(updates, state):
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         qs = treedef.flatten_up_to(state.q)
         residuals = treedef.flatten_up_to(state.residual)
@@ -133,6 +157,7 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
                     new_residual[i] = (ms[i] - approx).reshape(leaves[i].shape)
         return (jax.tree_util.tree_unflatten(treedef, out),
                 PowerSGDState(jax.tree_util.tree_unflatten(treedef, new_q),
-                              jax.tree_util.tree_unflatten(treedef, new_residual)))
+                              jax.tree_util.tree_unflatten(treedef, new_residual),
+                              state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
