@@ -255,3 +255,37 @@ def test_python_api_argument_errors_and_cli():
                        timeout=60, cwd=_CWD, check=False)
     assert p.returncode == 0, p.stderr
     assert sorted(p.stdout.splitlines()) == ["[rank 0] hello from 0", "[rank 1] hello from 1"]
+
+
+def test_ranks_other_than_0_wait_for_the_coordinators_port():
+    # herring_jax.initialize() on ranks > 0 waits until process 0's
+    # coordination service listens before it calls jax.distributed (whose
+    # client would otherwise sleep out gRPC's one-second reconnect backoff).
+    import socket
+    import threading
+
+    from herring_jax._src.runtime import _wait_for_coordinator
+
+    with socket.socket() as probe:  # a free port, closed again at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    listening = threading.Event()
+    server = socket.socket()
+
+    def listen_later():
+        time.sleep(0.5)
+        server.bind(("127.0.0.1", port))
+        server.listen()
+        listening.set()
+
+    thread = threading.Thread(target=listen_later)
+    thread.start()
+    try:
+        _wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=60)
+        assert listening.is_set(), "returned before anything listened on the port"
+    finally:
+        thread.join()
+        server.close()
+    # Nothing listening: it gives up after its timeout, without raising, and
+    # leaves the error to jax.distributed.
+    _wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=0.2)

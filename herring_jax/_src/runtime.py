@@ -13,6 +13,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 
 import jax
 
@@ -107,6 +108,30 @@ def _local_address_towards(coordinator: str | None) -> str:
         return "127.0.0.1"
 
 
+def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
+    """Returns once the coordinator's port accepts connections (or after
+    timeout_s; jax.distributed then reports what is wrong itself).
+
+    The processes of a job start together, and the others usually ask before
+    process 0's coordination service listens: jax's client then waits out
+    gRPC's reconnect backoff, a whole second, before it asks again. A plain
+    TCP connect every 10 ms costs nothing and lets initialize() go on as soon
+    as the service is up."""
+    host, _, port = coordinator.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        address = (host, int(port))
+    except ValueError:
+        return  # not host:port; jax.distributed names the problem
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(address, timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.01)
+
+
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
     """Starts herring_jax in this process. Idempotent.
@@ -149,6 +174,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if process_id is None:
             process_id = knobs.get("HERRING_PROCESS_ID")
         if not jax.distributed.is_initialized():
+            if coordinator_address and process_id not in (None, 0):
+                _wait_for_coordinator(coordinator_address, knobs.get("HERRING_INIT_TIMEOUT_S"))
             try:
                 jax.distributed.initialize(coordinator_address=coordinator_address,
                                            num_processes=num_processes, process_id=process_id)
