@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="what follows the gradient reduction in the optax chain (sgd: "
+                             "with momentum 0.9, the setting of the PowerSGD paper; give it "
+                             "its own --lr)")
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default=None,
@@ -87,7 +91,9 @@ def make_trainer(mesh, args, loss_fn, init_fn):
         grad_tx = optax.identity()
         def mean(x, _axis):
             return x
-    tx = optax.chain(grad_tx, optax.adamw(args.lr))
+    optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
+                 else optax.adamw(args.lr))
+    tx = optax.chain(grad_tx, optimizer)
 
     def local_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
