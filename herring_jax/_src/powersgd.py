@@ -51,6 +51,14 @@ def _matrix_shape(shape) -> tuple[int, int]:
     return min(splits, key=lambda rc: (rc[0] + rc[1], rc[0]))
 
 
+def workers_mean(tree, axis_name):
+    """The mean of `tree` over the workers: processes (axis_name None) or a
+    mesh axis inside shard_map."""
+    if axis_name is None:
+        return allreduce(tree, op="mean")
+    return pmean(tree, axis_name)
+
+
 def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
              error_feedback: bool = True, seed: int = 0,
              warmup_steps: int = 0) -> optax.GradientTransformation:
@@ -86,9 +94,7 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
         raise ValueError(f"warmup_steps must be 0 or more, got {warmup_steps}")
 
     def mean(tree):
-        if axis_name is None:
-            return allreduce(tree, op="mean")
-        return pmean(tree, axis_name)
+        return workers_mean(tree, axis_name)
 
     def compressed(x) -> bool:
         if np.ndim(x) < 2 or np.dtype(x.dtype) != np.float32:

@@ -93,12 +93,17 @@ def cuda_handler_built() -> bool:
     return bool(_ext.cuda_registrations())
 
 
+def _split_address(coordinator: str) -> tuple[str, str]:
+    """``host:port`` (or ``[v6]:port``) -> (host, port); host defaults to 127.0.0.1."""
+    host, _, port = coordinator.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", port
+
+
 def _local_address_towards(coordinator: str | None) -> str:
     """The local IP this host uses to reach the coordinator (no packet is sent)."""
     if not coordinator:
         return "127.0.0.1"
-    host, _, port = coordinator.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
+    host, port = _split_address(coordinator)
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -117,8 +122,7 @@ def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
     gRPC's reconnect backoff, a whole second, before it asks again. A plain
     TCP connect every 10 ms costs nothing and lets initialize() go on as soon
     as the service is up."""
-    host, _, port = coordinator.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
+    host, port = _split_address(coordinator)
     try:
         address = (host, int(port))
     except ValueError:

@@ -33,7 +33,8 @@ import optax
 
 from herring_jax._src import runtime
 from herring_jax._src.allreduce import allreduce
-from herring_jax._src.psum import pmean, psum
+from herring_jax._src.powersgd import workers_mean
+from herring_jax._src.psum import psum
 
 
 class TopKState(NamedTuple):
@@ -123,9 +124,7 @@ def topk(fraction: float, axis_name=None, *, min_compression: float = 2.0,
         return allreduce(buf) if axis_name is None else psum(buf, axis_name)
 
     def mean(tree):
-        if axis_name is None:
-            return allreduce(tree, op="mean")
-        return pmean(tree, axis_name)
+        return workers_mean(tree, axis_name)
 
     def update_fn(updates, state, params=None):
         del params

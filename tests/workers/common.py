@@ -53,6 +53,13 @@ def make_input(dtype: str, count: int, contributor: int, salt: int) -> np.ndarra
         NP_DTYPES[dtype])
 
 
+def make_tree(shapes: dict, contributor: int, step: int) -> dict:
+    """float32 gradients of a worker at a step: one make_input leaf per name
+    of `shapes`, each with its own salt (names in sorted order)."""
+    return {k: make_input("float32", int(np.prod(s)), contributor, step * 3 + i).reshape(s)
+            for i, (k, s) in enumerate(sorted(shapes.items()))}
+
+
 def _acc_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.float32) if dtype in ("bfloat16", "float16") else NP_DTYPES[dtype]
 

@@ -29,8 +29,7 @@ RANK = 2
 
 
 def grads(rank: int, step: int) -> dict:
-    return {k: common.make_input("float32", int(np.prod(s)), rank, step * 3 + i).reshape(s)
-            for i, (k, s) in enumerate(sorted(SHAPES.items()))}
+    return common.make_tree(SHAPES, rank, step)
 
 
 def check(tx_warmup: int, steps: int, rank: int, nproc: int) -> bool:

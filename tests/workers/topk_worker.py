@@ -32,8 +32,7 @@ FRACTION = 0.05
 
 
 def grads(worker: int, step: int) -> dict:
-    return {k: common.make_input("float32", int(np.prod(s)), worker, step * 3 + i).reshape(s)
-            for i, (k, s) in enumerate(sorted(SHAPES.items()))}
+    return common.make_tree(SHAPES, worker, step)
 
 
 def main() -> int:
