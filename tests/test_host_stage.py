@@ -82,3 +82,20 @@ def test_a_process_whose_memory_cannot_be_read_turns_its_host_to_the_transport()
     for s in _extra(run, "stats"):
         assert s["stats"]["host_stage_calls"] == 0, s
     assert "reduce over the transport, not through memory" in run.stderr, run.explain()
+
+
+@pytest.mark.parametrize("slow_rank", [0, 3])
+def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slow_rank):
+    # The slow rank reads the others' slices of the last result about 0.8 s
+    # after they returned; they shut down and leave at once (os._exit, no
+    # jax.distributed barrier). Shutting down must wait for that read: freed
+    # staging would give wrong bits, an exited owner an error.
+    run = launch("reduce_worker.py",
+                 ["--dtypes", "int32,float32", "--ops", "sum", "--counts", "4097",
+                  "--mib", "4", "--slow-reader-rank", str(slow_rank), "--exit-after-shutdown",
+                  "--stats"],
+                 nproc=4)
+    digests = assert_all_ok(run, expected_cases=5)
+    assert all(len(d) == 1 for d in digests.values()), digests
+    for s in _extra(run, "stats"):
+        assert s["stats"]["host_stage_calls"] == s["stats"]["reductions"] == 4, s

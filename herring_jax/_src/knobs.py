@@ -98,6 +98,9 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_STALE_COPIES", False, _bool,
              "Tests only: before each data message, send a copy with another job's token, "
              "which the receiver must drop."),
+        Knob("HERRING_TEST_GATHER_DELAY_MS", 0, _non_negative_int,
+             "Tests only: each host-stage call of this process waits this many ms before "
+             "reading the other processes' result slices (a slow reader)."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError ends the process at once (status 1) instead of "
              "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "

@@ -85,6 +85,11 @@ def jit_dead_peer(rank: int, mode: str) -> None:
     for _ in range(2):
         params, opt_state = step(params, opt_state, x)
     jax.block_until_ready(params)
+    # Rank 1 dies between steps: only once every rank has its second step's
+    # result (a process that leaves while a peer still reads its slice fails
+    # that peer's step instead, with another message).
+    from herring_jax._src import jax_compat
+    jax_compat.distributed_client().wait_at_barrier("jit-dead-peer-warm", 60_000)
     if rank == 1:
         sys.stdout.flush()
         os._exit(0)

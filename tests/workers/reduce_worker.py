@@ -60,6 +60,14 @@ def main() -> int:
     parser.add_argument("--deny-reads-rank", type=int, default=-1,
                         help="this rank reports that its memory cannot be read (its host "
                              "must then reduce over the transport)")
+    parser.add_argument("--slow-reader-rank", type=int, default=-1,
+                        help="this rank waits --slow-reader-ms in every host-stage call "
+                             "before it reads the others' result slices")
+    parser.add_argument("--slow-reader-ms", type=int, default=800)
+    parser.add_argument("--exit-after-shutdown", action="store_true",
+                        help="end with os._exit(0) right after herring_jax.shutdown(): "
+                             "no jax.distributed shutdown barrier holds the memory of a "
+                             "process that is done")
     parser.add_argument("--idle-s", type=float, default=0.0,
                         help="then stay idle this long and report the heartbeats sent meanwhile")
     args = parser.parse_args()
@@ -67,6 +75,8 @@ def main() -> int:
     jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
     if os.environ.get("HERRING_PROCESS_ID") == str(args.deny_reads_rank):
         os.environ["HERRING_TEST_DENY_MEMORY_READS"] = "1"
+    if os.environ.get("HERRING_PROCESS_ID") == str(args.slow_reader_rank):
+        os.environ["HERRING_TEST_GATHER_DELAY_MS"] = str(args.slow_reader_ms)
     herring_jax.initialize()
     rank, nproc = herring_jax.process_index(), herring_jax.process_count()
     ndev = args.devices
@@ -129,6 +139,10 @@ def main() -> int:
         time.sleep(args.idle_s)
         common.report("idle", True, heartbeats_sent=herring_jax.stats()["heartbeats_sent"] - before)
     herring_jax.shutdown()
+    if args.exit_after_shutdown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -84,6 +84,12 @@ class BasicPooledBuffer {
   }
   char* data() const { return static_cast<char*>(ptr_.get()); }
   bool ok() const { return ptr_ != nullptr; }
+  // Gives the memory up for good: never reused, never freed (another process
+  // may still read it; see Communicator::~Communicator).
+  void Leak() {
+    (void)ptr_.release();
+    pool_ = nullptr;
+  }
 
  private:
   Pool* pool_ = nullptr;

@@ -59,6 +59,13 @@ std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Sta
 Communicator::Communicator(const CommConfig& config) : config_(config) {}
 
 Communicator::~Communicator() {
+  // Other processes of the host may still be reading the last results'
+  // slices: everything below (heartbeats included) keeps running until they
+  // are done.
+  if (DrainLingering() > 0) {
+    std::fprintf(stderr, "herring_jax rank %d: shutting down while another process of this "
+                 "host has not said it read this one's last results\n", config_.rank);
+  }
   {
     std::lock_guard<std::mutex> lock(heartbeat_mu_);
     heartbeat_stop_ = true;
@@ -75,6 +82,19 @@ Communicator::~Communicator() {
   // transport_ (Fail calls StopWaiting): it must stay set until they are done.
   transport_->Shutdown();
   transport_.reset();
+  // Memory that another process may still read is never freed (a freed
+  // buffer stays mapped and is reused: the reader would get wrong bytes and
+  // succeed): the staging of failed host-stage calls, and of successful ones
+  // whose readers did not all finish.
+  std::lock_guard<std::mutex> lingering_lock(lingering_mu_);
+  for (const std::unique_ptr<Batch>& b : lingering_) {
+    std::lock_guard<std::mutex> batch_lock(b->mu);
+    if (!SlicesRead(*b)) {
+      for (PooledBuffer& buffer : b->host->staging) buffer.Leak();
+    }
+  }
+  std::lock_guard<std::mutex> kept_lock(kept_mu_);
+  for (PooledBuffer& buffer : kept_staging_) buffer.Leak();
 }
 
 bool Communicator::ShuttingDown() {

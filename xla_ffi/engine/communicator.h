@@ -48,6 +48,9 @@ struct CommConfig {
   // Tests only: before every data message, send one copy with a stale job
   // token, which the receiver must drop (and re-post its receive for).
   bool test_stale_copies = false;
+  // Tests only: each host-stage call sleeps this long before it gathers the
+  // other processes' result slices (a slow reader).
+  int test_gather_delay_ms = 0;
 };
 
 // One buffer to reduce. `in` holds this process's contribution (already summed
@@ -159,6 +162,15 @@ class Communicator {
   // receives of kHostDone) lingers until then. Linger frees the lingering
   // batches that have finished and adds `batch`.
   void Linger(std::unique_ptr<Batch> batch);
+  // Whether no other process can read `batch`'s staging any more: each has
+  // said it read it (kHostDone) or has exited. False once a receive of
+  // kHostDone was cancelled (the batch failed): the reader may still be at it.
+  bool SlicesRead(const Batch& batch) const;
+  // Before shutdown: waits (up to timeout_s) until every lingering batch's
+  // slices are read (SlicesRead, or the batch failed); says so on stderr when
+  // that takes over a few seconds. Does not wait once the communicator is
+  // broken. Returns how many were still waited for.
+  size_t DrainLingering();
   std::chrono::steady_clock::time_point Deadline() const;  // now + timeout_s
   // Batches in flight are visible to aborts, the peer watch and heartbeats.
   void Activate(Batch* batch);

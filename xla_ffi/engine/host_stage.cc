@@ -43,11 +43,20 @@
 //   failed call keeps its staging buffers as long as the communicator lives
 //   (a reader may still be at it). So a process whose peer failed can read
 //   stale bytes only in a call that fails.
+// - Shutting down does not cut a slow reader short: the communicator first
+//   waits until every lingering slice was read or its reader exited
+//   (DrainLingering), and what may still be read is never freed
+//   (~Communicator). A process that exits without shutting down (os._exit)
+//   makes a reader still at its slice fail with an error naming it (ESRCH),
+//   never read wrong bytes; a normal exit passes jax.distributed's shutdown
+//   barrier, which waits for every process.
 // - A dead process is named: its memory can no longer be read (ESRCH), and the
 //   peer watch sees its heartbeats stop.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/batch.h"
@@ -415,6 +424,9 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   // 5. all-gather, in the order the slices become ready.
   std::vector<bool> gathered(p, false);
   gathered[me] = true;
+  if (ok && config_.test_gather_delay_ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(config_.test_gather_delay_ms));
+  }
   for (int left = p - 1; ok && left > 0; --left) {
     int next = -1;
     w.waiting = 1;
@@ -470,6 +482,50 @@ void Communicator::Linger(std::unique_ptr<Batch> batch) {
   lingering_.erase(std::remove_if(lingering_.begin(), lingering_.end(), finished),
                    lingering_.end());
   lingering_.push_back(std::move(batch));
+}
+
+bool Communicator::SlicesRead(const Batch& batch) const {
+  const HostWait& w = *batch.host;
+  if (batch.failed) return false;
+  for (int q = 0; q < w.size(); ++q) {
+    if (q != w.me && !w.Got(q, 2) && !ProcessExited(w.pids[q])) return false;
+  }
+  return true;
+}
+
+size_t Communicator::DrainLingering() {
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = Deadline();
+  bool said = false;
+  size_t left = 0;
+  {
+    // After a failure, readers may never answer (the job is broken): what
+    // they may still read stays allocated (~Communicator), nothing waits.
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (!broken_.empty()) return 0;
+  }
+  std::lock_guard<std::mutex> lock(lingering_mu_);
+  for (const std::unique_ptr<Batch>& b : lingering_) {
+    std::unique_lock<std::mutex> batch_lock(b->mu);
+    // A cancelled receive of kHostDone (the batch failed) never completes:
+    // nothing to wait for, its staging stays (~Communicator).
+    while (!b->failed && !SlicesRead(*b)) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now >= deadline) {
+        ++left;
+        break;
+      }
+      if (!said && now - start > std::chrono::seconds(5)) {
+        said = true;
+        std::fprintf(stderr, "herring_jax rank %d: shutting down waits for the other processes "
+                     "of this host to read its last results (up to HERRING_TIMEOUT_S=%g s)\n",
+                     config_.rank, config_.timeout_s);
+      }
+      // kHostDone notifies; an exited reader is polled.
+      b->cv.wait_until(batch_lock, std::min(deadline, now + std::chrono::milliseconds(10)));
+    }
+  }
+  return left;
 }
 
 }  // namespace herring::engine
