@@ -56,12 +56,18 @@ def mismatch(got: np.ndarray, expected: np.ndarray) -> str | None:
             f"expected {expected[i]}")
 
 
-def measure(peer, local, expected, iters: int, warmup: int) -> tuple[list[float], list[dict]]:
+def measure(peer, local, expected, iters: int, warmup: int,
+            barrier=None) -> tuple[list[float], list[dict]]:
     """Runs peer `warmup` times, then `iters` timed times; checks every run.
 
     A wrong result in any run counts, not only in the last: a reduction that
     is right once and wrong the next time (a reused buffer, a race) is the
     kind of bug a benchmark runs into first.
+
+    `barrier(k)`, when given, runs before timed run k, untimed: every rank
+    then starts the run together, so no rank's time includes waiting for a
+    rank still checking the previous result (as collective benchmarks such
+    as the OSU suite and nccl-tests line ranks up before they time).
 
     Returns:
       (the seconds of each timed run, one {"run": "timed run 2 of 10",
@@ -82,6 +88,8 @@ def measure(peer, local, expected, iters: int, warmup: int) -> tuple[list[float]
     times = []
     for k in range(iters):
         peer.reset()
+        if barrier is not None:
+            barrier(k)
         start = time.perf_counter()
         out = peer.run()
         times.append(time.perf_counter() - start)
@@ -144,6 +152,9 @@ def run_worker(args: argparse.Namespace) -> int:
     herring_jax.initialize()
     rank, n = herring_jax.process_index(), herring_jax.process_count()
     peers = {name: PEERS[name](rank, n) for name in names}
+    # jax.distributed's coordinator lines the ranks up before each timed run
+    # and gathers the figures: neither depends on the code under test.
+    client = jax_compat.distributed_client()
     records = []
     # Same sizes and peers in the same order on every rank: both libraries
     # need collectives issued in one order everywhere.
@@ -157,7 +168,10 @@ def run_worker(args: argparse.Namespace) -> int:
                 want = peer.expected([pattern(count, r) for r in range(n)], stage_hosts(n),
                                      expected)
             before = herring_jax.stats()
-            times, wrong = measure(peer, local, want, args.iters, args.warmup)
+            times, wrong = measure(
+                peer, local, want, args.iters, args.warmup,
+                barrier=lambda k, name=name, mib=mib: client.wait_at_barrier(
+                    f"{KV_PREFIX}/{name}/{mib}/{k}", KV_TIMEOUT_MS))
             after = herring_jax.stats()
             for w in wrong:  # at once too, in case the job never gets to its report
                 print(f"rank {rank}: {report.wrong_line(name, mib, rank, w)}", file=sys.stderr,
@@ -175,7 +189,6 @@ def run_worker(args: argparse.Namespace) -> int:
         del local, expected, want
     # Gathered through jax.distributed's key-value store rather than an
     # all-reduce, so the figures do not depend on the code under test.
-    client = jax_compat.distributed_client()
     # The last entry: this process's peak memory (every peer's buffers and
     # libraries, not herring's alone).
     records.append({"peer": PROCESS_RECORD,
