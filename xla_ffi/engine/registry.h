@@ -29,10 +29,19 @@ class Registry {
     auto it = comms_.find(handle);
     return it == comms_.end() ? nullptr : it->second;
   }
-  // The communicator is destroyed once the last in-flight call lets go.
+  // The communicator is destroyed once the last in-flight call lets go:
+  // here, outside the lock, when none is in flight (its destructor may wait
+  // for the host's other processes, see Communicator::DrainLingering).
   bool Remove(int64_t handle) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return comms_.erase(handle) > 0;
+    std::shared_ptr<Communicator> removed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = comms_.find(handle);
+      if (it == comms_.end()) return false;
+      removed = std::move(it->second);
+      comms_.erase(it);
+    }
+    return true;
   }
 
  private:
