@@ -216,6 +216,11 @@ class FabricTransport final : public Transport {
         return Status::Error(FiError("fi_cq_open", ret));
     } else {
       can_wait_ = true;
+      // tcp's progress is driven by its sockets, which the wait object
+      // watches: nothing is due until one becomes ready or Wake signals the
+      // queue. Other providers may keep timers (ofi_rxd retransmits) and
+      // are read at least every millisecond.
+      block_ms_ = std::string(info_->fabric_attr->prov_name).rfind("tcp", 0) == 0 ? 100 : 1;
     }
     cq_.reset(cq);
 
@@ -291,12 +296,12 @@ class FabricTransport final : public Transport {
 
   void SetPeerUnreachable(int peer) override {
     if (peer >= 0 && static_cast<size_t>(peer) < peers_.size()) unreachable_[peer] = true;
-    work_cv_.notify_one();
+    Wake();
   }
 
   void StopWaiting() override {
     stop_waiting_ = true;
-    work_cv_.notify_one();
+    Wake();
   }
 
   Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov, size_t iov_count,
@@ -317,7 +322,7 @@ class FabricTransport final : public Transport {
     for (Op* op : live_) {
       if (op->is_recv && op->posted.load()) fi_cancel(&ep_->fid, op);
     }
-    work_cv_.notify_one();
+    Wake();
   }
 
   void Shutdown() override {
@@ -331,6 +336,7 @@ class FabricTransport final : public Transport {
       }
       running_ = false;
       work_cv_.notify_all();
+      if (can_wait_) fi_cq_signal(cq_.get());
       progress_.join();
     }
     // The endpoint first: it holds the contexts of operations still posted,
@@ -445,7 +451,7 @@ class FabricTransport final : public Transport {
       if (!may_queue || (lane_pending_[lane] == 0 && HasBudget(*op))) {
         const ssize_t ret = PostToProvider(op);
         if (ret == 0) {
-          work_cv_.notify_one();
+          Wake();
           return Status::Ok();
         }
         if (ret != -FI_EAGAIN) {
@@ -466,7 +472,7 @@ class FabricTransport final : public Transport {
           pending_count_.fetch_add(1);
           ++lane_pending_[lane];
           posts_queued_.fetch_add(1);
-          work_cv_.notify_one();
+          Wake();
           return Status::Ok();
         }
       }
@@ -623,7 +629,11 @@ class FabricTransport final : public Transport {
       }
       return static_cast<int>(n);
     }
-    if (n == -FI_EAGAIN || n == -FI_ETIMEDOUT || n == -FI_EINTR || n == 0) return 0;
+    // -FI_ECANCELED: fi_cq_signal (Wake) interrupted the wait.
+    if (n == -FI_EAGAIN || n == -FI_ETIMEDOUT || n == -FI_EINTR || n == -FI_ECANCELED ||
+        n == 0) {
+      return 0;
+    }
     if (n != -FI_EAVAIL) {
       Fatal(FiError("fi_cq_read", static_cast<int>(n)));
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -666,6 +676,13 @@ class FabricTransport final : public Transport {
     return 1;
   }
 
+  // Wakes the progress thread wherever it waits: on work_cv_, or in
+  // fi_cq_sread (fi_cq_signal).
+  void Wake() {
+    work_cv_.notify_one();
+    if (can_wait_) fi_cq_signal(cq_.get());
+  }
+
   // Drives the provider. Providers such as tcp;ofi_rxm and EFA make progress
   // only when their completion queue is read, so while operations are in
   // flight the thread reads it continuously: blocking in fi_cq_sread where the
@@ -674,12 +691,23 @@ class FabricTransport final : public Transport {
   // the queue every millisecond, so that peers' connection requests and early
   // messages are answered. Some providers' sread spins (shm), which is why an
   // idle endpoint never calls it: an idle process must leave the cores to
-  // XLA and to the other processes. Every round also posts what waits in the
-  // transport's queue.
+  // XLA and to the other processes. Over tcp (block_ms_) the thread sleeps
+  // in sread, idle or not, up to 100 ms, and every post wakes it. Every round
+  // also posts what waits in the transport's queue.
   void ProgressLoop() {
     int idle = 0;
     while (running_) {
       PostQueued();
+      // Never block in sread while posts wait in the queue: shm's sread
+      // does not return within its timeout when nothing completes, and the
+      // queued post that would complete something would never be retried.
+      if (block_ms_ > 1 && pending_count_.load() == 0) {
+        // Idle or not: sleeps in the kernel until a socket is ready or
+        // Wake (a post, a cancel, shutdown); an idle process wakes about
+        // ten times a second instead of a thousand.
+        PollOnce(block_ms_);
+        continue;
+      }
       if (outstanding_.load() == 0) {
         {
           std::unique_lock<std::mutex> lock(work_mu_);
@@ -690,9 +718,6 @@ class FabricTransport final : public Transport {
         idle = 0;
         continue;
       }
-      // Never block in sread while posts wait in the queue: shm's sread
-      // does not return within its timeout when nothing completes, and the
-      // queued post that would complete something would never be retried.
       if (can_wait_ && pending_count_.load() == 0) {
         PollOnce(/*wait_ms=*/1);
         continue;
@@ -721,6 +746,8 @@ class FabricTransport final : public Transport {
   bool need_mr_ = false;
   bool prov_key_ = false;
   bool can_wait_ = false;
+  // How long the progress thread may sleep in fi_cq_sread (can_wait_ only).
+  int block_ms_ = 1;
   std::atomic<uint64_t> next_key_{1};
   std::function<void(const std::string&)> fatal_handler_;
   std::once_flag fatal_once_;
