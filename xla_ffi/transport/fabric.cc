@@ -335,8 +335,7 @@ class FabricTransport final : public Transport {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
       running_ = false;
-      work_cv_.notify_all();
-      if (can_wait_) fi_cq_signal(cq_.get());
+      Wake();
       progress_.join();
     }
     // The endpoint first: it holds the contexts of operations still posted,
@@ -701,10 +700,11 @@ class FabricTransport final : public Transport {
       // Never block in sread while posts wait in the queue: shm's sread
       // does not return within its timeout when nothing completes, and the
       // queued post that would complete something would never be retried.
-      if (block_ms_ > 1 && pending_count_.load() == 0) {
-        // Idle or not: sleeps in the kernel until a socket is ready or
-        // Wake (a post, a cancel, shutdown); an idle process wakes about
-        // ten times a second instead of a thousand.
+      // Over tcp it sleeps there idle or not, until a socket is ready or
+      // Wake (a post, a cancel, shutdown): an idle process wakes about ten
+      // times a second instead of a thousand.
+      if (can_wait_ && pending_count_.load() == 0 &&
+          (block_ms_ > 1 || outstanding_.load() > 0)) {
         PollOnce(block_ms_);
         continue;
       }
@@ -716,10 +716,6 @@ class FabricTransport final : public Transport {
         }
         PollOnce();
         idle = 0;
-        continue;
-      }
-      if (can_wait_ && pending_count_.load() == 0) {
-        PollOnce(/*wait_ms=*/1);
         continue;
       }
       if (PollOnce() > 0) {

@@ -153,7 +153,8 @@ def run_worker(args: argparse.Namespace) -> int:
     rank, n = herring_jax.process_index(), herring_jax.process_count()
     peers = {name: PEERS[name](rank, n) for name in names}
     # jax.distributed's coordinator lines the ranks up before each timed run
-    # and gathers the figures: neither depends on the code under test.
+    # and gathers the figures (its key-value store, not an all-reduce):
+    # neither depends on the code under test.
     client = jax_compat.distributed_client()
     records = []
     # Same sizes and peers in the same order on every rank: both libraries
@@ -187,8 +188,6 @@ def run_worker(args: argparse.Namespace) -> int:
                 record["bytes_sent_per_run"] = (after["bytes_sent"] - before["bytes_sent"]) / runs
             records.append(record)
         del local, expected, want
-    # Gathered through jax.distributed's key-value store rather than an
-    # all-reduce, so the figures do not depend on the code under test.
     # The last entry: this process's peak memory (every peer's buffers and
     # libraries, not herring's alone).
     records.append({"peer": PROCESS_RECORD,
