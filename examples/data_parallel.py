@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what follows the gradient reduction in the optax chain (sgd: "
                              "with momentum 0.9, the setting of the PowerSGD paper; give it "
                              "its own --lr)")
+    parser.add_argument("--pin", action="store_true",
+                        help="pin this process to core (rank %% CPUs) before jax starts its "
+                             "threads, which inherit it (the pinned runs of BENCHMARKS.md)")
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default=None,
@@ -64,6 +67,15 @@ def compression_name(args) -> str:
 
 
 def setup(args) -> jax.sharding.Mesh:
+    if args.pin:
+        # The rank as herring-jax launch gives it: jax.distributed is not up yet.
+        if "HERRING_PROCESS_ID" not in os.environ:
+            raise SystemExit("--pin takes the rank from herring-jax launch (HERRING_PROCESS_ID), "
+                             "which is not set here: start the job with herring-jax launch")
+        rank = int(os.environ["HERRING_PROCESS_ID"])
+        core = rank % os.cpu_count()
+        os.sched_setaffinity(0, {core})
+        print(f"process {rank} pinned to core {core}", flush=True)
     if args.reduce == "native":
         # lax.pmean across processes on CPU needs jax's gloo collectives.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -11,13 +11,18 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run(script, args, nproc=2, devices=1):
+def _launch(script, args, nproc=2, devices=1):
     env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_TIMEOUT_S="120")
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc), "--devices-per-process",
            str(devices), "--timeout", "300", "--", sys.executable, script, *args]
     proc = subprocess.run(cmd, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=330)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _run(script, args, nproc=2, devices=1):
+    proc = _launch(script, args, nproc, devices)
     done = [l for l in proc.stdout.splitlines() if "done:" in l]
     assert len(done) == 1, proc.stdout[-4000:]
     m = re.search(r"final loss ([\d.]+) \(first ([\d.]+)\)", done[0])
@@ -30,6 +35,23 @@ def test_mnist_like_learns(reduce):
     assert final < 0.5 * first, line
     accuracy = float(re.search(r"test accuracy ([\d.]+)", line).group(1))
     assert accuracy > 0.85, line
+
+
+def test_pin_gives_each_process_its_own_core():
+    proc = _launch("train_mnist_like.py", ["--steps", "5", "--pin"])
+    for rank in range(2):
+        assert f"process {rank} pinned to core {rank % os.cpu_count()}" in proc.stdout, \
+            proc.stdout[-4000:]
+    assert "done:" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_pin_outside_the_launcher_is_a_clear_error():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("HERRING_PROCESS_ID", None)
+    proc = subprocess.run([sys.executable, "train_mnist_like.py", "--steps", "1", "--pin"],
+                          cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--pin takes the rank from herring-jax launch" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_lm_loss_falls_with_two_devices_per_process():
