@@ -11,7 +11,7 @@ from herring_jax._src import knobs, runtime
 
 
 def test_cpu_handler_registered():
-    assert sorted(_herring_ffi.registrations()) == ["herring_allreduce",
+    assert sorted(_herring_ffi.registrations()) == ["herring_allreduce", "herring_join",
                                                     "herring_simulated_compute"]
 
 

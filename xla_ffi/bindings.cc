@@ -75,6 +75,7 @@ NB_MODULE(_herring_ffi, m) {
     nb::dict d;
     d["herring_allreduce"] = Bundle(HerringAllReduceInstantiate, HerringAllReduce);
     d["herring_simulated_compute"] = EncapsulateFfiHandler(HerringSimulatedCompute);
+    d["herring_join"] = EncapsulateFfiHandler(HerringJoin);
     return d;
   });
   // Types to register (jax.ffi.register_ffi_type) before the handlers.

@@ -18,6 +18,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAllReduceInstantiate);
 // compute in benchmarks.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringSimulatedCompute);
 
+// join.cc: the point after which a step's reduced buckets are used (XLA:CPU).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringJoin);
+
 #ifdef HERRING_WITH_CUDA
 // cuda_handlers.cc: the same reduction on XLA's CUDA platform, split into a
 // start (copies to the host, reduces on herring's threads) and a done (waits,

@@ -261,7 +261,10 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, to
     params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec)
     if platform == "cpu":
         # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
-        results = lowering.reduce_cpu(ctx, operands, kept_in, kept_out, **params)
+        # A bucket of allreduce_gradients (own tokens) is reduced in place
+        # (lowering.join_cpu says why).
+        results = lowering.reduce_cpu(ctx, operands, kept_in, kept_out,
+                                      in_place=bool(own_tokens), **params)
     elif own_tokens:
         results = lowering.done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec)
     else:

@@ -100,15 +100,53 @@ def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec) -> di
         group_offsets=i64(plan.group_offsets))
 
 
-def _call(name, ctx, operands, avals_in, avals_out, attrs):
+def _call(name, ctx, operands, avals_in, avals_out, attrs, aliases=None):
     sub_ctx = ctx.replace(avals_in=list(avals_in), avals_out=list(avals_out))
-    return jax.ffi.ffi_lowering(name, has_side_effect=True)(sub_ctx, *operands, **attrs)
+    return jax.ffi.ffi_lowering(name, has_side_effect=True, operand_output_aliases=aliases)(
+        sub_ctx, *operands, **attrs)
 
 
-def reduce_cpu(ctx, operands, avals_in, avals_out, **params):
-    """XLA:CPU: the one asynchronous call (operands all non-empty)."""
+def reduce_cpu(ctx, operands, avals_in, avals_out, *, in_place=False, **params):
+    """XLA:CPU: the one asynchronous call (operands all non-empty).
+
+    in_place: each result takes its operand's buffer (a bucket of
+    allreduce_gradients, whose packed operand nothing else reads): see
+    join_cpu for why. The engine reduces in place safely: each part's result
+    arrives only after this process's contribution to it has been sent (or
+    read), and the host stage overwrites a slice of its buffer only after the
+    process that reads that slice has said it is done (host_stage.cc). Where an
+    operand is still needed after the call, XLA copies it first.
+    """
     attrs = _attributes(ctx, avals_in, platform="cpu", **params)
-    return _call("herring_allreduce", ctx, operands, avals_in, avals_out, attrs)
+    aliases = {i: i for i in range(len(operands))} if in_place else None
+    return _call("herring_allreduce", ctx, operands, avals_in, avals_out, attrs, aliases)
+
+
+def join_cpu(ctx, *args):
+    """XLA:CPU: split.join_p, one call whose results alias its operands.
+
+    XLA:CPU treats a custom call as synchronous when it schedules and assigns
+    buffers, but runs it asynchronously, and its executor makes any later
+    computation that writes a buffer an unfinished call reads or writes wait
+    for that call. Left alone, XLA schedules each bucket's update right after
+    its reduction, frees the bucket's buffer there and gives it to the rest of
+    the backward pass, which then waits for that reduction: the buckets were
+    reduced one after another with the backward pass held up behind each
+    (BENCHMARKS.md, train_lm pinned). Reducing in place (reduce_cpu's
+    in_place) and passing every bucket through this one call keeps each
+    bucket's buffer live until every reduction has ended, so nothing the
+    backward pass computes is placed in it. Zero-size operands pass around it.
+    """
+    kept = nonempty(ctx.avals_in)
+    outs = list(args)
+    if not kept:
+        return outs
+    avals = [ctx.avals_in[i] for i in kept]
+    results = _call("herring_join", ctx, [args[i] for i in kept], avals, avals, {},
+                    {j: j for j in range(len(kept))})
+    for i, r in zip(kept, results):
+        outs[i] = r
+    return outs
 
 
 def start_cuda(ctx, operands, avals_in, **params):

@@ -8,8 +8,9 @@ backward pass there and the GPU would run dry. So every bucket's reduction is
 traced twice: first only its start (allreduce_start_p, whose result is a
 token), then the reduction itself (allreduce_p), which takes every start's
 token, its own first. On XLA:CPU the start lowers to nothing and the tokens
-are dropped: the program is the one asynchronous call per bucket it was (the
-same StableHLO, tests/test_cuda_lowering.py).
+are dropped: one asynchronous call per bucket, reducing in place, and all
+their results then pass through one join_p before anything uses them
+(lowering.join_cpu says why; tests/test_cuda_lowering.py checks both).
 
 Both passes run the caller's `reduce` on the same buffers, so they bind the
 same reductions in the same order, which pairs them; the first pass's results
@@ -20,9 +21,14 @@ reduction must have the parameters and operand types of its start.
 from __future__ import annotations
 
 import jax
+from jax.extend import core as jex_core
+from jax.interpreters import ad
+from jax.interpreters import batching
+from jax.interpreters import mlir
 
 from herring_jax._src import allreduce
 from herring_jax._src import jax_compat
+from herring_jax._src import lowering
 
 
 def _signature(leaves, params):
@@ -80,4 +86,21 @@ def split_reductions(reduce, buffers) -> list:
     if split.taken != len(split.tokens):
         raise AssertionError("split_reductions: the second pass bound fewer reductions "
                              f"than the first; {_BUG}")
-    return outs
+    # What uses the results (the optimizer's update) comes after every
+    # reduction: lowering.join_cpu says why XLA:CPU needs it.
+    leaves, tree = jax.tree_util.tree_flatten(outs)
+    return jax.tree_util.tree_unflatten(tree, join_p.bind(*leaves)) if leaves else outs
+
+
+# join_p: the identity on any number of arrays, after which a step's reduced
+# buckets are used. XLA:CPU lowers it to one call whose results alias its
+# operands (lowering.join_cpu); XLA:CUDA, whose dones already follow every
+# start, to nothing.
+join_p = jex_core.Primitive("herring_join")
+join_p.multiple_results = True
+join_p.def_abstract_eval(lambda *avals: list(avals))
+join_p.def_impl(lambda *xs: list(xs))
+mlir.register_lowering(join_p, lowering.join_cpu, platform="cpu")
+mlir.register_lowering(join_p, lambda ctx, *xs: list(xs), platform="cuda")
+ad.primitive_jvps[join_p] = lambda primals, tangents: (join_p.bind(*primals), list(tangents))
+batching.primitive_batchers[join_p] = lambda args, dims: (join_p.bind(*args), list(dims))

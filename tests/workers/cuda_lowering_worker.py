@@ -7,9 +7,11 @@ lowering is unchanged.
     per bucket and one done per bucket; each done takes its own start's token
     first and every other start's token after it, so no done can precede the
     last start; no herring_allreduce call is left.
-  cpu-unchanged: the same step lowered for the CPU has one herring_allreduce
-    call per bucket and no start or done, and its text is identical to the
-    lowering without the split (reductions bound one by one).
+  cpu-in-place: the same step lowered for the CPU has one herring_allreduce
+    call per bucket, each result aliasing its operand, then one herring_join
+    that takes every bucket's result (aliased too) and no start or done;
+    without the split (reductions bound one by one) there are the same calls
+    with neither the aliases nor the join.
   direct: herring_jax.allreduce in jit lowers to a start followed by its done.
   pairs: in every CUDA program above and in a loop, an inlined helper called
     twice and a value_and_grad through the step, every done's first operand is
@@ -35,6 +37,12 @@ from herring_jax._src import optax_transform  # noqa: E402
 
 _CALL = re.compile(r"(%[\w#:]+) = stablehlo\.custom_call @(\w+)\(([^)]*)\)")
 START, DONE, CPU = "herring_allreduce_start", "herring_allreduce_done", "herring_allreduce"
+JOIN = "herring_join"
+
+
+def call_lines(text: str, target: str) -> list[str]:
+    """The text of every custom call to `target`, operands and attributes."""
+    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
 
 
 def custom_calls(text: str) -> list[tuple[str, str, list[str]]]:
@@ -106,13 +114,26 @@ def main() -> int:
     split = optax_transform.split_reductions
     optax_transform.split_reductions = lambda reduce, buffers: [reduce(b) for b in buffers]
     try:
-        plain_text = jax.jit(step).trace(params, x).lower(lowering_platforms=("cpu",)).as_text()
+        # A function of its own: jit's trace cache would hand back the split
+        # program traced above for `step` itself.
+        plain_text = jax.jit(lambda p, v: step(p, v)).trace(params, x).lower(
+            lowering_platforms=("cpu",)).as_text()
     finally:
         optax_transform.split_reductions = split
-    targets = [t for _, t, _ in custom_calls(cpu_text)]
-    common.report("cpu-unchanged",
-                  targets == [CPU] * buckets and cpu_text == plain_text,
-                  targets=targets, identical=cpu_text == plain_text)
+    cpu_calls = custom_calls(cpu_text)
+    targets = [t for _, t, _ in cpu_calls]
+    reduced = [r for r, t, _ in cpu_calls if t == CPU]
+    joined = [ops for _, t, ops in cpu_calls if t == JOIN]
+    aliased = [("output_operand_aliases" in line) for line in
+               call_lines(cpu_text, CPU) + call_lines(cpu_text, JOIN)]
+    plain_targets = [t for _, t, _ in custom_calls(plain_text)]
+    plain_aliased = any("output_operand_aliases" in line for line in call_lines(plain_text, CPU))
+    common.report("cpu-in-place",
+                  targets == [CPU] * buckets + [JOIN] and len(joined) == 1
+                  and sorted(joined[0]) == sorted(reduced) and all(aliased)
+                  and plain_targets == [CPU] * buckets and not plain_aliased,
+                  targets=targets, joined=joined, reduced=reduced, aliased=aliased,
+                  plain_targets=plain_targets, plain_aliased=plain_aliased)
 
     def direct(v):
         return herring_jax.allreduce({"a": v, "b": 2 * v, "empty": jnp.zeros(0)})
