@@ -2,7 +2,9 @@
 primitives on each platform.
 
 XLA:CPU: one asynchronous call per reduction, ``herring_allreduce``; its
-handler returns a future at once and herring's threads reduce.
+handler returns a future at once and herring's threads reduce. The buckets of
+allreduce_gradients are reduced in place and then pass through one
+``herring_join`` (join_cpu says why).
 
 XLA:CUDA: a start and a done (xla_ffi/cuda_handlers.cc says why, and which of
 XLA's rules they rely on). ``herring_allreduce_start`` takes the operands,
@@ -109,13 +111,15 @@ def _call(name, ctx, operands, avals_in, avals_out, attrs, aliases=None):
 def reduce_cpu(ctx, operands, avals_in, avals_out, *, in_place=False, **params):
     """XLA:CPU: the one asynchronous call (operands all non-empty).
 
-    in_place: each result takes its operand's buffer (a bucket of
-    allreduce_gradients, whose packed operand nothing else reads): see
-    join_cpu for why. The engine reduces in place safely: each part's result
+    in_place: each result takes its operand's buffer (the buckets of
+    allreduce_gradients): see join_cpu for why. Where the operand is read
+    again after the call (error feedback reads a bucket to find what its
+    encoding lost), XLA copies it first. The engine reduces in place safely: each part's result
     arrives only after this process's contribution to it has been sent (or
-    read), and the host stage overwrites a slice of its buffer only after the
-    process that reads that slice has said it is done (host_stage.cc). Where an
-    operand is still needed after the call, XLA copies it first.
+    read), results are received apart and copied in after their header check
+    (Job::results_staged), and the host stage overwrites a slice of its
+    buffer only after the process that reads that slice has said it is done
+    (host_stage.cc).
     """
     attrs = _attributes(ctx, avals_in, platform="cpu", **params)
     aliases = {i: i for i in range(len(operands))} if in_place else None

@@ -25,8 +25,8 @@ DEFAULT_FIRST_BUCKET_BYTES = 2**20
 # model gets enough buffers for its reductions to overlap the backward pass
 # (2 simulated hosts, 8 MiB MLP: hidden fraction 0.53 with 1 MiB buffers, 0.32
 # with 2 MiB, below 0 with one 25 MiB buffer; train_lm's 1.8 MiB, pinned: step
-# 87.6 ms with 256 KiB buffers against 96.7 with the two of 1 MiB), a large one
-# no more calls than needed.
+# 88.0 ms with 256 KiB buffers against 96.7 with its two of about 1 MiB), a
+# large one no more calls than needed.
 AUTO_BUCKETS = 16
 MIN_FUSION_BYTES = 2**18
 MAX_FUSION_BYTES = 25 * 2**20
@@ -140,7 +140,8 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         buffers = fusion.pack(leaves, buckets)
         # On XLA:CUDA every bucket's start comes before any bucket's done (the
         # host wait), so the whole backward pass is enqueued first; on XLA:CPU
-        # this is one asynchronous call per bucket, as without the split.
+        # this is one asynchronous call per bucket, in place, and one join
+        # before the update (lowering.join_cpu).
         reduced = split_reductions(reduce, buffers)
         out = jax.tree_util.tree_unflatten(treedef, fusion.unpack(reduced, buckets, leaves))
         if not feedback:

@@ -97,8 +97,16 @@ struct Job {
   size_t wire_stride = 0;
   // With a codec (req.codec): this process's contribution encoded, and the
   // results encoded (received, and for its own part sent), [part][chunk].
+  // In place without a codec (results_staged): wire_out receives the results.
   PooledBuffer wire_in;
   PooledBuffer wire_out;
+  // The input is the output (an allreduce_gradients bucket on XLA:CPU, the host
+  // stage's slice): results are received apart and copied into the output
+  // after their header check, since a receive posted into the output would be
+  // posted into bytes this process has yet to send, and a stranger's message
+  // (an old run's, say) matching its tag would overwrite them before the
+  // check drops it: a wrong sum on every rank and no error.
+  bool results_staged = false;
 
   std::vector<WireHeader> send_hdrs;     // [part][chunk] contributions sent
   std::vector<WireHeader> result_hdrs;   // [part][chunk] results received

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -91,6 +92,11 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   job->results_from.reset(new std::atomic<int>[n]());
   job->staging.resize(n);
 
+  job->results_staged = !job->Encoded() && job->req.in == job->req.out;
+  if (job->results_staged) {
+    job->wire_out = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
+    if (!job->wire_out.ok()) return Status::Error("out of memory for staging results");
+  }
   if (job->Encoded()) {
     job->wire_in = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
     job->wire_out = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
@@ -179,7 +185,8 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   Batch* batch = job->batch;
   WireHeader* h = &job->result_hdrs[i * job->max_chunks + c];
   const size_t len = job->WireBytes(i, c);
-  char* into = job->Encoded() ? job->WireOut(i, c) : job->OutAt(job->ChunkBegin(i, c));
+  char* into = job->Encoded() || job->results_staged ? job->WireOut(i, c)
+                                                     : job->OutAt(job->ChunkBegin(i, c));
   transport::IoVec iov[2] = {{h, sizeof(*h)}, {into, len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
@@ -339,6 +346,9 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
   if (job->Encoded()) {
     Decode(job->req.codec, job->WireOut(i, c), job->ChunkLen(i, c),
            reinterpret_cast<float*>(job->OutAt(job->ChunkBegin(i, c))));
+  } else if (job->results_staged) {
+    std::memcpy(job->OutAt(job->ChunkBegin(i, c)), job->WireOut(i, c),
+                job->ChunkLen(i, c) * job->elem);
   }
   job->results_from[i].fetch_add(1);
   batch->Complete(1, 1);

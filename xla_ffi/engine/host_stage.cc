@@ -37,6 +37,10 @@
 // - Inputs are no longer read once their owner returns: it returns after
 //   gathering every peer's slice, i.e. after every peer's kHostReady, which a
 //   peer sends after its step 2, its last read of inputs.
+// - Where XLA reduces in place (the input is the output), an input slice is
+//   overwritten only when nobody reads it any more: process q reads only slice
+//   q of the others' inputs; each process writes its own slice (steps 2 and 4)
+//   and slice q only in step 5, after q's kHostReady, i.e. after q's step 2.
 // - Result slices are read from the owner's staging buffer, never from XLA's
 //   output: the buffer goes back to the pool only after every reader's
 //   kHostDone (the batch lingers after a successful call until then), and a

@@ -19,8 +19,10 @@ namespace herring::engine {
 void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t num_srcs,
                 size_t count, double divisor);
 
-// The same, storing the result to `dst` and to `copy` (neither may alias a
-// source): one pass where a sum and a copy of it would read it again.
+// The same, storing the result to `dst` and to `copy`: one pass where a sum
+// and a copy of it would read it again. Either may alias a source at the same
+// elements (each tile of every source is read before it is written), as the
+// host stage's output does when XLA reduces in place.
 void ReduceIntoTwo(DType dtype, void* dst, void* copy, const void* const* srcs,
                    size_t num_srcs, size_t count, double divisor);
 
