@@ -114,12 +114,12 @@ def reduce_cpu(ctx, operands, avals_in, avals_out, *, in_place=False, **params):
     in_place: each result takes its operand's buffer (the buckets of
     allreduce_gradients): see join_cpu for why. Where the operand is read
     again after the call (error feedback reads a bucket to find what its
-    encoding lost), XLA copies it first. The engine reduces in place safely: each part's result
-    arrives only after this process's contribution to it has been sent (or
-    read), results are received apart and copied in after their header check
-    (Job::results_staged), and the host stage overwrites a slice of its
-    buffer only after the process that reads that slice has said it is done
-    (host_stage.cc).
+    encoding lost), XLA copies it first. The engine reduces in place safely:
+    each part's result arrives only after this process's contribution to it
+    has been sent (or read), results are received apart and copied in after
+    their header check (Job::results_staged), and the host stage overwrites a
+    slice of its buffer only after the process that reads that slice has said
+    it is done (host_stage.cc).
     """
     attrs = _attributes(ctx, avals_in, platform="cpu", **params)
     aliases = {i: i for i in range(len(operands))} if in_place else None
