@@ -285,6 +285,13 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* i
       event.ended_ns = engine::Timeline::NowNs();
       event.ok = !done.failure();
       engine::Timeline::Get().Record(event);
+      // Drop the call (and its reference to the communicator) before XLA may
+      // go on: once the future is set, the caller can return and call
+      // herring_jax.shutdown(), which must hold the last reference so that
+      // the communicator's destructor (waiting for slow readers of this
+      // host's last results) runs in shutdown() and not here, behind it, in a
+      // process that may already be exiting.
+      task.reset();
       if (done.failure()) {
         promise.SetError(std::move(done));
       } else {
