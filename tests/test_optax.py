@@ -9,8 +9,11 @@ import pytest
 from multiproc import assert_all_ok, launch
 
 
-def test_training_matches_lax_pmean_on_every_process():
-    run = launch("train_worker.py", [], nproc=2)
+@pytest.mark.parametrize("nproc,hosts", [(2, None), (4, 2)])
+def test_training_matches_lax_pmean_on_every_process(nproc, hosts):
+    # 4 processes on 2 simulated hosts: the buckets, reduced in place on
+    # XLA:CPU, cross the host stage and the hosts' transport.
+    run = launch("train_worker.py", [], nproc=nproc, hosts=hosts)
     digests = assert_all_ok(run, expected_cases=2)
     # Every process ends with the same parameters.
     assert len(digests["horovod-style"]) == 1
