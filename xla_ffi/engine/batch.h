@@ -130,6 +130,8 @@ struct Job {
     return std::min(chunk_elems, PartLen(i) - c * chunk_elems);
   }
   bool Encoded() const { return req.codec != Codec::kNone; }
+  // Results are received into wire_out, not into the output (OnResult moves them).
+  bool ResultsApart() const { return Encoded() || results_staged; }
   // Bytes of chunk c of part i on the wire.
   size_t WireBytes(int i, size_t c) const {
     return Encoded() ? EncodedBytes(req.codec, ChunkLen(i, c)) : ChunkLen(i, c) * elem;

@@ -93,16 +93,13 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   job->staging.resize(n);
 
   job->results_staged = !job->Encoded() && job->req.in == job->req.out;
-  if (job->results_staged) {
+  if (job->ResultsApart()) {
     job->wire_out = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
-    if (!job->wire_out.ok()) return Status::Error("out of memory for staging results");
+    if (!job->wire_out.ok()) return Status::Error("out of memory for received results");
   }
   if (job->Encoded()) {
     job->wire_in = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
-    job->wire_out = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
-    if (!job->wire_in.ok() || !job->wire_out.ok()) {
-      return Status::Error("out of memory for encoded buffers");
-    }
+    if (!job->wire_in.ok()) return Status::Error("out of memory for encoded buffers");
     // This process's contribution to its own part, encoded before any
     // receive is posted: a server task may sum a chunk as soon as the other
     // contributions to it have arrived, and it sums this one as decoded.
@@ -185,8 +182,7 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   Batch* batch = job->batch;
   WireHeader* h = &job->result_hdrs[i * job->max_chunks + c];
   const size_t len = job->WireBytes(i, c);
-  char* into = job->Encoded() || job->results_staged ? job->WireOut(i, c)
-                                                     : job->OutAt(job->ChunkBegin(i, c));
+  char* into = job->ResultsApart() ? job->WireOut(i, c) : job->OutAt(job->ChunkBegin(i, c));
   transport::IoVec iov[2] = {{h, sizeof(*h)}, {into, len}};
   batch->AddInflight(1);
   Status s = transport_->Recv(
