@@ -34,6 +34,38 @@ def test_stale_messages_are_dropped_and_the_sums_stay_exact(host_stage):
         assert (stats["host_stage_calls"] > 0) == (host_stage == "1"), (rank, stats)
 
 
+@pytest.mark.parametrize("hosts", [None, 2])
+def test_strangers_before_the_contribution_leaves_cannot_change_an_in_place_sum(hosts):
+    # Reduced in place (allreduce_gradients' buckets: the input buffer is the
+    # output), a result receive is posted before this process has sent its
+    # contribution from the same bytes. Every rank sends each peer full-size
+    # results with another job's token and garbage bytes at the start of each
+    # reduction, and waits 20 ms before sending its contributions: the
+    # strangers match the posted result receives first. Received into the
+    # output, their bytes would overwrite the contribution before it left (a
+    # wrong sum on every rank, no error); they must be dropped unseen. In
+    # 256 KiB chunks, on one host over the transport (no host stage), and on
+    # 2 simulated hosts x 2 processes, where the host stage's cross-host step
+    # reduces each slice in place in its staging buffer.
+    run = launch("reduce_worker.py",
+                 ["--in-place", "--dtypes", "float32,float64", "--ops", "mean",
+                  "--counts", "1,4097", "--mib", "2", "--stats"],
+                 nproc=4, hosts=hosts,
+                 env={"HERRING_TEST_EARLY_STRANGERS": "1",
+                      "HERRING_HOST_STAGE": "0" if hosts is None else "1",
+                      "HERRING_CHUNK_BYTES": str(256 * 1024)})
+    digests = assert_all_ok(run, expected_cases=2 * 3 + 1)
+    assert all(len(d) == 1 for case, d in digests.items() if case != "stats"), digests
+    for rank, r in _stats(run).items():
+        stats = r["stats"]
+        # At least one stranger per peer on the data path and reduction: 3
+        # peers on one host; 1 (the other host's process of the same local
+        # index) across 2 hosts.
+        peers = 3 if hosts is None else 1
+        assert stats["messages_dropped"] >= peers * 6, (rank, stats)
+        assert stats["failed_batches_kept"] == 0, (rank, stats)
+
+
 def test_posts_beyond_the_providers_queues_wait_in_herrings_queue():
     # Two operations of each direction in the provider at once: every other
     # post of a 16 MiB reduction in 64 KiB chunks waits in the transport's

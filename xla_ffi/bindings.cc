@@ -111,7 +111,7 @@ NB_MODULE(_herring_ffi, m) {
       [](int rank, int size, uint64_t token, const std::string& provider,
          const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
          double timeout_s, double heartbeat_s, double peer_timeout_s, size_t max_posted,
-         bool test_stale_copies, int test_gather_delay_ms) {
+         bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -127,6 +127,7 @@ NB_MODULE(_herring_ffi, m) {
         config.transport.max_posted = max_posted;
         config.test_stale_copies = test_stale_copies;
         config.test_gather_delay_ms = test_gather_delay_ms;
+        config.test_early_strangers = test_early_strangers;
         engine::Status status;
         std::unique_ptr<engine::Communicator> comm;
         {
@@ -141,6 +142,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("server_threads"), nb::arg("timeout_s"), nb::arg("heartbeat_s"),
       nb::arg("peer_timeout_s"), nb::arg("max_posted") = 0,
       nb::arg("test_stale_copies") = false, nb::arg("test_gather_delay_ms") = 0,
+      nb::arg("test_early_strangers") = false,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {

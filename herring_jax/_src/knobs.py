@@ -98,6 +98,10 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_STALE_COPIES", False, _bool,
              "Tests only: before each data message, send a copy with another job's token, "
              "which the receiver must drop."),
+        Knob("HERRING_TEST_EARLY_STRANGERS", False, _bool,
+             "Tests only: at the start of every reduction over the transport, send each "
+             "peer a full-size result with another job's token and garbage bytes, then "
+             "wait 20 ms before sending the contributions; the receiver must drop them."),
         Knob("HERRING_TEST_GATHER_DELAY_MS", 0, _non_negative_int,
              "Tests only: each host-stage call of this process waits this many ms before "
              "reading the other processes' result slices (a slow reader)."),

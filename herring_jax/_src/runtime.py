@@ -215,7 +215,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TIMEOUT_S"), _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
                 knobs.get("HERRING_PEER_TIMEOUT_S"), knobs.get("HERRING_MAX_POSTED"),
                 knobs.get("HERRING_TEST_STALE_COPIES"),
-                knobs.get("HERRING_TEST_GATHER_DELAY_MS"))
+                knobs.get("HERRING_TEST_GATHER_DELAY_MS"),
+                knobs.get("HERRING_TEST_EARLY_STRANGERS"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(

@@ -51,6 +51,10 @@ def main() -> int:
                         help="wire codec of every reduction (float32 leaves travel with it); "
                              "a comma-separated list runs every case once per codec, each "
                              "case named <codec>:<dtype>/<op>/<count>")
+    parser.add_argument("--in-place", action="store_true",
+                        help="reduce through allreduce_gradients inside jax.jit, whose "
+                             "buckets XLA:CPU reduces in place (the engine's input is its "
+                             "output); --ops mean, floating dtypes, one device")
     parser.add_argument("--devices", type=int, default=1,
                         help="local devices per process that contribute")
     parser.add_argument("--describe", action="store_true",
@@ -93,12 +97,19 @@ def main() -> int:
             return jax.jit(jax.shard_map(lambda x: herring_jax.allreduce(x, op=op, codec=codec),
                                          mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
+    if args.in_place:
+        assert ndev == 1 and args.ops == "mean", "--in-place: --ops mean, one device"
+        gradients = herring_jax.allreduce_gradients()
+        mean_in_place = jax.jit(lambda g: gradients.update(g, gradients.init(g))[0])
+
     fns = {}
     codecs = args.codec.split(",")
     all_cases = [(c, case) for c in codecs for case in cases(args)]
     for salt, (wire, (dtype, op, count)) in enumerate(all_cases):
         mine = [common.make_input(dtype, count, rank * ndev + d, salt) for d in range(ndev)]
-        if ndev == 1:
+        if args.in_place:
+            got = [np.asarray(mean_in_place(mine[0]))]
+        elif ndev == 1:
             got = [np.asarray(herring_jax.allreduce(mine[0], op=op, codec=wire))]
         else:
             local = np.stack(mine)  # (ndev, count): one row per local device

@@ -105,7 +105,8 @@ struct Job {
   // after their header check, since a receive posted into the output would be
   // posted into bytes this process has yet to send, and a stranger's message
   // (an old run's, say) matching its tag would overwrite them before the
-  // check drops it: a wrong sum on every rank and no error.
+  // check drops it: a wrong sum on every rank and no error (tests/test_engine.py,
+  // HERRING_TEST_EARLY_STRANGERS, shows it happening without this).
   bool results_staged = false;
 
   std::vector<WireHeader> send_hdrs;     // [part][chunk] contributions sent

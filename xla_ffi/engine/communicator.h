@@ -51,6 +51,13 @@ struct CommConfig {
   // Tests only: each host-stage call sleeps this long before it gathers the
   // other processes' result slices (a slow reader).
   int test_gather_delay_ms = 0;
+  // Tests only: at the start of every job on the data path, send each peer,
+  // for every result it will receive from this process, a full-size result
+  // with another job's token and a garbage payload, then wait 20 ms before
+  // sending the contributions. The receiver must drop each one without its
+  // bytes landing anywhere the job reads (with in == out, the contribution
+  // not sent yet: Job::results_staged).
+  bool test_early_strangers = false;
 };
 
 // One buffer to reduce. `in` holds this process's contribution (already summed
@@ -197,6 +204,9 @@ class Communicator {
                     std::function<void()> repost);
   // Tests (CommConfig::test_stale_copies): sends a stale copy of `real`.
   void SendStaleCopy(Batch* batch, int to_rank, uint64_t tag, const WireHeader& real);
+  // Tests (CommConfig::test_early_strangers): sends peer p a stranger for each
+  // result chunk of this process's part.
+  void SendEarlyStrangers(Job* job, int p);
   // Liveness (see CommConfig::heartbeat_s).
   void PostHeartbeatRecv(size_t slot);
   void OnHeartbeat(size_t slot, const transport::Completion& c);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,6 +77,32 @@ void Communicator::SendStaleCopy(Batch* batch, int to_rank, uint64_t tag,
   }
 }
 
+void Communicator::SendEarlyStrangers(Job* job, int p) {
+  Batch* batch = job->batch;
+  const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  for (size_t c = 0; c < job->Chunks(job->me); ++c) {
+    // Header and payload in one allocation, freed when the send completes.
+    const size_t len = job->WireBytes(job->me, c);
+    auto* msg = new char[sizeof(WireHeader) + len];
+    auto* h = new (msg) WireHeader(MakeHeader(*job, MsgKind::kResult, config_.token ^ 0x5bd1e995u,
+                                              my_rank, job->me, c, len,
+                                              job->req.contributors));
+    std::memset(msg + sizeof(WireHeader), 0xa5, len);
+    transport::IoVec iov[2] = {{h, sizeof(*h)}, {msg + sizeof(WireHeader), len}};
+    batch->AddInflight(1);
+    Status s = transport_->Send(
+        batch->group[p], MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c),
+        iov, len > 0 ? 2 : 1, [batch, msg](const transport::Completion&) {
+          delete[] msg;
+          batch->Complete(0, 1);
+        });
+    if (!s.ok()) {
+      delete[] msg;
+      batch->Complete(0, 1);
+    }
+  }
+}
+
 Status Communicator::StartJob(Batch* batch, Job* job) {
   const int n = job->n;
   const int me = job->me;
@@ -120,6 +147,14 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   for (int i = 0; i < n; ++i) {
     if (i == me) continue;
     for (size_t c = 0; c < job->Chunks(i); ++c) PostResultRecv(job, i, c);
+  }
+  if (config_.test_early_strangers) {
+    // Strangers that reach the peers' result receives before the peers have
+    // sent their contributions (they wait too).
+    for (int p = 0; p < n; ++p) {
+      if (p != me) SendEarlyStrangers(job, p);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   // Contributions, chunk-major and starting at the next server, so that the
   // processes do not all send to the same server at the same moment.
