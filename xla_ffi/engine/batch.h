@@ -1,7 +1,9 @@
 // The state of one AllReduce call (a Batch) and of each buffer in it (a Job),
 // shared by the communicator's rooms: communicator.cc (set-up and the call
-// itself), data_path.cc (messages and sums), liveness.cc (heartbeats),
-// control.cc (failure and abort) and diagnostics.cc (what error texts say).
+// itself), data_path.cc (messages and sums), host_stage.cc, host_messages.cc
+// and host_linger.cc (the processes of one host through memory), liveness.cc
+// (heartbeats), control.cc (failure and abort), diagnostics.cc (what error
+// texts say) and test_faults.cc (strangers that tests send).
 // Internal to the engine.
 #ifndef HERRING_ENGINE_BATCH_H_
 #define HERRING_ENGINE_BATCH_H_

@@ -1,6 +1,8 @@
 // The communicator's set-up and the AllReduce call: a batch's identities and
 // geometry, waiting for it, and cleaning up after it. The rest lives in rooms
-// of their own: data_path.cc, liveness.cc, control.cc and diagnostics.cc.
+// of their own: data_path.cc; host_stage.cc, host_messages.cc and
+// host_linger.cc; liveness.cc, control.cc, diagnostics.cc, and test_faults.cc
+// (fault injection for tests).
 #include "engine/communicator.h"
 
 #include <algorithm>
@@ -131,32 +133,6 @@ Status Communicator::Connect(const std::vector<std::vector<uint8_t>>& addrs) {
     heartbeat_ = std::thread([this] { HeartbeatLoop(); });
   }
   return s;
-}
-
-std::string Communicator::Describe() const {
-  char heartbeat[48] = "no heartbeats";
-  if (connected_ && config_.heartbeat_s > 0) {
-    std::snprintf(heartbeat, sizeof(heartbeat), "heartbeats every %g s", config_.heartbeat_s);
-  }
-  return "rank " + std::to_string(config_.rank) + " of " + std::to_string(config_.size) +
-         " over " + transport_->Describe() + ", " + heartbeat;
-}
-
-CommStats Communicator::Stats() const {
-  CommStats stats;
-  stats.reductions = reductions_.load();
-  stats.bytes_reduced = bytes_reduced_.load();
-  stats.messages_dropped = dropped_.load();
-  stats.heartbeats_received = heartbeats_.load();
-  stats.peers_declared_dead = declared_dead_.load();
-  stats.heartbeats_sent = heartbeats_sent_.load();
-  stats.failed_batches_kept = kept_batches_.load();
-  stats.host_stage_calls = host_calls_.load();
-  stats.host_bytes_read = host_bytes_read_.load();
-  stats.transport = transport_->Stats();
-  std::lock_guard<std::mutex> lock(occurrences_mu_);
-  stats.occurrence_entries = occurrences_.size();
-  return stats;
 }
 
 // Why forgetting is safe. An entry matters only for a later reduction of the

@@ -1,7 +1,9 @@
 // Diagnostic text: what a rank waits for and what its peers said they wait
-// for, for error messages and heartbeats.
+// for, for error messages and heartbeats; the communicator's description and
+// counters.
 #include "engine/communicator.h"
 
+#include <cstdio>
 #include <set>
 #include <string>
 
@@ -145,6 +147,32 @@ std::string Communicator::MissingReport(const Batch& batch) const {
   const std::string peers = PeerReport(missing);
   return "waiting for rank(s) " + RankList(missing) + " in " + what + " (" + detail + ")" +
          counts + "." + (peers.empty() ? std::string() : " " + peers + ".");
+}
+
+std::string Communicator::Describe() const {
+  char heartbeat[48] = "no heartbeats";
+  if (connected_ && config_.heartbeat_s > 0) {
+    std::snprintf(heartbeat, sizeof(heartbeat), "heartbeats every %g s", config_.heartbeat_s);
+  }
+  return "rank " + std::to_string(config_.rank) + " of " + std::to_string(config_.size) +
+         " over " + transport_->Describe() + ", " + heartbeat;
+}
+
+CommStats Communicator::Stats() const {
+  CommStats stats;
+  stats.reductions = reductions_.load();
+  stats.bytes_reduced = bytes_reduced_.load();
+  stats.messages_dropped = dropped_.load();
+  stats.heartbeats_received = heartbeats_.load();
+  stats.peers_declared_dead = declared_dead_.load();
+  stats.heartbeats_sent = heartbeats_sent_.load();
+  stats.failed_batches_kept = kept_batches_.load();
+  stats.host_stage_calls = host_calls_.load();
+  stats.host_bytes_read = host_bytes_read_.load();
+  stats.transport = transport_->Stats();
+  std::lock_guard<std::mutex> lock(occurrences_mu_);
+  stats.occurrence_entries = occurrences_.size();
+  return stats;
 }
 
 }  // namespace herring::engine

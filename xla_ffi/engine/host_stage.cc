@@ -21,7 +21,8 @@
 //      has gathered; its staging buffers stay with its batch, which lingers
 //      until every other process has said it read them (Linger).
 // Only the small messages go through the transport (they also carry the
-// checks, liveness and abort of the flat path); the bytes go through memory.
+// checks, liveness and abort of the flat path; host_messages.cc); the bytes go
+// through memory. After a call, host_linger.cc keeps its staging buffers.
 //
 // Order of the sum (the numpy reference in tests/workers/common.py): the
 // devices of a process, then the processes of a host in rank order, then the
@@ -57,7 +58,7 @@
 // - A dead process is named: its memory can no longer be read (ESRCH), and the
 //   peer watch sees its heartbeats stop.
 #include <algorithm>
-#include <cstdio>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -75,9 +76,6 @@ namespace {
 // Pieces of the reduce-scatter: one per process at a time stays in L2.
 constexpr size_t kPieceBytes = 256 << 10;
 
-constexpr MsgKind kStepKinds[HostWait::kSteps] = {MsgKind::kHostArrive, MsgKind::kHostReady,
-                                                  MsgKind::kHostDone};
-
 // Slices of a buffer among `p` processes: equal, 64-byte aligned, the last
 // ones possibly shorter or empty (as the flat path's parts).
 size_t SliceElems(const ReduceRequest& r, int p) {
@@ -93,131 +91,7 @@ size_t SliceLen(const ReduceRequest& r, int p, int i) {
   return std::min(r.count, (i + 1) * SliceElems(r, p)) - SliceBegin(r, p, i);
 }
 
-std::string DescribeEntry(const HostEntry& e) {
-  if (!IsValidDType(e.dtype) || !IsValidOp(e.op) || !IsValidCodec(e.codec)) {
-    return "an invalid buffer";
-  }
-  const Codec codec = static_cast<Codec>(e.codec);
-  return std::string(DTypeName(static_cast<DType>(e.dtype))) + "[" + std::to_string(e.count) +
-         "] " + ReduceOpName(static_cast<ReduceOp>(e.op)) +
-         (codec != Codec::kNone ? std::string(" over ") + CodecName(codec) : "") + " (key " +
-         std::to_string(e.key) + ")";
-}
-
 }  // namespace
-
-void Communicator::PostHostRecv(Batch* batch, int step, int q) {
-  HostWait& w = *batch->host;
-  const Job& job = *batch->jobs.front();
-  WireHeader* h = &w.in_headers[step * w.size() + q];
-  std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
-  transport::IoVec iov[2] = {{h, sizeof(*h)},
-                             {entries.data(), entries.size() * sizeof(HostEntry)}};
-  batch->AddInflight(1);
-  Status s = transport_->Recv(
-      MakeTag(kStepKinds[step], static_cast<uint32_t>(w.local[q]), batch->stream, job.tag_bits,
-              0),
-      0, iov, entries.empty() ? 1 : 2,
-      [this, batch, step, q](const transport::Completion& c) {
-        OnHostMessage(batch, step, q, c);
-      });
-  if (!s.ok()) {
-    Fail(batch, "posting a receive: " + s.message());
-    batch->Complete(1, 1);
-  }
-}
-
-void Communicator::OnHostMessage(Batch* batch, int step, int q,
-                                 const transport::Completion& done) {
-  HostWait& w = *batch->host;
-  const Job& job = *batch->jobs.front();
-  const int from = w.local[q];
-  const WireHeader& h = w.in_headers[step * w.size() + q];
-  std::string why;
-  if (ReceiveFailed(done, job, from, config_.rank, h, config_.token, &why)) {
-    if (w.lingering.load()) {
-      // The call succeeded; this is a kHostDone receive cancelled by a later
-      // failure or by shutdown. Its staging is kept (Linger), nobody is told.
-      std::lock_guard<std::mutex> lock(batch->mu);
-      batch->failed = true;
-    } else if (!batch->Failed()) {
-      Fail(batch, why);
-    }
-    batch->Complete(1, 1);
-    return;
-  }
-  Expectation want = Expect(job, kStepKinds[step], from, q, 0);
-  want.payload_bytes = w.in_entries[step * w.size() + q].size() * sizeof(HostEntry);
-  if (!AcceptHeader(batch, h, done.len, want,
-                    [this, batch, step, q] { PostHostRecv(batch, step, q); })) {
-    return;
-  }
-  Heard(static_cast<uint32_t>(from));
-  // The header described the first buffer; the entries describe them all.
-  const std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
-  for (size_t k = 0; k < entries.size() && why.empty(); ++k) {
-    const HostEntry& e = entries[k];
-    const ReduceRequest& mine = batch->jobs[k]->req;
-    if (e.key != mine.key || e.count != mine.count ||
-        e.dtype != static_cast<uint8_t>(mine.dtype) || e.op != static_cast<uint8_t>(mine.op) ||
-        e.codec != static_cast<uint8_t>(mine.codec)) {
-      why = "mismatched reductions: rank " + std::to_string(from) + " reduces " +
-            DescribeEntry(e) + " as buffer " + std::to_string(k) + " where rank " +
-            std::to_string(config_.rank) + " reduces " + batch->jobs[k]->Describe() +
-            "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
-            "the same executables";
-    } else if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
-      why = "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
-            batch->jobs[k]->Describe();
-    }
-  }
-  if (!why.empty()) {
-    Fail(batch, why);
-    batch->Complete(1, 1);
-    return;
-  }
-  {
-    std::lock_guard<std::mutex> lock(batch->mu);
-    w.got[q].fetch_or(static_cast<uint8_t>(1u << step));
-  }
-  batch->cv.notify_all();
-  batch->Complete(1, 1);
-}
-
-void Communicator::SendHost(Batch* batch, int step, int q) {
-  HostWait& w = *batch->host;
-  Job* job = batch->jobs.front().get();
-  const int to = w.local[q];
-  std::vector<HostEntry>& entries = w.out_entries[step];
-  const uint64_t tag =
-      MakeTag(kStepKinds[step], static_cast<uint32_t>(config_.rank), batch->stream,
-              job->tag_bits, 0);
-  if (config_.test_stale_copies) SendStaleCopy(batch, to, tag, w.out_headers[step]);
-  transport::IoVec iov[2] = {{&w.out_headers[step], sizeof(WireHeader)},
-                             {entries.data(), entries.size() * sizeof(HostEntry)}};
-  batch->AddInflight(1);
-  Status s = transport_->Send(
-      to, tag, iov, entries.empty() ? 1 : 2,
-      [this, job, to](const transport::Completion& c) { SendDone(job, to, c); });
-  if (!s.ok()) {
-    Fail(batch, "sending to rank " + std::to_string(to) + ": " + s.message());
-    batch->Complete(1, 1);
-  }
-}
-
-bool Communicator::WaitHost(Batch* batch, int step) {
-  HostWait& w = *batch->host;
-  w.waiting = step;
-  std::unique_lock<std::mutex> lock(batch->mu);
-  const bool arrived = batch->cv.wait_until(lock, Deadline(), [&] {
-    if (batch->failed) return true;
-    for (int q = 0; q < w.size(); ++q) {
-      if (q != w.me && !w.Got(q, step)) return false;
-    }
-    return true;
-  });
-  return arrived;
-}
 
 Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceRequest>& requests) {
   HostWait& w = *batch->host;
@@ -468,68 +342,6 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   // `w.waiting` still names the step that was due: the error text reports who
   // had not sent it.
   return EndFailed(std::move(batch), timed_out);
-}
-
-void Communicator::Linger(std::unique_ptr<Batch> batch) {
-  std::lock_guard<std::mutex> lock(lingering_mu_);
-  auto finished = [this](const std::unique_ptr<Batch>& b) {
-    std::lock_guard<std::mutex> batch_lock(b->mu);
-    if (b->inflight != 0) return false;  // callbacks may still run
-    if (b->remaining != 0 || b->failed) {
-      // A kHostDone never came (a reader failed, or the receive was
-      // cancelled): the reader may still know the address.
-      std::lock_guard<std::mutex> kept_lock(kept_mu_);
-      for (PooledBuffer& s : b->host->staging) kept_staging_.push_back(std::move(s));
-    }
-    return true;
-  };
-  lingering_.erase(std::remove_if(lingering_.begin(), lingering_.end(), finished),
-                   lingering_.end());
-  lingering_.push_back(std::move(batch));
-}
-
-bool Communicator::SlicesRead(const Batch& batch) const {
-  const HostWait& w = *batch.host;
-  if (batch.failed) return false;
-  for (int q = 0; q < w.size(); ++q) {
-    if (q != w.me && !w.Got(q, 2) && !ProcessExited(w.pids[q])) return false;
-  }
-  return true;
-}
-
-size_t Communicator::DrainLingering() {
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = Deadline();
-  bool said = false;
-  size_t left = 0;
-  {
-    // After a failure, readers may never answer (the job is broken): what
-    // they may still read stays allocated (~Communicator), nothing waits.
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    if (!broken_.empty()) return 0;
-  }
-  std::lock_guard<std::mutex> lock(lingering_mu_);
-  for (const std::unique_ptr<Batch>& b : lingering_) {
-    std::unique_lock<std::mutex> batch_lock(b->mu);
-    // A cancelled receive of kHostDone (the batch failed) never completes:
-    // nothing to wait for, its staging stays (~Communicator).
-    while (!b->failed && !SlicesRead(*b)) {
-      const auto now = std::chrono::steady_clock::now();
-      if (now >= deadline) {
-        ++left;
-        break;
-      }
-      if (!said && now - start > std::chrono::seconds(5)) {
-        said = true;
-        std::fprintf(stderr, "herring_jax rank %d: shutting down waits for the other processes "
-                     "of this host to read its last results (up to HERRING_TIMEOUT_S=%g s)\n",
-                     config_.rank, config_.timeout_s);
-      }
-      // kHostDone notifies; an exited reader is polled.
-      b->cv.wait_until(batch_lock, std::min(deadline, now + std::chrono::milliseconds(10)));
-    }
-  }
-  return left;
 }
 
 }  // namespace herring::engine

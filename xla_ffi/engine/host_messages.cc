@@ -1,0 +1,144 @@
+// The host stage's messages (host_stage.cc): each step's small message to and
+// from every other process of the host through the transport, their checks,
+// and the wait for a step's messages from all of them.
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/batch.h"
+#include "engine/communicator.h"
+
+namespace herring::engine {
+
+namespace {
+
+constexpr MsgKind kStepKinds[HostWait::kSteps] = {MsgKind::kHostArrive, MsgKind::kHostReady,
+                                                  MsgKind::kHostDone};
+
+std::string DescribeEntry(const HostEntry& e) {
+  if (!IsValidDType(e.dtype) || !IsValidOp(e.op) || !IsValidCodec(e.codec)) {
+    return "an invalid buffer";
+  }
+  const Codec codec = static_cast<Codec>(e.codec);
+  return std::string(DTypeName(static_cast<DType>(e.dtype))) + "[" + std::to_string(e.count) +
+         "] " + ReduceOpName(static_cast<ReduceOp>(e.op)) +
+         (codec != Codec::kNone ? std::string(" over ") + CodecName(codec) : "") + " (key " +
+         std::to_string(e.key) + ")";
+}
+
+}  // namespace
+
+void Communicator::PostHostRecv(Batch* batch, int step, int q) {
+  HostWait& w = *batch->host;
+  const Job& job = *batch->jobs.front();
+  WireHeader* h = &w.in_headers[step * w.size() + q];
+  std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
+  transport::IoVec iov[2] = {{h, sizeof(*h)},
+                             {entries.data(), entries.size() * sizeof(HostEntry)}};
+  batch->AddInflight(1);
+  Status s = transport_->Recv(
+      MakeTag(kStepKinds[step], static_cast<uint32_t>(w.local[q]), batch->stream, job.tag_bits,
+              0),
+      0, iov, entries.empty() ? 1 : 2,
+      [this, batch, step, q](const transport::Completion& c) {
+        OnHostMessage(batch, step, q, c);
+      });
+  if (!s.ok()) {
+    Fail(batch, "posting a receive: " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+void Communicator::OnHostMessage(Batch* batch, int step, int q,
+                                 const transport::Completion& done) {
+  HostWait& w = *batch->host;
+  const Job& job = *batch->jobs.front();
+  const int from = w.local[q];
+  const WireHeader& h = w.in_headers[step * w.size() + q];
+  std::string why;
+  if (ReceiveFailed(done, job, from, config_.rank, h, config_.token, &why)) {
+    if (w.lingering.load()) {
+      // The call succeeded; this is a kHostDone receive cancelled by a later
+      // failure or by shutdown. Its staging is kept (Linger), nobody is told.
+      std::lock_guard<std::mutex> lock(batch->mu);
+      batch->failed = true;
+    } else if (!batch->Failed()) {
+      Fail(batch, why);
+    }
+    batch->Complete(1, 1);
+    return;
+  }
+  Expectation want = Expect(job, kStepKinds[step], from, q, 0);
+  want.payload_bytes = w.in_entries[step * w.size() + q].size() * sizeof(HostEntry);
+  if (!AcceptHeader(batch, h, done.len, want,
+                    [this, batch, step, q] { PostHostRecv(batch, step, q); })) {
+    return;
+  }
+  Heard(static_cast<uint32_t>(from));
+  // The header described the first buffer; the entries describe them all.
+  const std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
+  for (size_t k = 0; k < entries.size() && why.empty(); ++k) {
+    const HostEntry& e = entries[k];
+    const ReduceRequest& mine = batch->jobs[k]->req;
+    if (e.key != mine.key || e.count != mine.count ||
+        e.dtype != static_cast<uint8_t>(mine.dtype) || e.op != static_cast<uint8_t>(mine.op) ||
+        e.codec != static_cast<uint8_t>(mine.codec)) {
+      why = "mismatched reductions: rank " + std::to_string(from) + " reduces " +
+            DescribeEntry(e) + " as buffer " + std::to_string(k) + " where rank " +
+            std::to_string(config_.rank) + " reduces " + batch->jobs[k]->Describe() +
+            "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
+            "the same executables";
+    } else if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
+      why = "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
+            batch->jobs[k]->Describe();
+    }
+  }
+  if (!why.empty()) {
+    Fail(batch, why);
+    batch->Complete(1, 1);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(batch->mu);
+    w.got[q].fetch_or(static_cast<uint8_t>(1u << step));
+  }
+  batch->cv.notify_all();
+  batch->Complete(1, 1);
+}
+
+void Communicator::SendHost(Batch* batch, int step, int q) {
+  HostWait& w = *batch->host;
+  Job* job = batch->jobs.front().get();
+  const int to = w.local[q];
+  std::vector<HostEntry>& entries = w.out_entries[step];
+  const uint64_t tag =
+      MakeTag(kStepKinds[step], static_cast<uint32_t>(config_.rank), batch->stream,
+              job->tag_bits, 0);
+  if (config_.test_stale_copies) SendStaleCopy(batch, to, tag, w.out_headers[step]);
+  transport::IoVec iov[2] = {{&w.out_headers[step], sizeof(WireHeader)},
+                             {entries.data(), entries.size() * sizeof(HostEntry)}};
+  batch->AddInflight(1);
+  Status s = transport_->Send(
+      to, tag, iov, entries.empty() ? 1 : 2,
+      [this, job, to](const transport::Completion& c) { SendDone(job, to, c); });
+  if (!s.ok()) {
+    Fail(batch, "sending to rank " + std::to_string(to) + ": " + s.message());
+    batch->Complete(1, 1);
+  }
+}
+
+bool Communicator::WaitHost(Batch* batch, int step) {
+  HostWait& w = *batch->host;
+  w.waiting = step;
+  std::unique_lock<std::mutex> lock(batch->mu);
+  const bool arrived = batch->cv.wait_until(lock, Deadline(), [&] {
+    if (batch->failed) return true;
+    for (int q = 0; q < w.size(); ++q) {
+      if (q != w.me && !w.Got(q, step)) return false;
+    }
+    return true;
+  });
+  return arrived;
+}
+
+}  // namespace herring::engine
