@@ -14,6 +14,11 @@ optax.sgd(...))`` in one ``jax.jit``. Measured in the same job, medians:
              step's reductions need that step's gradients, so none can start
              before the forward pass ends, and the step takes at least
              max(compute, forward + reduction).
+  first      when the step's first reduction was issued (its first gradient
+             ready: the forward pass, which inside the step also keeps what
+             the backward pass needs, and the last layer's backward), from
+             the engine's timeline; with it in place of the forward pass the
+             bound is what this step's dataflow allows.
 It also checks that a step's reduced gradients are bitwise its local
 gradients reduced outside the step, and writes every rank's
 timeline (step boundaries from Python, each reduction's issue / start / end
@@ -143,13 +148,25 @@ def main(argv=None) -> int:
 
     compute, reduction, stepped, fwd = (statistics.median(t)
                                         for t in (t_compute, t_reduce, t_step, t_forward))
+    # Each step's first reduction issued, from the step's start.
+    firsts = []
+    for a, b in steps_log:
+        issued = [e["issued_ns"] for e in events if a <= e["issued_ns"] < b]
+        if issued:
+            firsts.append((min(issued) - a) / 1e6)
+    first = statistics.median(firsts) if firsts else float("nan")
+
+    def bound_after(start_ms):
+        return (compute + reduction - max(compute, start_ms + reduction)) / min(compute, reduction)
+
     hidden = (compute + reduction - stepped) / min(compute, reduction)
-    bound = (compute + reduction - max(compute, fwd + reduction)) / min(compute, reduction)
+    bound = bound_after(fwd)
     nbytes = sum(int(np.prod(v.shape)) * 4 for v in jax.tree.leaves(params))
     result = {"rank": me, "processes": herring_jax.process_count(), "gradient_bytes": nbytes,
               "layers": args.layers, "width": args.width, "batch": args.batch,
               "compute_ms": compute, "forward_ms": fwd, "reduction_ms": reduction,
               "step_ms": stepped, "hidden_fraction": hidden, "hidden_fraction_bound": bound,
+              "first_issue_ms": first, "hidden_fraction_bound_at_first_issue": bound_after(first),
               "bitwise_equal_to_unoverlapped": same,
               "reductions_per_step": len(events) / max(1, args.steps)}
     print("OVERLAP_RESULT " + json.dumps(result), flush=True)

@@ -236,7 +236,10 @@ def run_overlap(args: argparse.Namespace) -> int:
             print(f"  rank {r['rank']}: compute {r['compute_ms']:.1f} ms (forward "
                   f"{r['forward_ms']:.1f}), reduction {r['reduction_ms']:.1f} ms, step "
                   f"{r['step_ms']:.1f} ms, hidden fraction {r['hidden_fraction']:.2f} (bound "
-                  f"{r['hidden_fraction_bound']:.2f}), {r['reductions_per_step']:.0f} reductions "
+                  f"{r['hidden_fraction_bound']:.2f} after the forward pass alone, "
+                  f"{r['hidden_fraction_bound_at_first_issue']:.2f} after the step's first "
+                  f"reduction was issued at {r['first_issue_ms']:.1f} ms), "
+                  f"{r['reductions_per_step']:.0f} reductions "
                   f"per step, bitwise equal to unoverlapped: "
                   f"{r['bitwise_equal_to_unoverlapped']}")
         worst = min(r["hidden_fraction"] for r in results)
