@@ -202,6 +202,9 @@ class Communicator {
   // message and re-posts the receive, and completes the receive's work.
   bool AcceptHeader(Batch* batch, const WireHeader& h, size_t len, const Expectation& want,
                     std::function<void()> repost);
+  // Tests (test_faults.cc): sends `header` (another job's token) and
+  // header.payload_bytes of garbage to `to_rank` with `tag`.
+  void SendStranger(Batch* batch, int to_rank, uint64_t tag, const WireHeader& header);
   // Tests (CommConfig::test_stale_copies): sends a stale copy of `real`.
   void SendStaleCopy(Batch* batch, int to_rank, uint64_t tag, const WireHeader& real);
   // Tests (CommConfig::test_early_strangers): sends peer p a stranger for each
