@@ -58,3 +58,11 @@ def test_codecs_and_truncation_words(sanitizer):
     # it is (the provider's loss, a mismatch, a tag collision).
     _build_and_run("codec_wire_test", sanitizer, "CODEC_WIRE_OK",
                    extra_sources=["engine/codec.cc", "engine/wire.cc"])
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_reduce_kernels(sanitizer):
+    # Every dtype, whole blocks and tails, in place: the bits of the plain
+    # element-by-element sum in source order.
+    _build_and_run("reduce_kernels_test", sanitizer, "REDUCE_KERNELS_OK",
+                   extra_sources=["engine/reduce_kernels.cc"])

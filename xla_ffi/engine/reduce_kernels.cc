@@ -1,6 +1,5 @@
 #include "engine/reduce_kernels.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -10,7 +9,31 @@
 namespace herring::engine {
 namespace {
 
-constexpr size_t kTile = 1024;
+// Elements summed together: 64 bytes of accumulators, four SSE registers.
+// Each block reads every source once and writes dst once, with the sum kept
+// in registers. (Summing a 1024-element tile source by source through an
+// array on the stack left GCC's loop scalar: ~3x slower on L2-resident
+// pieces, the host stage's case; see BENCHMARKS.md.)
+template <typename A>
+constexpr size_t kLanes = 64 / sizeof(A);
+
+// Elements [i, i + L) of every source: all of them are read before dst or
+// copy is written, so either may alias a source at the same elements.
+template <size_t L, typename T, typename A, typename Load, typename Store, typename Divide>
+inline void ReduceBlock(T* dst, T* copy, const void* const* srcs, size_t n, size_t i, Load load,
+                        Store store, Divide divide) {
+  A acc[L];
+  const T* s0 = static_cast<const T*>(srcs[0]) + i;
+  for (size_t j = 0; j < L; ++j) acc[j] = load(s0[j]);
+  for (size_t k = 1; k < n; ++k) {
+    const T* s = static_cast<const T*>(srcs[k]) + i;
+    for (size_t j = 0; j < L; ++j) acc[j] += load(s[j]);
+  }
+  T out[L];
+  for (size_t j = 0; j < L; ++j) out[j] = store(divide(acc[j]));
+  std::memcpy(dst + i, out, sizeof(out));
+  if (copy != nullptr) std::memcpy(copy + i, out, sizeof(out));
+}
 
 // Storage type T, accumulator A; Load/Store convert between them.
 // `copy` (may be null) receives the same bits as `dst`.
@@ -19,18 +42,10 @@ void Reduce(void* dst_v, void* copy_v, const void* const* srcs_v, size_t n, size
             Load load, Store store, Divide divide) {
   T* dst = static_cast<T*>(dst_v);
   T* copy = static_cast<T*>(copy_v);
-  A acc[kTile];
-  for (size_t base = 0; base < count; base += kTile) {
-    const size_t m = std::min(kTile, count - base);
-    const T* s0 = static_cast<const T*>(srcs_v[0]) + base;
-    for (size_t i = 0; i < m; ++i) acc[i] = load(s0[i]);
-    for (size_t k = 1; k < n; ++k) {
-      const T* s = static_cast<const T*>(srcs_v[k]) + base;
-      for (size_t i = 0; i < m; ++i) acc[i] += load(s[i]);
-    }
-    for (size_t i = 0; i < m; ++i) dst[base + i] = store(divide(acc[i]));
-    if (copy != nullptr) std::memcpy(copy + base, dst + base, m * sizeof(T));
-  }
+  constexpr size_t L = kLanes<A>;
+  size_t i = 0;
+  for (; i + L <= count; i += L) ReduceBlock<L, T, A>(dst, copy, srcs_v, n, i, load, store, divide);
+  for (; i < count; ++i) ReduceBlock<1, T, A>(dst, copy, srcs_v, n, i, load, store, divide);
 }
 
 // Function objects, not function pointers: the kernels must inline the
