@@ -95,3 +95,26 @@ def test_idle_ranks_send_heartbeats_at_a_quarter_of_the_peer_limit():
     for rank, r in _stats(run, "idle").items():
         sent = r["heartbeats_sent"]
         assert 1 <= sent <= 4 * (nproc - 1), (rank, sent)
+
+
+@pytest.mark.parametrize("slice_us", [None, "0", "250"])
+def test_the_progress_thread_asks_for_a_short_time_slice(slice_us):
+    # HERRING_PROGRESS_SLICE_US (default 100): the transport's progress thread,
+    # and only it, runs with that slice; 0 leaves every thread at the
+    # kernel's default. This machine's kernel (6.12+) shows each thread's
+    # slice in /proc/<pid>/task/<tid>/sched.
+    env = {"HERRING_HOST_STAGE": "0"}
+    if slice_us is not None:
+        env["HERRING_PROGRESS_SLICE_US"] = slice_us
+    run = launch("slice_worker.py", [], nproc=2, env=env, timeout=120)
+    assert_all_ok(run, expected_cases=1)
+    want = {None: 100_000, "0": None, "250": 250_000}[slice_us]
+    for rank, results in run.results.items():
+        found = results[0]["slices"]
+        assert len(found) > 5, f"rank {rank}: no se.slice lines in /proc (kernel < 6.6?)"
+        default = max(set(found), key=found.count)  # most threads keep it
+        short = [s for s in found if s != default]
+        if want is None:
+            assert short == [], f"rank {rank}: slices {sorted(found)}"
+        else:
+            assert short == [want], f"rank {rank}: slices {sorted(found)}, want one {want}"

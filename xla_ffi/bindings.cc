@@ -111,7 +111,8 @@ NB_MODULE(_herring_ffi, m) {
       [](int rank, int size, uint64_t token, const std::string& provider,
          const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
          double timeout_s, double heartbeat_s, double peer_timeout_s, size_t max_posted,
-         bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers) {
+         bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
+         int progress_slice_us) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -125,6 +126,7 @@ NB_MODULE(_herring_ffi, m) {
         config.transport.interface = interface;
         config.transport.force_mr = force_mr;
         config.transport.max_posted = max_posted;
+        config.transport.progress_slice_us = progress_slice_us;
         config.test_stale_copies = test_stale_copies;
         config.test_gather_delay_ms = test_gather_delay_ms;
         config.test_early_strangers = test_early_strangers;
@@ -142,7 +144,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("server_threads"), nb::arg("timeout_s"), nb::arg("heartbeat_s"),
       nb::arg("peer_timeout_s"), nb::arg("max_posted") = 0,
       nb::arg("test_stale_copies") = false, nb::arg("test_gather_delay_ms") = 0,
-      nb::arg("test_early_strangers") = false,
+      nb::arg("test_early_strangers") = false, nb::arg("progress_slice_us") = 0,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {

@@ -88,6 +88,10 @@ KNOBS: dict[str, Knob] = {
              "At most this many sends, and this many receives, handed to the libfabric "
              "provider at once; more wait in herring_jax's queue (posting never blocks). "
              "0: the provider's queue sizes, at most 8192 each."),
+        Knob("HERRING_PROGRESS_SLICE_US", 100, _non_negative_int,
+             "Time slice the transport's progress thread asks the scheduler for (Linux "
+             "6.12+; older kernels ignore it), so that a message is handled promptly while "
+             "the process's other threads keep the cores busy. 0: the kernel's default."),
         Knob("HERRING_HOST_STAGE", True, _bool,
              "1: processes of one host reduce through memory (process_vm_readv) and only "
              "each host's share crosses the network; 0: every process talks to every "

@@ -9,6 +9,8 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_tagged.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <arpa/inet.h>
@@ -109,6 +111,7 @@ class FabricTransport final : public Transport {
   Status Open(const TransportOptions& options) {
     force_mr_ = options.force_mr;
     max_posted_ = options.max_posted;
+    progress_slice_us_ = options.progress_slice_us;
     post_timeout_s_ = options.post_timeout_s;
     InfoPtr hints(fi_allocinfo());
     if (!hints) return Status::Error("fi_allocinfo failed");
@@ -677,6 +680,33 @@ class FabricTransport final : public Transport {
 
   // Wakes the progress thread wherever it waits: on work_cv_, or in
   // fi_cq_sread (fi_cq_signal).
+  // The progress thread runs for microseconds at a time, but a woken thread
+  // waits its turn behind the threads that keep the cores busy (the host
+  // stage's copies, XLA's compute): with 4 processes on 2 cores the host
+  // stage's messages took 1.6-1.8 ms at the 90th percentile. EEVDF (Linux
+  // 6.12+) lets a SCHED_OTHER thread ask for a shorter slice, which brings
+  // its wake-ups forward (0.9 ms there) with no privilege; older kernels
+  // ignore the field. The policy and nice value stay as they are; failure
+  // changes nothing, so it is not reported.
+  static void AskForShortSlice(int us) {
+    struct SchedAttr {  // the kernel's struct sched_attr, version 0 (48 bytes)
+      uint32_t size;
+      uint32_t policy;
+      uint64_t flags;
+      int32_t nice;
+      uint32_t priority;
+      uint64_t runtime;
+      uint64_t deadline;
+      uint64_t period;
+    } attr{};
+    if (syscall(SYS_sched_getattr, 0, &attr, sizeof(attr), 0) != 0) return;
+    if (attr.policy != SCHED_OTHER) return;
+    attr.size = sizeof(attr);
+    attr.flags = 0;
+    attr.runtime = static_cast<uint64_t>(us) * 1000;
+    syscall(SYS_sched_setattr, 0, &attr, 0);
+  }
+
   void Wake() {
     work_cv_.notify_one();
     if (can_wait_) fi_cq_signal(cq_.get());
@@ -694,6 +724,7 @@ class FabricTransport final : public Transport {
   // in sread, idle or not, up to 100 ms, and every post wakes it. Every round
   // also posts what waits in the transport's queue.
   void ProgressLoop() {
+    if (progress_slice_us_ > 0) AskForShortSlice(progress_slice_us_);
     int idle = 0;
     while (running_) {
       PostQueued();
@@ -744,6 +775,7 @@ class FabricTransport final : public Transport {
   bool can_wait_ = false;
   // How long the progress thread may sleep in fi_cq_sread (can_wait_ only).
   int block_ms_ = 1;
+  int progress_slice_us_ = 0;
   std::atomic<uint64_t> next_key_{1};
   std::function<void(const std::string&)> fatal_handler_;
   std::once_flag fatal_once_;

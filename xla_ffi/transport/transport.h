@@ -69,6 +69,9 @@ struct TransportOptions {
   // to the provider at once; more wait in the transport's queue. 0: the
   // provider's queue sizes, within the completion queue's.
   size_t max_posted = 0;
+  // The time slice the progress thread asks for (sched_setattr's
+  // sched_runtime for SCHED_OTHER, Linux 6.12+); 0 keeps the kernel's.
+  int progress_slice_us = 0;
 };
 
 struct TransportStats {
