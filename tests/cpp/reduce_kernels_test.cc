@@ -68,10 +68,8 @@ void CheckType(DType dtype, const char* name, Load load, Store store,
         for (size_t k = 0; k < n; ++k) ptrs[k] = again[k].data();
         ReduceIntoTwo(dtype, again[n - 1].data(), n > 1 ? again[0].data() : nullptr,
                       ptrs.data(), n, count, divisor);
-        Check(Equal(again[n - 1].data(), want),
-              what + ": in place");
-        Check(Equal(again[0].data(), want),
-              what + ": copy in place");
+        Check(Equal(again[n - 1].data(), want), what + ": in place");
+        Check(Equal(again[0].data(), want), what + ": copy in place");
       }
     }
   }

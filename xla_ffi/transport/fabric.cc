@@ -678,8 +678,6 @@ class FabricTransport final : public Transport {
     return 1;
   }
 
-  // Wakes the progress thread wherever it waits: on work_cv_, or in
-  // fi_cq_sread (fi_cq_signal).
   // The progress thread runs for microseconds at a time, but a woken thread
   // waits its turn behind the threads that keep the cores busy (the host
   // stage's copies, XLA's compute): with 4 processes on 2 cores the host
@@ -707,6 +705,8 @@ class FabricTransport final : public Transport {
     syscall(SYS_sched_setattr, 0, &attr, 0);
   }
 
+  // Wakes the progress thread wherever it waits: on work_cv_, or in
+  // fi_cq_sread (fi_cq_signal).
   void Wake() {
     work_cv_.notify_one();
     if (can_wait_) fi_cq_signal(cq_.get());
