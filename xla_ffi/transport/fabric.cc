@@ -684,7 +684,7 @@ class FabricTransport final : public Transport {
   // stage's messages took 1.6-1.8 ms at the 90th percentile. EEVDF (Linux
   // 6.12+) lets a SCHED_OTHER thread ask for a shorter slice, which brings
   // its wake-ups forward (0.9 ms there) with no privilege; older kernels
-  // ignore the field. The policy and nice value stay as they are; failure
+  // ignore the field. The policy, nice value and reset-on-fork stay; failure
   // changes nothing, so it is not reported.
   static void AskForShortSlice(int us) {
     struct SchedAttr {  // the kernel's struct sched_attr, version 0 (48 bytes)
@@ -700,7 +700,7 @@ class FabricTransport final : public Transport {
     if (syscall(SYS_sched_getattr, 0, &attr, sizeof(attr), 0) != 0) return;
     if (attr.policy != SCHED_OTHER) return;
     attr.size = sizeof(attr);
-    attr.flags = 0;
+    attr.flags &= 0x01;  // SCHED_FLAG_RESET_ON_FORK, the only flag of SCHED_OTHER to keep
     attr.runtime = static_cast<uint64_t>(us) * 1000;
     syscall(SYS_sched_setattr, 0, &attr, 0);
   }
