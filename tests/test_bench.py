@@ -32,10 +32,11 @@ def test_bench_smoke(tmp_path):
     assert data["link_gbps"] is None and data["memory_gbps"] > 0, data
     assert data["bound_s"]["4.0"] == pytest.approx(2 * 4 * 2**20 / (data["memory_gbps"] * 1e9))
     assert "herring at 4 MiB: " in proc.stdout and "of the bound" in proc.stdout, proc.stdout
-    # One host of 2 processes: the host stage's control messages (arrive,
-    # ready, done: 3 per reduction), no data, cross the transport.
+    # One host of 2 processes: the host stage's steps go through the
+    # shared-memory boards, so no message per reduction (a heartbeat may fall
+    # into the timed runs) and no data cross the transport.
     [herring4] = [r for r in data["results"] if r["peer"] == "herring" and r["mib"] == 4.0]
-    assert 3 <= herring4["messages_per_run"] < 10, herring4
+    assert herring4["messages_per_run"] < 3, herring4
     assert herring4["bytes_sent_per_run"] < 4096, herring4
     assert len(data["max_rss_mib_by_rank"]) == 2 and min(data["max_rss_mib_by_rank"]) > 50
 

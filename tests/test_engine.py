@@ -22,6 +22,8 @@ def test_stale_messages_are_dropped_and_the_sums_stay_exact(host_stage):
     # a batch that the success path freed while it ran.
     run = launch("reduce_worker.py", CASES + ["--stats"], nproc=4,
                  env={"HERRING_TEST_STALE_COPIES": "1", "HERRING_HOST_STAGE": host_stage,
+                      # The host stage's steps as messages, so that they are copied too.
+                      "HERRING_HOST_BOARD": "0",
                       "HERRING_CHUNK_BYTES": str(256 * 1024)})
     digests = assert_all_ok(run, expected_cases=2 * 3 + 1)
     assert all(len(d) == 1 for case, d in digests.items() if case != "stats"), digests

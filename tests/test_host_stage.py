@@ -5,7 +5,9 @@ Every dtype and op, bitwise against the numpy reference of the documented order
 (the processes of a host in rank order, then the hosts), on 2 simulated hosts
 x 2 processes (network namespaces; 1 host x 2 and x 4 processes are
 tests/test_allreduce.py), and over the transport alone; the path taken is
-checked from the counters, not assumed. A host whose processes
+checked from the counters, not assumed. The steps (where the inputs and the
+result slices are) go through shared-memory boards, or through transport
+messages with HERRING_HOST_BOARD=0; both are run. A host whose processes
 cannot read each other's memory falls back to the transport for all of them.
 Killed processes on a host are covered by tests/test_chaos.py, which runs 4
 processes on one host."""
@@ -45,12 +47,17 @@ def _run(nproc, hosts=None, devices=1, env=None, extra=()):
     return run
 
 
-@pytest.mark.parametrize("hosts,devices", [(2, 1), (2, 2)])
-def test_every_dtype_through_the_host_stage(hosts, devices):
-    run = _run(4, hosts=hosts, devices=devices)
+STEPS = {"1": "steps on shared-memory boards",
+         "0": "steps as messages (HERRING_HOST_BOARD=0)"}
+
+
+@pytest.mark.parametrize("hosts,devices,board", [(2, 1, "1"), (2, 2, "1"), (2, 1, "0")])
+def test_every_dtype_through_the_host_stage(hosts, devices, board):
+    run = _run(4, hosts=hosts, devices=devices, env={"HERRING_HOST_BOARD": board})
     per_host = 4 // hosts
     for d in _extra(run, "describe"):
-        assert f"{per_host} processes on it, host stage through memory" in d["describe"], d
+        assert f"{per_host} processes on it, host stage through memory, {STEPS[board]}" \
+            in d["describe"], d
     for s in _extra(run, "stats"):
         stats = s["stats"]
         # Every reduction of every case took the host stage and read its
@@ -84,8 +91,30 @@ def test_a_process_whose_memory_cannot_be_read_turns_its_host_to_the_transport()
     assert "reduce over the transport, not through memory" in run.stderr, run.explain()
 
 
-@pytest.mark.parametrize("slow_rank", [0, 3])
-def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slow_rank):
+def test_on_one_host_the_boards_carry_every_step_and_messages_only_heartbeats():
+    # 1 host x 4: with the boards no transport message but heartbeats leaves
+    # any process; with messages each reduction sends 3 per peer.
+    sent = {}
+    for board in ("1", "0"):
+        run = launch("reduce_worker.py",
+                     ["--dtypes", "float32", "--ops", "sum", "--counts", "4097", "--mib", "1",
+                      "--describe", "--stats"],
+                     nproc=4, env={"HERRING_HOST_BOARD": board})
+        assert_all_ok(run, expected_cases=4)
+        for d in _extra(run, "describe"):
+            assert f"4 processes on it, host stage through memory, {STEPS[board]}" \
+                in d["describe"], d
+        stats = [s["stats"] for s in _extra(run, "stats")]
+        assert all(s["host_stage_calls"] == s["reductions"] > 0 for s in stats), stats
+        sent[board] = [(s["messages_sent"] - s["heartbeats_sent"], s["reductions"])
+                       for s in stats]
+    # (At most one heartbeat is counted as sent and not yet as a heartbeat.)
+    assert all(extra <= 1 for extra, _ in sent["1"]), sent
+    assert all(extra >= 9 * reductions for extra, reductions in sent["0"]), sent
+
+
+@pytest.mark.parametrize("slow_rank,board", [(0, "1"), (3, "1"), (3, "0")])
+def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slow_rank, board):
     # The slow rank reads the others' slices of the last result about 0.8 s
     # after they returned; they shut down and leave at once (os._exit, no
     # jax.distributed barrier). Shutting down must wait for that read: freed
@@ -94,7 +123,7 @@ def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slo
                  ["--dtypes", "int32,float32", "--ops", "sum", "--counts", "4097",
                   "--mib", "4", "--slow-reader-rank", str(slow_rank), "--exit-after-shutdown",
                   "--stats"],
-                 nproc=4)
+                 nproc=4, env={"HERRING_HOST_BOARD": board})
     digests = assert_all_ok(run, expected_cases=5)
     assert all(len(d) == 1 for d in digests.values()), digests
     for s in _extra(run, "stats"):

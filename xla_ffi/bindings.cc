@@ -162,14 +162,35 @@ NB_MODULE(_herring_ffi, m) {
   m.def(
       "set_topology",
       [](int64_t handle, const std::vector<int>& host_of, const std::vector<int64_t>& pid_of,
-         const std::vector<bool>& memory_shared) {
-        engine::HostTopology topology{host_of, pid_of, memory_shared};
+         const std::vector<bool>& memory_shared, const std::vector<bool>& board_shared) {
+        engine::HostTopology topology{host_of, pid_of, memory_shared, board_shared};
         engine::Status s = Find(handle)->SetTopology(topology);
         if (!s.ok()) throw std::runtime_error(s.message());
       },
       nb::arg("handle"), nb::arg("host_of"), nb::arg("pid_of"), nb::arg("memory_shared"),
+      nb::arg("board_shared"),
       "Which ranks share a host (host index per rank), their pids, and per host whether "
-      "its processes read each other's memory; before connect.");
+      "its processes read each other's memory and map each other's host boards; before "
+      "connect.");
+  m.def(
+      "board_fd",
+      [](int64_t handle) {
+        std::string error;
+        const int fd = Find(handle)->BoardFd(&error);
+        return nb::make_tuple(fd, error);
+      },
+      nb::arg("handle"),
+      "(descriptor, error) of this process's host board, for the other processes of its "
+      "host (descriptor -1 and the reason where it could not be created).");
+  m.def(
+      "attach_board",
+      [](int64_t handle, int host_index, int64_t pid, int fd) {
+        nb::gil_scoped_release release;
+        return Find(handle)->AttachBoard(host_index, pid, fd);
+      },
+      nb::arg("handle"), nb::arg("host_index"), nb::arg("pid"), nb::arg("fd"),
+      "Maps the host board of the process `pid` (its descriptor `fd`), the `host_index`-th "
+      "process of this host; returns \"\" or why it could not.");
 
   m.def("memory_probe", []() {
     return nb::make_tuple(reinterpret_cast<uint64_t>(&ProbeWord()), ProbeWord());

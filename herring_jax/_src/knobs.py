@@ -96,6 +96,10 @@ KNOBS: dict[str, Knob] = {
              "1: processes of one host reduce through memory (process_vm_readv) and only "
              "each host's share crosses the network; 0: every process talks to every "
              "other over the transport. Rank 0's value holds for the whole job."),
+        Knob("HERRING_HOST_BOARD", True, _bool,
+             "1: the host stage's steps (where inputs and result slices are) go through a "
+             "shared-memory board per process with futex waits; 0: through transport "
+             "messages. Rank 0's value holds for the whole job."),
         Knob("HERRING_TEST_DENY_MEMORY_READS", False, _bool,
              "Tests only: this process reports that its memory cannot be read, so its "
              "host reduces over the transport."),

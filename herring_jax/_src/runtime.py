@@ -201,8 +201,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 # Every process must plan groups alike: rank 0's setting holds.
                 client.key_value_set(f"{prefix}/host_stage",
                                      "1" if knobs.get("HERRING_HOST_STAGE") else "0")
+                client.key_value_set(f"{prefix}/host_board",
+                                     "1" if knobs.get("HERRING_HOST_BOARD") else "0")
             token = int(client.blocking_key_value_get(f"{prefix}/token", timeout_ms))
             host_stage = client.blocking_key_value_get(f"{prefix}/host_stage", timeout_ms) == "1"
+            host_board = client.blocking_key_value_get(f"{prefix}/host_board", timeout_ms) == "1"
 
             provider = knobs.get("HERRING_FI_PROVIDER")
             interface = knobs.get("HERRING_FI_IFACE")
@@ -222,9 +225,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(
                     client, prefix, rank, size, timeout_ms, _ext, host_stage,
-                    deny_reads=knobs.get("HERRING_TEST_DENY_MEMORY_READS"))
+                    deny_reads=knobs.get("HERRING_TEST_DENY_MEMORY_READS"),
+                    handle=handle, boards=host_board)
                 _ext.set_topology(handle, topology.host_of, topology.pid_of,
-                                  topology.memory_shared)
+                                  topology.memory_shared, topology.board_shared)
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
                          for r in range(size)]
                 _ext.connect(handle, addrs)

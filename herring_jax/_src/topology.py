@@ -10,7 +10,9 @@ process's memory needs its pid. Hosts are numbered in the order of their
 lowest rank. Processes of a host use the host stage only if every one of them
 can read every other's memory (process_vm_readv), which each process checks
 by reading the others' probe word; otherwise that host reduces over the
-transport, and says why once.
+transport, and says why once. Their host stage's steps go through shared-memory
+boards (xla_ffi/engine/host_board.h) where every process of the host maps every
+other's board (pidfd_getfd), else through transport messages.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Topology:
     pid_of: list[int]           # [rank] pid
     memory_shared: list[bool]   # [host] its processes read each other's memory
     reasons: list[str]          # [host] why not ("" if shared)
+    board_shared: list[bool] = dataclasses.field(default_factory=list)  # [host] boards mapped
+    board_reasons: list[str] = dataclasses.field(default_factory=list)  # [host] why not
 
     def local_ranks(self, rank: int) -> list[int]:
         """The ranks on `rank`'s host (itself included), in rank order."""
@@ -38,8 +42,13 @@ class Topology:
         text = (f"host {host} of {len(self.memory_shared)}, {len(local)} process"
                 f"{'es' if len(local) > 1 else ''} on it")
         if len(local) > 1:
-            text += (", host stage through memory" if self.memory_shared[host]
-                     else ", host stage off: " + self.reasons[host])
+            if not self.memory_shared[host]:
+                text += ", host stage off: " + self.reasons[host]
+            elif self.board_shared and self.board_shared[host]:
+                text += ", host stage through memory, steps on shared-memory boards"
+            else:
+                why = self.board_reasons[host] if self.board_reasons else "no boards"
+                text += f", host stage through memory, steps as messages ({why})"
         return text
 
 
@@ -61,7 +70,8 @@ def host_identity() -> str:
 
 
 def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
-             enabled: bool, deny_reads: bool = False) -> Topology:
+             enabled: bool, deny_reads: bool = False, handle=None,
+             boards: bool = False) -> Topology:
     """Publishes this process's host record, reads everyone's, checks that this
     host's processes can read each other's memory, and agrees on the result.
 
@@ -71,13 +81,19 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
       enabled: the host stage is on (rank 0's HERRING_HOST_STAGE, which every
         process follows so that all plan alike).
       deny_reads: tests only: report that this process's memory cannot be read.
+      handle: the communicator, whose host board the others map (with `boards`).
+      boards: the host stage's steps may go through host boards (rank 0's
+        HERRING_HOST_BOARD).
     """
     if enabled:
         note = ext.allow_peers_to_read()
         if note:
             print(f"herring_jax rank {rank}: {note}", file=sys.stderr, flush=True)
     address, value = ext.memory_probe()
-    record = {"host": host_identity(), "pid": os.getpid(), "probe": [address, value]}
+    board_fd, board_error = (ext.board_fd(handle) if enabled and boards and handle is not None
+                             else (-1, "no board"))
+    record = {"host": host_identity(), "pid": os.getpid(), "probe": [address, value],
+              "board": board_fd, "board_error": board_error}
     client.key_value_set(f"{prefix}/host/{rank}", json.dumps(record))
     records = [json.loads(client.blocking_key_value_get(f"{prefix}/host/{r}", timeout_ms))
                for r in range(size)]
@@ -106,22 +122,48 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
                 verdict = (f"rank {rank} read {seen:#x} from rank {r}'s probe word, expected "
                            f"{value:#x} (pid {pid_of[r]} is another process: pid namespaces?)")
                 break
+    board_verdict = ("" if not enabled else "HERRING_HOST_BOARD=0" if not boards
+                     else _attach_boards(records, host_of, pid_of, rank, ext, handle))
     client.key_value_set(f"{prefix}/memory/{rank}", verdict)
-    # Rank 0 gathers every host's verdict and publishes one line that all
+    client.key_value_set(f"{prefix}/board/{rank}", board_verdict)
+    # Rank 0 gathers every host's verdicts and publishes one line that all
     # read: every process plans every group from the same table.
     hosts = len(index)
     if rank == 0:
-        reasons = [""] * hosts
-        for r in range(size):
-            why = client.blocking_key_value_get(f"{prefix}/memory/{r}", timeout_ms)
-            if why and not reasons[host_of[r]]:
-                reasons[host_of[r]] = why
-        client.key_value_set(f"{prefix}/memory/all", json.dumps(reasons))
+        for kind in ("memory", "board"):
+            reasons = [""] * hosts
+            for r in range(size):
+                why = client.blocking_key_value_get(f"{prefix}/{kind}/{r}", timeout_ms)
+                if why and not reasons[host_of[r]]:
+                    reasons[host_of[r]] = why
+            client.key_value_set(f"{prefix}/{kind}/all", json.dumps(reasons))
     reasons = json.loads(client.blocking_key_value_get(f"{prefix}/memory/all", timeout_ms))
-    topology = Topology(host_of, pid_of, [not why for why in reasons], reasons)
+    board_reasons = json.loads(client.blocking_key_value_get(f"{prefix}/board/all", timeout_ms))
+    topology = Topology(host_of, pid_of, [not why for why in reasons], reasons,
+                        [not why and not board for why, board in zip(reasons, board_reasons)],
+                        board_reasons)
     local = topology.local_ranks(rank)
     if enabled and len(local) > 1 and reasons[host_of[rank]] and rank == local[0]:
         print(f"herring_jax rank {rank}: the {len(local)} processes of this host reduce over "
               f"the transport, not through memory: {reasons[host_of[rank]]}",
               file=sys.stderr, flush=True)
     return topology
+
+
+def _attach_boards(records: list[dict], host_of: list[int], pid_of: list[int], rank: int,
+                   ext, handle) -> str:
+    """Maps the host board of every other process of this host; "" or why the
+    host stage's steps of this host must go through messages instead."""
+    local = [r for r in range(len(records)) if host_of[r] == host_of[rank]]
+    if len(local) < 2:
+        return ""
+    for r in local:
+        if records[r]["board"] < 0:
+            return f"rank {r} has no host board: {records[r]['board_error']}"
+    for i, r in enumerate(local):
+        if r == rank:
+            continue
+        why = ext.attach_board(handle, i, pid_of[r], records[r]["board"])
+        if why:
+            return f"rank {rank} cannot map rank {r}'s host board: {why}"
+    return ""

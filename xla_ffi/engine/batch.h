@@ -20,6 +20,7 @@
 
 #include "engine/buffer_pool.h"
 #include "engine/communicator.h"
+#include "engine/host_board.h"
 #include "engine/wire.h"
 
 namespace herring::engine {
@@ -181,6 +182,16 @@ struct HostWait {
   WireHeader out_headers[kSteps];                   // sent to every peer
   std::vector<HostEntry> out_entries[kSteps];
   std::vector<PooledBuffer> staging;  // [buffer] this process's slice of the result
+  // Through the host boards instead of messages (GroupPlan::board): this
+  // call's key and posting on this process's board, the peers' board
+  // indices, and per peer the posting (and its version) whose slices this
+  // process reads, acked once it has read them (step 2).
+  bool board = false;
+  BoardKey key;
+  int posting = -1;
+  std::vector<int> board_index;    // [local index]
+  std::vector<int> ready_posting;  // [local index]
+  std::vector<uint32_t> ready_version;
 
   int size() const { return static_cast<int>(local.size()); }
   bool Got(int q, int step) const { return (got[q].load() >> step) & 1; }

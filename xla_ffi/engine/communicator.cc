@@ -58,7 +58,8 @@ std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Sta
   return comm;
 }
 
-Communicator::Communicator(const CommConfig& config) : config_(config) {}
+Communicator::Communicator(const CommConfig& config)
+    : config_(config), board_(std::make_unique<HostBoard>()) {}
 
 Communicator::~Communicator() {
   // Other processes of the host may still be reading the last results'
@@ -181,7 +182,22 @@ Status Communicator::SetTopology(const HostTopology& topology) {
   const std::string invalid = topology.Validate(config_.size);
   if (!invalid.empty()) return Status::Error(invalid);
   topology_ = topology;
+  int index = 0;  // this process's place among its host's processes
+  for (int r = 0; r < config_.rank; ++r) {
+    index += topology.host_of[r] == topology.host_of[config_.rank];
+  }
+  board_->SetSelf(index);
   return Status::Ok();
+}
+
+int Communicator::BoardFd(std::string* error) const {
+  *error = board_->error();
+  return error->empty() ? board_->fd() : -1;
+}
+
+std::string Communicator::AttachBoard(int host_index, int64_t pid, int fd) {
+  if (connected_) return "boards must be attached before Connect";
+  return board_->Attach(host_index, pid, fd);
 }
 
 const GroupPlan& Communicator::PlanFor(const std::vector<int>& group) {

@@ -22,6 +22,7 @@
 #include "engine/buffer_pool.h"
 #include "engine/codec.h"
 #include "engine/dtype.h"
+#include "engine/host_board.h"
 #include "engine/host_topology.h"
 #include "engine/occurrence_table.h"
 #include "engine/wire.h"
@@ -108,6 +109,11 @@ class Communicator {
   // Which processes share a host (see host_topology.h); before Connect. Never
   // set: every group reduces flat.
   Status SetTopology(const HostTopology& topology);
+  // This process's host board (host_board.h): its descriptor for the other
+  // processes of the host (-1 and `error` where it could not be created),
+  // and mapping theirs ("" or why not) before SetTopology.
+  int BoardFd(std::string* error) const;
+  std::string AttachBoard(int host_index, int64_t pid, int fd);
   // Installs every rank's address (index = rank) and enables reductions.
   Status Connect(const std::vector<std::vector<uint8_t>>& addrs);
 
@@ -155,6 +161,16 @@ class Communicator {
   // Waits until every local peer's message of `step` arrived (or the batch
   // failed, or timeout_s passed: false).
   bool WaitHost(Batch* batch, int step);
+  // The same steps through the host boards (host_board.h): publishes this
+  // process's entries of `step`; waits for every peer's (as WaitHost); finds
+  // a peer whose slices are ready and not yet gathered (-1: none yet, after
+  // waiting a moment), or waits for one.
+  void PublishHost(Batch* batch, int step);
+  bool WaitBoard(Batch* batch, int step);
+  int NextReady(Batch* batch, const std::vector<bool>& gathered, bool* timed_out);
+  // Whether a peer's board entries of `step` match this call; false and the
+  // batch failed (with every rank told) where they do not.
+  bool CheckHostEntries(Batch* batch, int step, int q, const std::vector<HostEntry>& entries);
   // Reads peer `q`'s slices of the result (its kHostReady entries) into the
   // outputs, then tells it.
   Status GatherFrom(Batch* batch, int q, const std::vector<ReduceRequest>& requests);
@@ -169,6 +185,8 @@ class Communicator {
   // receives of kHostDone) lingers until then. Linger frees the lingering
   // batches that have finished and adds `batch`.
   void Linger(std::unique_ptr<Batch> batch);
+  // Frees the lingering batches that have finished (lingering_mu_ held).
+  void SweepLingering();
   // Whether no other process can read `batch`'s staging any more: each has
   // said it read it (kHostDone) or has exited. False once a receive of
   // kHostDone was cancelled (the batch failed): the reader may still be at it.
@@ -251,6 +269,7 @@ class Communicator {
   std::atomic<bool> connected_{false};
 
   HostTopology topology_;  // set before Connect, read-only afterwards
+  std::unique_ptr<HostBoard> board_;  // created with the communicator
   std::mutex plans_mu_;
   std::map<std::vector<int>, GroupPlan> plans_;  // per group (groups are few)
   // Result slices of failed host-stage calls: other processes of the host may

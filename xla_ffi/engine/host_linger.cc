@@ -13,9 +13,21 @@ namespace herring::engine {
 
 void Communicator::Linger(std::unique_ptr<Batch> batch) {
   std::lock_guard<std::mutex> lock(lingering_mu_);
+  SweepLingering();
+  if (batch) lingering_.push_back(std::move(batch));
+}
+
+void Communicator::SweepLingering() {
   auto finished = [this](const std::unique_ptr<Batch>& b) {
     std::lock_guard<std::mutex> batch_lock(b->mu);
     if (b->inflight != 0) return false;  // callbacks may still run
+    const HostWait& w = *b->host;
+    if (w.board && !b->failed) {
+      // Through the boards: until every reader has acked (or exited).
+      if (!SlicesRead(*b)) return false;
+      board_->Release(w.posting);
+      return true;
+    }
     if (b->remaining != 0 || b->failed) {
       // A kHostDone never came (a reader failed, or the receive was
       // cancelled): the reader may still know the address.
@@ -26,14 +38,16 @@ void Communicator::Linger(std::unique_ptr<Batch> batch) {
   };
   lingering_.erase(std::remove_if(lingering_.begin(), lingering_.end(), finished),
                    lingering_.end());
-  lingering_.push_back(std::move(batch));
 }
 
 bool Communicator::SlicesRead(const Batch& batch) const {
   const HostWait& w = *batch.host;
   if (batch.failed) return false;
   for (int q = 0; q < w.size(); ++q) {
-    if (q != w.me && !w.Got(q, 2) && !ProcessExited(w.pids[q])) return false;
+    if (q == w.me) continue;
+    const bool read = w.board ? board_->Acked(w.board_index[q], w.board_index[w.me], w.posting)
+                              : w.Got(q, 2);
+    if (!read && !ProcessExited(w.pids[q])) return false;
   }
   return true;
 }

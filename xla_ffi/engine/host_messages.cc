@@ -26,6 +26,41 @@ std::string DescribeEntry(const HostEntry& e) {
          std::to_string(e.key) + ")";
 }
 
+// Why the entries a peer (`from`) published for a call do not describe the
+// buffers this process (`me`) reduces in it ("" if they do).
+std::string EntriesMismatch(const Batch& batch, int from, int me,
+                            const std::vector<HostEntry>& entries) {
+  if (entries.size() != batch.jobs.size()) {
+    return "mismatched reductions: rank " + std::to_string(from) + " reduces " +
+           std::to_string(entries.size()) + " buffers in one call where rank " +
+           std::to_string(me) + " reduces " + std::to_string(batch.jobs.size()) + " in " +
+           batch.jobs.front()->Describe() +
+           "; every process must run the same reductions in the same executables";
+  }
+  for (size_t k = 0; k < entries.size(); ++k) {
+    const HostEntry& e = entries[k];
+    const ReduceRequest& mine = batch.jobs[k]->req;
+    if (e.key != mine.key || e.count != mine.count ||
+        e.dtype != static_cast<uint8_t>(mine.dtype) || e.op != static_cast<uint8_t>(mine.op) ||
+        e.codec != static_cast<uint8_t>(mine.codec)) {
+      return "mismatched reductions: rank " + std::to_string(from) + " reduces " +
+             DescribeEntry(e) + " as buffer " + std::to_string(k) + " where rank " +
+             std::to_string(me) + " reduces " + batch.jobs[k]->Describe() +
+             "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
+             "the same executables";
+    }
+    if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
+      return "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
+             batch.jobs[k]->Describe();
+    }
+  }
+  return "";
+}
+
+// How long a board wait sleeps before it looks at the call's state again
+// (failed by a peer's abort or the peer watch, or past its deadline).
+constexpr int kBoardSliceUs = 2000;
+
 }  // namespace
 
 void Communicator::PostHostRecv(Batch* batch, int step, int q) {
@@ -75,23 +110,10 @@ void Communicator::OnHostMessage(Batch* batch, int step, int q,
     return;
   }
   Heard(static_cast<uint32_t>(from));
-  // The header described the first buffer; the entries describe them all.
-  const std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
-  for (size_t k = 0; k < entries.size() && why.empty(); ++k) {
-    const HostEntry& e = entries[k];
-    const ReduceRequest& mine = batch->jobs[k]->req;
-    if (e.key != mine.key || e.count != mine.count ||
-        e.dtype != static_cast<uint8_t>(mine.dtype) || e.op != static_cast<uint8_t>(mine.op) ||
-        e.codec != static_cast<uint8_t>(mine.codec)) {
-      why = "mismatched reductions: rank " + std::to_string(from) + " reduces " +
-            DescribeEntry(e) + " as buffer " + std::to_string(k) + " where rank " +
-            std::to_string(config_.rank) + " reduces " + batch->jobs[k]->Describe() +
-            "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
-            "the same executables";
-    } else if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
-      why = "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
-            batch->jobs[k]->Describe();
-    }
+  // The header described the first buffer; the entries (arrive, ready)
+  // describe them all.
+  if (step < 2) {
+    why = EntriesMismatch(*batch, from, config_.rank, w.in_entries[step * w.size() + q]);
   }
   if (!why.empty()) {
     Fail(batch, why);
@@ -139,6 +161,92 @@ bool Communicator::WaitHost(Batch* batch, int step) {
     return true;
   });
   return arrived;
+}
+
+
+void Communicator::PublishHost(Batch* batch, int step) {
+  HostWait& w = *batch->host;
+  if (!w.board) {
+    for (int q = 0; q < w.size(); ++q) {
+      if (q != w.me) SendHost(batch, step, q);
+    }
+    return;
+  }
+  board_->Publish(w.posting, step, w.out_entries[step].data(), w.out_entries[step].size());
+}
+
+bool Communicator::CheckHostEntries(Batch* batch, int step, int q,
+                                    const std::vector<HostEntry>& entries) {
+  HostWait& w = *batch->host;
+  const std::string why = EntriesMismatch(*batch, w.local[q], config_.rank, entries);
+  if (!why.empty()) {
+    Fail(batch, why);
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(batch->mu);
+    w.got[q].fetch_or(static_cast<uint8_t>(1u << step));
+  }
+  return true;
+}
+
+bool Communicator::WaitBoard(Batch* batch, int step) {
+  HostWait& w = *batch->host;
+  w.waiting = step;
+  const auto deadline = Deadline();
+  for (int q = 0; q < w.size(); ++q) {
+    if (q == w.me) continue;
+    std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
+    for (;;) {
+      if (batch->Failed()) return true;
+      // The generation first: a publication after it wakes the wait below.
+      const uint32_t seen = board_->Generation(w.board_index[q]);
+      uint32_t version = 0;
+      const int k = board_->Find(w.board_index[q], w.key, step, &entries, &version);
+      if (k >= 0) {
+        if (step == 1) {
+          w.ready_posting[q] = k;
+          w.ready_version[q] = version;
+        }
+        if (!CheckHostEntries(batch, step, q, entries)) return true;
+        break;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      board_->WaitAny({w.board_index[q]}, {seen}, kBoardSliceUs);
+    }
+  }
+  return true;
+}
+
+int Communicator::NextReady(Batch* batch, const std::vector<bool>& gathered, bool* timed_out) {
+  HostWait& w = *batch->host;
+  w.waiting = 1;
+  const auto deadline = Deadline();
+  std::vector<int> boards;
+  std::vector<uint32_t> seen;
+  for (;;) {
+    if (batch->Failed()) return -1;
+    boards.clear();
+    seen.clear();
+    for (int q = 0; q < w.size(); ++q) {
+      if (gathered[q]) continue;
+      // The generation first: a publication after it wakes the wait below.
+      boards.push_back(w.board_index[q]);
+      seen.push_back(board_->Generation(w.board_index[q]));
+      std::vector<HostEntry>& entries = w.in_entries[1 * w.size() + q];
+      uint32_t version = 0;
+      const int k = board_->Find(w.board_index[q], w.key, 1, &entries, &version);
+      if (k < 0) continue;
+      w.ready_posting[q] = k;
+      w.ready_version[q] = version;
+      return CheckHostEntries(batch, 1, q, entries) ? q : -1;
+    }
+    if (boards.empty() || std::chrono::steady_clock::now() >= deadline) {
+      *timed_out = !boards.empty();
+      return -1;
+    }
+    board_->WaitAny(boards, seen, kBoardSliceUs);
+  }
 }
 
 }  // namespace herring::engine

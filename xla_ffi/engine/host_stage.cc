@@ -20,9 +20,14 @@
 //      tells each owner when it is done (kHostDone). A call returns once it
 //      has gathered; its staging buffers stay with its batch, which lingers
 //      until every other process has said it read them (Linger).
-// Only the small messages go through the transport (they also carry the
-// checks, liveness and abort of the flat path; host_messages.cc); the bytes go
-// through memory. After a call, host_linger.cc keeps its staging buffers.
+// The bytes go through memory. The steps (arrive, ready, done) go through
+// the host boards (host_board.h: each process publishes its entries on its own
+// shared-memory board, and the others wait for them with futex, matched by the
+// call's identity) or, where a host's processes could not map each other's
+// boards (HERRING_HOST_BOARD=0, no pidfd_getfd), as small transport messages
+// (host_messages.cc). Both are checked alike (mismatched reductions are named);
+// liveness and aborts go through the transport either way. After a call,
+// host_linger.cc keeps its staging buffers.
 //
 // Order of the sum (the numpy reference in tests/workers/common.py): the
 // devices of a process, then the processes of a host in rank order, then the
@@ -30,7 +35,10 @@
 // float32 and round once per stage. With one host a mean divides in step 2;
 // across hosts the servers of step 3 divide.
 //
-// Safety: a process reads other processes' memory, never writes it.
+// Safety: a process reads other processes' memory, never writes it (nor
+// their boards: a reader's "done" is an ack on its own board). Below,
+// kHostArrive, kHostReady and kHostDone stand as well for the boards' arrive
+// and ready publications and the reader's ack, which keep the same order.
 // - Inputs are read while their owner is inside the call, whenever the reader
 //   succeeds: reader r reads q's input in r's step 2, and r succeeds only after
 //   q's kHostDone, which q sends from inside its call after reading r's slice,
@@ -109,7 +117,11 @@ Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceReq
     }
     host_bytes_read_ += len;
   }
-  SendHost(batch, 2, q);
+  if (w.board) {
+    board_->Ack(w.board_index[q], w.ready_posting[q], w.ready_version[q]);
+  } else {
+    SendHost(batch, 2, q);
+  }
   return Status::Ok();
 }
 
@@ -183,28 +195,57 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   }
   const Job& first = *batch->jobs.front();
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
+  // Through the boards where this host's processes share them; a call of
+  // more buffers than a posting holds goes through messages (the same on
+  // every process, which all reduce the same buffers).
+  w.board = plan.board && num <= static_cast<size_t>(HostBoard::kEntries);
+  if (w.board) {
+    w.key = BoardKey{stream, first.id.run_id, first.id.slot, first.id.instance,
+                     first.id.occurrence};
+    w.board_index = plan.board_index;
+    w.ready_posting.assign(p, -1);
+    w.ready_version.assign(p, 0);
+    const auto deadline = Deadline();
+    while ((w.posting = board_->Acquire(w.key, num)) < 0) {
+      {
+        std::lock_guard<std::mutex> lock(lingering_mu_);
+        SweepLingering();
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return Status::Error(
+            "rank " + std::to_string(config_.rank) + ": more than " +
+            std::to_string(HostBoard::kPostings) + " host-stage reductions were in flight " +
+            "or waiting for their readers for HERRING_TIMEOUT_S=" +
+            std::to_string(config_.timeout_s) + " s; HERRING_HOST_BOARD=0 sends the host " +
+            "stage's steps as messages, without this limit");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
   w.out_headers[0] = MakeHeader(first, MsgKind::kHostArrive, config_.token, my_rank, me, 0,
                                 num * sizeof(HostEntry), 1);
   w.out_headers[2] = MakeHeader(first, MsgKind::kHostDone, config_.token, my_rank, me, 0, 0, 1);
   batch->host = std::move(host);
-  // Each step: a receive from and a send to every other process.
-  batch->remaining = 2 * HostWait::kSteps * (p - 1);
+  // Each step: a receive from and a send to every other process (none
+  // through the boards).
+  const bool board = w.board;
+  batch->remaining = board ? 0 : 2 * HostWait::kSteps * (p - 1);
   batch->started = true;
   Activate(batch.get());
 
-  for (int step = 0; step < HostWait::kSteps; ++step) {
+  for (int step = 0; !board && step < HostWait::kSteps; ++step) {
     for (int q = 0; q < p; ++q) {
       if (q != me) PostHostRecv(batch.get(), step, q);
     }
   }
-  for (int q = 0; q < p; ++q) {
-    if (q != me) SendHost(batch.get(), 0, q);
-  }
+  PublishHost(batch.get(), 0);
 
   bool timed_out = false;
   bool ok = true;
   auto wait = [&](int step) {
-    if (ok && !WaitHost(batch.get(), step)) timed_out = true;
+    if (ok && !(board ? WaitBoard(batch.get(), step) : WaitHost(batch.get(), step))) {
+      timed_out = true;
+    }
     ok = ok && !timed_out && !batch->Failed();
   };
   auto fail = [&](const Status& s, bool tell_peers) {
@@ -288,9 +329,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     }
     w.out_headers[1] = MakeHeader(first, MsgKind::kHostReady, config_.token, my_rank, me, 0,
                                   num * sizeof(HostEntry), 1);
-    for (int q = 0; q < p; ++q) {
-      if (q != me) SendHost(batch.get(), 1, q);
-    }
+    PublishHost(batch.get(), 1);
     for (size_t k = 0; w.hosts > 1 && k < num; ++k) {
       const ReduceRequest& r = requests[k];
       const size_t elem = ElementSize(r.dtype);
@@ -307,6 +346,14 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   }
   for (int left = p - 1; ok && left > 0; --left) {
     int next = -1;
+    if (board) {
+      next = NextReady(batch.get(), gathered, &timed_out);
+      ok = next >= 0 && !batch->Failed();
+      if (!ok) break;
+      gathered[next] = true;
+      fail(GatherFrom(batch.get(), next, requests), true);
+      continue;
+    }
     w.waiting = 1;
     {
       std::unique_lock<std::mutex> lock(batch->mu);

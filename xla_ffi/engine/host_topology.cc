@@ -17,6 +17,10 @@ std::string HostTopology::Validate(int ranks) const {
     }
     if (pid_of[r] <= 0) return "rank " + std::to_string(r) + " has no pid";
   }
+  if (!board_shared.empty() && board_shared.size() != memory_shared.size()) {
+    return "the host topology names " + std::to_string(board_shared.size()) +
+           " hosts' boards for " + std::to_string(memory_shared.size()) + " hosts";
+  }
   return "";
 }
 
@@ -39,6 +43,13 @@ GroupPlan PlanGroup(const HostTopology& topology, const std::vector<int>& group,
   plan.local_index = static_cast<int>(
       std::find(plan.local.begin(), plan.local.end(), rank) - plan.local.begin());
   for (const auto& [host, ranks] : members) plan.cross.push_back(ranks[plan.local_index]);
+  const int host = topology.host_of[rank];
+  plan.board = !topology.board_shared.empty() && topology.board_shared[host];
+  for (int r : plan.local) {
+    int index = 0;
+    for (int other = 0; other < r; ++other) index += topology.host_of[other] == host;
+    plan.board_index.push_back(index);
+  }
   return plan;
 }
 

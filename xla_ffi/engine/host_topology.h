@@ -21,6 +21,10 @@ struct HostTopology {
   // [host] its processes read each other's memory (process_vm_readv works
   // between every pair of them): only such hosts take the host stage.
   std::vector<bool> memory_shared;
+  // [host] its processes map each other's host boards (host_board.h), so the
+  // host stage's steps go through shared memory instead of the transport.
+  // Empty: on no host.
+  std::vector<bool> board_shared;
 
   bool empty() const { return host_of.empty(); }
   // Checks sizes and ranges against `ranks` processes; "" when valid.
@@ -41,6 +45,12 @@ struct GroupPlan {
   // One member per host, each with this process's local index, hosts in
   // order: the group of the stage across hosts (summed in this order).
   std::vector<int> cross;
+  // The host stage's steps go through the host boards (host_board.h), not
+  // transport messages: the same on every process of this host.
+  bool board = false;
+  // [local index] the process's index among all the processes of its host
+  // (its board's place in the boards' ack tables).
+  std::vector<int> board_index;
 };
 
 // The plan of `group` (sorted, containing `rank`). With an empty topology
