@@ -113,6 +113,20 @@ def test_on_one_host_the_boards_carry_every_step_and_messages_only_heartbeats():
     assert all(extra >= 9 * reductions for extra, reductions in sent["0"]), sent
 
 
+def test_a_call_of_more_buffers_than_a_board_posting_holds_goes_as_messages():
+    # 200 buffers in one call (a posting holds 128) next to a one-buffer call,
+    # twice: the wide calls' steps go as messages, the others' on the boards,
+    # and every sum is exact on every rank.
+    run = launch("wide_worker.py", [], nproc=4)
+    assert_all_ok(run, expected_cases=5)
+    for s in _extra(run, "stats"):
+        stats = s["stats"]
+        assert stats["host_stage_calls"] == 4, stats
+        # The 2 wide calls' 3 steps to 3 peers, nothing for the others (at
+        # most one heartbeat is counted as sent and not yet as a heartbeat).
+        assert 18 <= stats["messages_sent"] - stats["heartbeats_sent"] <= 19, stats
+
+
 @pytest.mark.parametrize("slow_rank,board", [(0, "1"), (3, "1"), (3, "0")])
 def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slow_rank, board):
     # The slow rank reads the others' slices of the last result about 0.8 s

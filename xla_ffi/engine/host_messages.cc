@@ -163,7 +163,6 @@ bool Communicator::WaitHost(Batch* batch, int step) {
   return arrived;
 }
 
-
 void Communicator::PublishHost(Batch* batch, int step) {
   HostWait& w = *batch->host;
   if (!w.board) {
