@@ -127,6 +127,21 @@ def test_a_call_of_more_buffers_than_a_board_posting_holds_goes_as_messages():
         assert 18 <= stats["messages_sent"] - stats["heartbeats_sent"] <= 19, stats
 
 
+def test_a_process_that_cannot_map_boards_turns_only_its_host_to_messages():
+    # 2 hosts x 2: rank 3 cannot map its neighbour's board, so host 1's steps
+    # go as messages while host 0 keeps its boards, in the same reductions.
+    run = _run(4, hosts=2, extra=("--deny-boards-rank", "3"))
+    described = {r: [x for x in rs if x["case"] == "describe"][0]["describe"]
+                 for r, rs in run.results.items()}
+    for rank in (0, 1):
+        assert f"host stage through memory, {STEPS['1']}" in described[rank], described
+    for rank in (2, 3):
+        assert ("host stage through memory, steps as messages (rank 3 refuses boards "
+                "(HERRING_TEST_DENY_BOARDS))") in described[rank], described
+    for s in _extra(run, "stats"):
+        assert s["stats"]["host_stage_calls"] == s["stats"]["reductions"] > 0, s
+
+
 @pytest.mark.parametrize("slow_rank,board", [(0, "1"), (3, "1"), (3, "0")])
 def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slow_rank, board):
     # The slow rank reads the others' slices of the last result about 0.8 s

@@ -100,6 +100,9 @@ KNOBS: dict[str, Knob] = {
              "1: the host stage's steps (where inputs and result slices are) go through a "
              "shared-memory board per process with futex waits; 0: through transport "
              "messages. Rank 0's value holds for the whole job."),
+        Knob("HERRING_TEST_DENY_BOARDS", False, _bool,
+             "Tests only: this process reports that it cannot map the other processes' "
+             "host boards, so its host's steps go as messages."),
         Knob("HERRING_TEST_DENY_MEMORY_READS", False, _bool,
              "Tests only: this process reports that its memory cannot be read, so its "
              "host reduces over the transport."),

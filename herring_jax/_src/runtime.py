@@ -226,7 +226,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 topology = topology_lib.exchange(
                     client, prefix, rank, size, timeout_ms, _ext, host_stage,
                     deny_reads=knobs.get("HERRING_TEST_DENY_MEMORY_READS"),
-                    handle=handle, boards=host_board)
+                    handle=handle, boards=host_board,
+                    deny_boards=knobs.get("HERRING_TEST_DENY_BOARDS"))
                 _ext.set_topology(handle, topology.host_of, topology.pid_of,
                                   topology.memory_shared, topology.board_shared)
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)

@@ -34,7 +34,7 @@ class Topology:
 
     def local_ranks(self, rank: int) -> list[int]:
         """The ranks on `rank`'s host (itself included), in rank order."""
-        return [r for r, h in enumerate(self.host_of) if h == self.host_of[rank]]
+        return _local_ranks(self.host_of, rank)
 
     def describe(self, rank: int) -> str:
         local = self.local_ranks(rank)
@@ -71,7 +71,7 @@ def host_identity() -> str:
 
 def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
              enabled: bool, deny_reads: bool = False, handle=None,
-             boards: bool = False) -> Topology:
+             boards: bool = False, deny_boards: bool = False) -> Topology:
     """Publishes this process's host record, reads everyone's, checks that this
     host's processes can read each other's memory, and agrees on the result.
 
@@ -84,6 +84,8 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
       handle: the communicator, whose host board the others map (with `boards`).
       boards: the host stage's steps may go through host boards (rank 0's
         HERRING_HOST_BOARD).
+      deny_boards: tests only: report that this process cannot map the others'
+        boards.
     """
     if enabled:
         note = ext.allow_peers_to_read()
@@ -123,6 +125,8 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
                            f"{value:#x} (pid {pid_of[r]} is another process: pid namespaces?)")
                 break
     board_verdict = ("" if not enabled else "HERRING_HOST_BOARD=0" if not boards
+                     else f"rank {rank} refuses boards (HERRING_TEST_DENY_BOARDS)"
+                     if deny_boards and len(_local_ranks(host_of, rank)) > 1
                      else _attach_boards(records, host_of, pid_of, rank, ext, handle))
     client.key_value_set(f"{prefix}/memory/{rank}", verdict)
     client.key_value_set(f"{prefix}/board/{rank}", board_verdict)
@@ -150,11 +154,16 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
     return topology
 
 
+def _local_ranks(host_of: list[int], rank: int) -> list[int]:
+    """The ranks on `rank`'s host (itself included), in rank order."""
+    return [r for r in range(len(host_of)) if host_of[r] == host_of[rank]]
+
+
 def _attach_boards(records: list[dict], host_of: list[int], pid_of: list[int], rank: int,
                    ext, handle) -> str:
     """Maps the host board of every other process of this host; "" or why the
     host stage's steps of this host must go through messages instead."""
-    local = [r for r in range(len(records)) if host_of[r] == host_of[rank]]
+    local = _local_ranks(host_of, rank)
     if len(local) < 2:
         return ""
     for r in local:

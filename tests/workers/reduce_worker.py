@@ -64,6 +64,9 @@ def main() -> int:
     parser.add_argument("--deny-reads-rank", type=int, default=-1,
                         help="this rank reports that its memory cannot be read (its host "
                              "must then reduce over the transport)")
+    parser.add_argument("--deny-boards-rank", type=int, default=-1,
+                        help="this rank reports that it cannot map the others' host boards "
+                             "(its host's steps must then go as messages)")
     parser.add_argument("--slow-reader-rank", type=int, default=-1,
                         help="this rank waits --slow-reader-ms in every host-stage call "
                              "before it reads the others' result slices")
@@ -79,6 +82,8 @@ def main() -> int:
     jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
     if os.environ.get("HERRING_PROCESS_ID") == str(args.deny_reads_rank):
         os.environ["HERRING_TEST_DENY_MEMORY_READS"] = "1"
+    if os.environ.get("HERRING_PROCESS_ID") == str(args.deny_boards_rank):
+        os.environ["HERRING_TEST_DENY_BOARDS"] = "1"
     if os.environ.get("HERRING_PROCESS_ID") == str(args.slow_reader_rank):
         os.environ["HERRING_TEST_GATHER_DELAY_MS"] = str(args.slow_reader_ms)
     herring_jax.initialize()
