@@ -182,11 +182,7 @@ Status Communicator::SetTopology(const HostTopology& topology) {
   const std::string invalid = topology.Validate(config_.size);
   if (!invalid.empty()) return Status::Error(invalid);
   topology_ = topology;
-  int index = 0;  // this process's place among its host's processes
-  for (int r = 0; r < config_.rank; ++r) {
-    index += topology.host_of[r] == topology.host_of[config_.rank];
-  }
-  board_->SetSelf(index);
+  board_->SetSelf(topology.IndexOnHost(config_.rank));
   return Status::Ok();
 }
 

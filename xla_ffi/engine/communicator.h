@@ -162,12 +162,14 @@ class Communicator {
   // failed, or timeout_s passed: false).
   bool WaitHost(Batch* batch, int step);
   // The same steps through the host boards (host_board.h): publishes this
-  // process's entries of `step`; waits for every peer's (as WaitHost); finds
-  // a peer whose slices are ready and not yet gathered (-1: none yet, after
-  // waiting a moment), or waits for one.
+  // process's entries of `step`; waits for every peer's (as WaitHost); waits
+  // for a peer not in `have` to publish `step` (any of them, in the order
+  // they do) and returns it, or -1 once the batch failed or `deadline` passed
+  // (`timed_out`).
   void PublishHost(Batch* batch, int step);
   bool WaitBoard(Batch* batch, int step);
-  int NextReady(Batch* batch, const std::vector<bool>& gathered, bool* timed_out);
+  int NextPosted(Batch* batch, int step, const std::vector<bool>& have,
+                 std::chrono::steady_clock::time_point deadline, bool* timed_out);
   // Whether a peer's board entries of `step` match this call; false and the
   // batch failed (with every rank told) where they do not.
   bool CheckHostEntries(Batch* batch, int step, int q, const std::vector<HostEntry>& entries);

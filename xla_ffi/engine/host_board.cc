@@ -30,17 +30,10 @@ uint32_t* Word(const std::atomic<uint32_t>& w) {
   return reinterpret_cast<uint32_t*>(const_cast<std::atomic<uint32_t>*>(&w));
 }
 
-bool SameKey(uint32_t stream, int64_t run_id, uint32_t slot, uint32_t instance,
-             uint64_t occurrence, const BoardKey& key) {
-  return stream == key.stream && run_id == key.run_id && slot == key.slot &&
-         instance == key.instance && occurrence == key.occurrence;
-}
-
+// Where a call's posting is looked for first: the identity's tag bits (the
+// same mix the transport's tags use).
 int Home(const BoardKey& key, int postings) {
-  uint64_t h = static_cast<uint64_t>(key.run_id) * 0x9e3779b97f4a7c15ull;
-  h ^= (static_cast<uint64_t>(key.slot) << 32 | key.instance) * 0xbf58476d1ce4e5b9ull;
-  h ^= (key.occurrence + key.stream) * 0x94d049bb133111ebull;
-  return static_cast<int>((h ^ (h >> 31)) % static_cast<uint64_t>(postings));
+  return static_cast<int>(IdentityTagBits(key.id, key.stream) % static_cast<uint64_t>(postings));
 }
 
 }  // namespace
@@ -103,10 +96,6 @@ std::string HostBoard::Attach(int index, int64_t pid, int fd) {
   return "";
 }
 
-bool HostBoard::Attached(int index) const {
-  return index >= 0 && index < kPeers && peers_[index] != nullptr;
-}
-
 int HostBoard::Acquire(const BoardKey& key, size_t num) {
   if (own_ == nullptr || num > static_cast<size_t>(kEntries)) return -1;
   int k = -1;
@@ -124,11 +113,7 @@ int HostBoard::Acquire(const BoardKey& key, size_t num) {
   p.version.fetch_add(1, std::memory_order_acq_rel);  // odd: being rewritten
   std::atomic_thread_fence(std::memory_order_release);
   p.steps.store(0, std::memory_order_relaxed);
-  p.stream = key.stream;
-  p.run_id = key.run_id;
-  p.slot = key.slot;
-  p.instance = key.instance;
-  p.occurrence = key.occurrence;
+  p.key = key;
   p.num = static_cast<uint32_t>(num);
   p.version.fetch_add(1, std::memory_order_release);  // even: stable
   return k;
@@ -162,7 +147,7 @@ int HostBoard::Find(int index, const BoardKey& key, int step, std::vector<HostEn
     const uint32_t v = p.version.load(std::memory_order_acquire);
     if (v & 1u) continue;
     if (!(p.steps.load(std::memory_order_acquire) & (1u << step))) continue;
-    if (!SameKey(p.stream, p.run_id, p.slot, p.instance, p.occurrence, key)) continue;
+    if (p.key.stream != key.stream || p.key.id != key.id) continue;
     const size_t num = std::min<size_t>(p.num, kEntries);
     out->assign(p.entries[step], p.entries[step] + num);
     std::atomic_thread_fence(std::memory_order_acquire);

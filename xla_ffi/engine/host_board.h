@@ -34,13 +34,10 @@ namespace herring::engine {
 
 using transport::Status;
 
-// A call's identity on the board.
+// A call's identity on the board: its stream and its first buffer's identity.
 struct BoardKey {
   uint32_t stream = 0;
-  int64_t run_id = 0;
-  uint32_t slot = 0;
-  uint32_t instance = 0;
-  uint64_t occurrence = 0;
+  Identity id;
 };
 
 class HostBoard {
@@ -66,7 +63,6 @@ class HostBoard {
   // Maps the board of the process at host index `index` (pid `pid`, its
   // board's descriptor `fd` in that process). "" or why not.
   std::string Attach(int index, int64_t pid, int fd);
-  bool Attached(int index) const;
 
   // Takes a free posting of this board for `key` (-1: all in use).
   int Acquire(const BoardKey& key, size_t num);
@@ -104,12 +100,8 @@ class HostBoard {
   struct alignas(64) Posting {
     std::atomic<uint32_t> version;  // odd while rewritten, even while stable
     std::atomic<uint32_t> steps;    // bit s: step s's entries are published
-    uint32_t stream;
     uint32_t num;
-    int64_t run_id;
-    uint64_t occurrence;
-    uint32_t slot;
-    uint32_t instance;
+    BoardKey key;
     HostEntry entries[kSteps][kEntries];
   };
   struct Page {

@@ -191,36 +191,22 @@ bool Communicator::CheckHostEntries(Batch* batch, int step, int q,
 
 bool Communicator::WaitBoard(Batch* batch, int step) {
   HostWait& w = *batch->host;
-  w.waiting = step;
   const auto deadline = Deadline();
-  for (int q = 0; q < w.size(); ++q) {
-    if (q == w.me) continue;
-    std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
-    for (;;) {
-      if (batch->Failed()) return true;
-      // The generation first: a publication after it wakes the wait below.
-      const uint32_t seen = board_->Generation(w.board_index[q]);
-      uint32_t version = 0;
-      const int k = board_->Find(w.board_index[q], w.key, step, &entries, &version);
-      if (k >= 0) {
-        if (step == 1) {
-          w.ready_posting[q] = k;
-          w.ready_version[q] = version;
-        }
-        if (!CheckHostEntries(batch, step, q, entries)) return true;
-        break;
-      }
-      if (std::chrono::steady_clock::now() >= deadline) return false;
-      board_->WaitAny({w.board_index[q]}, {seen}, kBoardSliceUs);
-    }
+  std::vector<bool> have(w.size(), false);
+  have[w.me] = true;
+  for (int left = w.size() - 1; left > 0; --left) {
+    bool timed_out = false;
+    const int q = NextPosted(batch, step, have, deadline, &timed_out);
+    if (q < 0) return !timed_out;
+    have[q] = true;
   }
   return true;
 }
 
-int Communicator::NextReady(Batch* batch, const std::vector<bool>& gathered, bool* timed_out) {
+int Communicator::NextPosted(Batch* batch, int step, const std::vector<bool>& have,
+                             std::chrono::steady_clock::time_point deadline, bool* timed_out) {
   HostWait& w = *batch->host;
-  w.waiting = 1;
-  const auto deadline = Deadline();
+  w.waiting = step;
   std::vector<int> boards;
   std::vector<uint32_t> seen;
   for (;;) {
@@ -228,17 +214,19 @@ int Communicator::NextReady(Batch* batch, const std::vector<bool>& gathered, boo
     boards.clear();
     seen.clear();
     for (int q = 0; q < w.size(); ++q) {
-      if (gathered[q]) continue;
+      if (have[q]) continue;
       // The generation first: a publication after it wakes the wait below.
       boards.push_back(w.board_index[q]);
       seen.push_back(board_->Generation(w.board_index[q]));
-      std::vector<HostEntry>& entries = w.in_entries[1 * w.size() + q];
+      std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
       uint32_t version = 0;
-      const int k = board_->Find(w.board_index[q], w.key, 1, &entries, &version);
+      const int k = board_->Find(w.board_index[q], w.key, step, &entries, &version);
       if (k < 0) continue;
-      w.ready_posting[q] = k;
-      w.ready_version[q] = version;
-      return CheckHostEntries(batch, 1, q, entries) ? q : -1;
+      if (step == 1) {
+        w.ready_posting[q] = k;
+        w.ready_version[q] = version;
+      }
+      return CheckHostEntries(batch, step, q, entries) ? q : -1;
     }
     if (boards.empty() || std::chrono::steady_clock::now() >= deadline) {
       *timed_out = !boards.empty();

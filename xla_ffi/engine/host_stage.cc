@@ -200,8 +200,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   // every process, which all reduce the same buffers).
   w.board = plan.board && num <= static_cast<size_t>(HostBoard::kEntries);
   if (w.board) {
-    w.key = BoardKey{stream, first.id.run_id, first.id.slot, first.id.instance,
-                     first.id.occurrence};
+    w.key = BoardKey{stream, first.id};
     w.board_index = plan.board_index;
     w.ready_posting.assign(p, -1);
     w.ready_version.assign(p, 0);
@@ -347,7 +346,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   for (int left = p - 1; ok && left > 0; --left) {
     int next = -1;
     if (board) {
-      next = NextReady(batch.get(), gathered, &timed_out);
+      next = NextPosted(batch.get(), 1, gathered, Deadline(), &timed_out);
       ok = next >= 0 && !batch->Failed();
       if (!ok) break;
       gathered[next] = true;

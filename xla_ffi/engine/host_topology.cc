@@ -24,6 +24,12 @@ std::string HostTopology::Validate(int ranks) const {
   return "";
 }
 
+int HostTopology::IndexOnHost(int rank) const {
+  int index = 0;
+  for (int other = 0; other < rank; ++other) index += host_of[other] == host_of[rank];
+  return index;
+}
+
 GroupPlan PlanGroup(const HostTopology& topology, const std::vector<int>& group, int rank) {
   GroupPlan plan;
   if (topology.empty()) return plan;
@@ -43,13 +49,8 @@ GroupPlan PlanGroup(const HostTopology& topology, const std::vector<int>& group,
   plan.local_index = static_cast<int>(
       std::find(plan.local.begin(), plan.local.end(), rank) - plan.local.begin());
   for (const auto& [host, ranks] : members) plan.cross.push_back(ranks[plan.local_index]);
-  const int host = topology.host_of[rank];
-  plan.board = !topology.board_shared.empty() && topology.board_shared[host];
-  for (int r : plan.local) {
-    int index = 0;
-    for (int other = 0; other < r; ++other) index += topology.host_of[other] == host;
-    plan.board_index.push_back(index);
-  }
+  plan.board = !topology.board_shared.empty() && topology.board_shared[topology.host_of[rank]];
+  for (int r : plan.local) plan.board_index.push_back(topology.IndexOnHost(r));
   return plan;
 }
 

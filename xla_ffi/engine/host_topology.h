@@ -27,6 +27,8 @@ struct HostTopology {
   std::vector<bool> board_shared;
 
   bool empty() const { return host_of.empty(); }
+  // `rank`'s place among the ranks of its host (rank order).
+  int IndexOnHost(int rank) const;
   // Checks sizes and ranges against `ranks` processes; "" when valid.
   std::string Validate(int ranks) const;
 };
