@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of this rank instead of allreduce_gradients (0: off)")
     parser.add_argument("--powersgd-warmup", type=int, default=0,
                         help="with --powersgd-rank: average exactly for this many first steps")
+    parser.add_argument("--powersgd-codec", choices=["none", "bf16", "fp16", "int8"],
+                        default="none", help="with --powersgd-rank: wire codec of the factors")
+    parser.add_argument("--powersgd-iterations", type=int, default=1,
+                        help="with --powersgd-rank: power iterations per step")
     parser.add_argument("--topk-fraction", type=float, default=0.0,
                         help="--reduce herring: average the gradients with herring_jax.topk "
                              "sending this share of each leaf (with error feedback) instead of "
@@ -63,7 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def compression_name(args) -> str:
     if args.topk_fraction:
         return f"topk{args.topk_fraction:g}"
-    return f"powersgd{args.powersgd_rank}" if args.powersgd_rank else args.compression
+    if not args.powersgd_rank:
+        return args.compression
+    name = f"powersgd{args.powersgd_rank}"
+    if args.powersgd_codec != "none":
+        name += f"-{args.powersgd_codec}"
+    if args.powersgd_iterations != 1:
+        name += f"-it{args.powersgd_iterations}"
+    return name
 
 
 def setup(args) -> jax.sharding.Mesh:
@@ -91,7 +102,9 @@ def make_trainer(mesh, args, loss_fn, init_fn):
             grad_tx = herring_jax.topk(args.topk_fraction, "data")
         elif args.powersgd_rank:
             grad_tx = herring_jax.powersgd(args.powersgd_rank, "data",
-                                           warmup_steps=args.powersgd_warmup)
+                                           warmup_steps=args.powersgd_warmup,
+                                           codec=args.powersgd_codec,
+                                           power_iterations=args.powersgd_iterations)
         else:
             grad_tx = herring_jax.allreduce_gradients("data", compression=args.compression)
         mean = herring_jax.pmean

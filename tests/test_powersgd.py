@@ -1,7 +1,8 @@
 """herring_jax.powersgd: rank-r gradient averaging on 2 processes, step by
 step against a numpy model (tests/workers/powersgd_worker.py): the same
 update on every rank, matrices as rank-r approximations with warm start and
-error feedback, small leaves averaged exactly, and the exact warm-up."""
+error feedback, small leaves averaged exactly, the exact warm-up, more power
+iterations, and factors that cross the transport in bf16."""
 
 import pytest
 
@@ -9,10 +10,19 @@ from multiproc import assert_all_ok, launch
 
 
 def test_powersgd_matches_the_numpy_model_on_every_rank():
-    # Once without warm-up, once with one exact step first.
-    run = launch("powersgd_worker.py", ["--steps", "3", "--warmups", "0,1"], nproc=2)
-    digests = assert_all_ok(run, expected_cases=7)
+    # Without warm-up, with one exact step first, with two power iterations.
+    run = launch("powersgd_worker.py",
+                 ["--steps", "3", "--configs", "warmup0,warmup1,iterations2"], nproc=2)
+    digests = assert_all_ok(run, expected_cases=10)
     # Every rank holds the same update at every step.
+    assert all(len(d) == 1 for c, d in digests.items() if "-step" in c), digests
+
+
+def test_powersgd_factors_in_bf16_over_the_transport():
+    # HERRING_HOST_STAGE=0: a codec applies where data crosses the transport.
+    run = launch("powersgd_worker.py", ["--steps", "3", "--configs", "bf16,bf16-iterations2"],
+                 nproc=2, env={"HERRING_HOST_STAGE": "0"})
+    digests = assert_all_ok(run, expected_cases=7)
     assert all(len(d) == 1 for c, d in digests.items() if "-step" in c), digests
 
 
@@ -22,3 +32,7 @@ def test_powersgd_rejects_rank_zero():
         herring_jax.powersgd(rank=0)
     with pytest.raises(ValueError, match="warmup_steps must be 0 or more"):
         herring_jax.powersgd(rank=4, warmup_steps=-1)
+    with pytest.raises(ValueError, match="power_iterations must be at least 1"):
+        herring_jax.powersgd(rank=4, power_iterations=0)
+    with pytest.raises(ValueError, match="unknown codec 'fp8'"):
+        herring_jax.powersgd(rank=4, codec="fp8")

@@ -56,3 +56,45 @@ def test_train_bench_codecs_smoke(tmp_path):
     # Lossy, so not the same model; error feedback keeps it close.
     assert runs["int8"]["held_out_loss"] != runs["none"]["held_out_loss"]
     assert abs(runs["int8"]["loss_vs_none"]) < 0.05, runs
+
+
+def test_train_bench_codecs_over_seeds(tmp_path):
+    # PowerSGD with bf16 factors and two power iterations, against none, on
+    # two seeds: each seed reaches the script, and the row is their mean.
+    out = tmp_path / "seeds.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.train_bench", "-n", "2", "--steps", "4",
+         "--codecs", "none,powersgd2-bf16-it2", "--seeds", "0,1", "--log-every", "2",
+         "--script", str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--plot",
+         str(tmp_path / "seeds.png"), "--", "--dim", "32", "--layers", "1", "--text-bytes",
+         str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "powersgd2-bf16-it2 (seed 1): held-out loss" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert data["seeds"] == [0, 1]
+    runs = {r["codec"]: r for r in data["results"]}
+    for r in runs.values():
+        assert [s["seed"] for s in r["seeds"]] == [0, 1]
+        losses = [s["held_out_loss"] for s in r["seeds"]]
+        assert losses[0] != losses[1], r  # another initialization and other batches
+        assert abs(r["held_out_loss"] - sum(losses) / 2) < 1e-9, r
+    psgd, none = runs["powersgd2-bf16-it2"], runs["none"]
+    gaps = [p["held_out_loss"] / n["held_out_loss"] - 1
+            for p, n in zip(psgd["seeds"], none["seeds"])]
+    assert psgd["loss_vs_none_per_seed"] == gaps
+    assert abs(psgd["loss_vs_none"] - sum(gaps) / 2) < 1e-12
+    assert psgd["bytes_reduction"] > 1.5, psgd
+    assert (tmp_path / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_bench_rejects_bad_codecs_and_seeds(tmp_path):
+    script = str(ROOT / "examples" / "train_lm.py")
+    for extra, message in ((["--codecs", "powersgd4-fp8"], "unknown codecs ['powersgd4-fp8']"),
+                           (["--codecs", "none", "--seeds", "0,0"], "distinct"),
+                           (["--codecs", "none", "--seeds", "0,1", "--", "--seed", "3"],
+                            "give the seeds with --seeds")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "herring_jax._src.train_bench", "--script", script, *extra],
+            cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, (extra, proc.stderr)

@@ -22,13 +22,19 @@ prints the scaling efficiency step(1) / step(N) next to its bound.
 
 With --codecs none,bf16,int8,powersgd4 it instead trains on N processes once
 per wire codec of allreduce_gradients(compression=...) (powersgd<r>:
-herring_jax.powersgd of rank r instead; topk<f>: herring_jax.topk sending
-the share f of each leaf, e.g. topk0.01) for the same steps and prints,
-for each, the held-out loss (and its distance from the uncompressed run's),
-the median step and the bytes each process's transport sent per step;
---plot draws the held-out loss against the steps. On one host (no --netns in
---launch-args) it sets HERRING_HOST_STAGE=0, since a codec applies only to
-what crosses the transport.
+herring_jax.powersgd of rank r instead, powersgd<r>-<codec> with its factors
+in that wire codec, ...-it<k> with k power iterations, e.g. powersgd4-bf16-it2;
+topk<f>: herring_jax.topk sending the share f of each leaf, e.g. topk0.01)
+for the same steps and prints, for each, the held-out loss (and its distance
+from the uncompressed run's), the median step and the bytes each process's
+transport sent per step; --plot draws the held-out loss against the steps.
+With --seeds 0,1,2 every codec trains once per seed (the model's
+initialization and the batches) and the table gives the means, the distance
+from none as the mean of the per-seed distances, and those distances one by
+one: on examples/train_lm.py the distance of a lossy method swings by
+several points from seed to seed. On one host (no --netns in --launch-args)
+it sets HERRING_HOST_STAGE=0, since a codec applies only to what crosses the
+transport.
 
 With --overlap it instead runs herring_jax/_src/overlap_worker.py on N
 processes: compute alone, reduction alone and the standard step of an MLP,
@@ -45,6 +51,8 @@ import re
 import subprocess
 import sys
 import tempfile
+
+import numpy as np
 
 REDUCERS = ("herring", "native", "none")
 _DONE = re.compile(r"done: reduce=(\w+) processes=(\d+) final loss ([\d.]+).*median step "
@@ -67,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compare the held-out loss of wire codecs (see above)")
     parser.add_argument("--log-every", type=int, default=10,
                         help="--codecs: steps between held-out losses")
+    parser.add_argument("--seeds", default=None, metavar="LIST",
+                        help="--codecs: train every codec once per seed (comma-separated "
+                             "integers, passed as the script's --seed) and average")
     parser.add_argument("--overlap", action="store_true",
                         help="measure how much reduction the training step hides (see above)")
     parser.add_argument("--plot", default=None,
@@ -114,16 +125,28 @@ def _topk_name(name: str) -> bool:
     return bool(m) and 0 < float(m.group(1)) <= 1
 
 
-def _run_codec(args, codec: str, env: dict) -> dict:
-    if codec.startswith("powersgd"):
-        how = ["--powersgd-rank", codec[len("powersgd"):]]
-    elif codec.startswith("topk"):
-        how = ["--topk-fraction", codec[len("topk"):]]
-    else:
-        how = ["--compression", codec]
+_POWERSGD = re.compile(r"powersgd([1-9]\d*)(?:-(bf16|fp16|int8))?(?:-it([1-9]\d*))?")
+
+
+def _codec_args(codec: str) -> list[str] | None:
+    """The training script's options for a --codecs name; None if unknown."""
+    from herring_jax._src import codecs as codecs_lib
+    if codec in codecs_lib.CODECS:
+        return ["--compression", codec]
+    if _topk_name(codec):
+        return ["--topk-fraction", codec[len("topk"):]]
+    m = _POWERSGD.fullmatch(codec)
+    if m is None:
+        return None
+    return ["--powersgd-rank", m.group(1), "--powersgd-codec", m.group(2) or "none",
+            "--powersgd-iterations", m.group(3) or "1"]
+
+
+def _run_codec(args, codec: str, env: dict, seed: int | None) -> dict:
+    seeded = [] if seed is None else ["--seed", str(seed)]
     proc = _run_script(args, args.num_processes,
-                       ["--reduce", "herring", *how, "--steps", str(args.steps), "--log-every",
-                        str(args.log_every)], env)
+                       ["--reduce", "herring", *_codec_args(codec), *seeded, "--steps",
+                        str(args.steps), "--log-every", str(args.log_every)], env)
     done = _CODEC_DONE.search(proc.stdout)
     if proc.returncode != 0 or done is None:
         tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
@@ -134,17 +157,81 @@ def _run_codec(args, codec: str, env: dict) -> dict:
             "held_out_curve": curve}
 
 
+def _mean_over_seeds(codec: str, runs: list[dict]) -> dict:
+    """One codec's row from its runs, one per seed (in --seeds order)."""
+    if len(runs) == 1:
+        return runs[0]
+    steps = [s for s, _ in runs[0]["held_out_curve"]]
+    curve = [(s, float(np.mean([r["held_out_curve"][k][1] for r in runs])))
+             for k, s in enumerate(steps)]
+    return {"codec": codec, "held_out_loss": float(np.mean([r["held_out_loss"] for r in runs])),
+            "median_step_ms": float(np.median([r["median_step_ms"] for r in runs])),
+            "sent_mib_per_step": float(np.mean([r["sent_mib_per_step"] for r in runs])),
+            "held_out_curve": curve, "seeds": runs}
+
+
+def _plot_codecs(args, results: list[dict], base: dict | None, seeds: int) -> None:
+    """--codecs --plot: held-out loss against the steps and, next to it, each
+    codec's distance from the uncompressed run at every step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2 if base else 1, figsize=(12 if base else 7, 4.5),
+                             squeeze=False)
+    ax = axes[0][0]
+    for r in results:
+        steps, losses = zip(*r["held_out_curve"]) if r["held_out_curve"] else ((), ())
+        ax.plot(steps, losses, label=f"{r['codec']} ({r['held_out_loss']:.4f})")
+    # The first evaluation (untrained) would flatten the rest of the curves.
+    later = [x for r in results for s, x in r["held_out_curve"][1:]]
+    if later:
+        ax.set_ylim(min(later) - 0.05, max(later) + 0.05)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss")
+    seeded = f", mean of {seeds} seeds" if seeds > 1 else ""
+    ax.set_title(f"{os.path.basename(args.script)}, {args.num_processes} processes{seeded}")
+    ax.legend(fontsize=8)
+    if base:
+        ax = axes[0][1]
+        ref = dict(base["held_out_curve"])
+        for r in results:
+            pts = [(s, 100 * (x / ref[s] - 1)) for s, x in r["held_out_curve"] if s in ref]
+            if pts:
+                ax.plot(*zip(*pts), label=r["codec"])
+        ax.axhline(3, color="gray", linestyle=":", linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss vs none (%)")
+        ax.set_title("distance from the uncompressed run")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=100)
+    print(f"plot: {args.plot}")
+
+
 def run_codecs(args: argparse.Namespace) -> int:
     """--codecs: one N-process training run per codec; table, JSON and plot."""
     from herring_jax._src import codecs as codecs_lib
     names = [c for c in args.codecs.split(",") if c]
-    unknown = [c for c in names if c not in codecs_lib.CODECS
-               and not re.fullmatch(r"powersgd[1-9]\d*", c) and not _topk_name(c)]
+    unknown = [c for c in names if _codec_args(c) is None]
     if unknown or not names:
         print(f"herring-jax train-bench: unknown codecs {unknown}; known: "
-              f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>, topk<fraction> (e.g. "
-              "topk0.01)", file=sys.stderr)
+              f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>[-<codec>][-it<iterations>] "
+              "(e.g. powersgd4-bf16-it2), topk<fraction> (e.g. topk0.01)", file=sys.stderr)
         return 2
+    seeds = [None]
+    if args.seeds is not None:
+        try:
+            seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+        except ValueError:
+            seeds = []
+        if not seeds or len(set(seeds)) != len(seeds):
+            print(f"herring-jax train-bench: --seeds takes distinct comma-separated integers, "
+                  f"got {args.seeds!r}", file=sys.stderr)
+            return 2
+        if "--seed" in args.script_args:
+            print("herring-jax train-bench: give the seeds with --seeds, not as the script's "
+                  "--seed", file=sys.stderr)
+            return 2
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     where = "over the simulated network"
@@ -153,47 +240,49 @@ def run_codecs(args: argparse.Namespace) -> int:
         where = "one host, HERRING_HOST_STAGE=0 (every process over the transport)"
     print(f"herring-jax train-bench --codecs: {args.script}, {args.num_processes} processes, "
           f"{args.steps} steps, {where}", flush=True)
-    results = []
-    for codec in names:
-        try:
-            r = _run_codec(args, codec, env)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"herring-jax train-bench: {e}", file=sys.stderr)
-            return 1
-        results.append(r)
-        print(f"  {codec:>9}: held-out loss {r['held_out_loss']:.4f}, median step "
-              f"{r['median_step_ms']:.1f} ms, {r['sent_mib_per_step']:.3f} MiB sent per step",
-              flush=True)
+    runs = {codec: [] for codec in names}
+    width = max(9, *(len(c) for c in names))
+    for seed in seeds:
+        for codec in names:
+            try:
+                r = _run_codec(args, codec, env, seed)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                print(f"herring-jax train-bench: {e}", file=sys.stderr)
+                return 1
+            r["seed"] = seed
+            runs[codec].append(r)
+            seeded = "" if seed is None else f" (seed {seed})"
+            print(f"  {codec:>{width}}{seeded}: held-out loss {r['held_out_loss']:.4f}, "
+                  f"median step {r['median_step_ms']:.1f} ms, {r['sent_mib_per_step']:.3f} MiB "
+                  "sent per step", flush=True)
+    results = [_mean_over_seeds(codec, runs[codec]) for codec in names]
     base = next((r for r in results if r["codec"] == "none"), None)
-    print(f"{'codec':>9} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
-          f"{'bytes x':>8}")
+    several = len(seeds) > 1
+    if several:
+        print(f"means over seeds {', '.join(str(x) for x in seeds)}; vs none is the mean of "
+              "the per-seed distances")
+    print(f"{'codec':>{width}} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
+          f"{'bytes x':>8}" + ("  vs none per seed" if several and base else ""))
     for r in results:
+        per_seed = ""
         if base:
-            r["loss_vs_none"] = r["held_out_loss"] / base["held_out_loss"] - 1
+            gaps = [x["held_out_loss"] / y["held_out_loss"] - 1
+                    for x, y in zip(runs[r["codec"]], runs["none"])]
+            r["loss_vs_none"] = float(np.mean(gaps))
             r["bytes_reduction"] = base["sent_mib_per_step"] / max(r["sent_mib_per_step"], 1e-9)
+            if several:
+                r["loss_vs_none_per_seed"] = gaps
+                per_seed = "  " + " ".join(f"{g:+.2%}" for g in gaps)
         vs = f"{r['loss_vs_none']:+.2%}" if base else "-"
         fewer = f"{r['bytes_reduction']:.2f}" if base else "-"
-        print(f"{r['codec']:>9} {r['held_out_loss']:>9.4f} {vs:>8} {r['median_step_ms']:>8.1f} "
-              f"{r['sent_mib_per_step']:>9.3f} {fewer:>8}")
+        print(f"{r['codec']:>{width}} {r['held_out_loss']:>9.4f} {vs:>8} "
+              f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8}"
+              + per_seed)
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for r in results:
-            steps, losses = zip(*r["held_out_curve"]) if r["held_out_curve"] else ((), ())
-            ax.plot(steps, losses, label=f"{r['codec']} ({r['held_out_loss']:.4f})")
-        ax.set_xlabel("step")
-        ax.set_ylabel("held-out loss")
-        ax.set_title(f"{os.path.basename(args.script)}, {args.num_processes} processes: "
-                     "allreduce_gradients(compression=...)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=100)
-        print(f"plot: {args.plot}")
+        _plot_codecs(args, results, base, len(seeds))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"script": args.script, "steps": args.steps,
+            json.dump({"script": args.script, "steps": args.steps, "seeds": seeds,
                        "processes": args.num_processes, "launch_args": args.launch_args,
                        "where": where, "cpus": os.cpu_count(), "results": results}, f, indent=1)
     return 0

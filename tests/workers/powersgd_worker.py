@@ -4,9 +4,17 @@ the update is the same on every rank, matrices are averaged as rank-r
 approximations, small leaves exactly, and the residual is what this
 process's matrix missed.
 
-With warmup_steps=W the first W updates average every leaf exactly.
+With warmup_steps=W the first W updates average every leaf exactly. With
+power_iterations=K the model reduces P and Q K times per step. With a factor
+codec (run it with HERRING_HOST_STAGE=0, so that the factors cross the
+transport) the model rounds each contribution and result as the engine does
+(codecs.reduce_np) and compares with a tolerance of the codec's precision,
+since the model's float64 products round to other codec values here and
+there; bitwise, the warm-start Q is a value of the codec and the residual is
+this process's matrix minus the update, both in float32.
 
-Usage (under the launcher): python tests/workers/powersgd_worker.py [--steps 3] [--warmups 0,1]
+Usage (under the launcher): python tests/workers/powersgd_worker.py [--steps 3]
+    [--configs warmup0,warmup1,iterations2,bf16]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
+from herring_jax._src import codecs  # noqa: E402
 
 SHAPES = {"w": (64, 6, 8), "b": (48,), "tiny": (2, 2)}
 RANK = 2
@@ -32,10 +41,29 @@ def grads(rank: int, step: int) -> dict:
     return common.make_tree(SHAPES, rank, step)
 
 
-def check(tx_warmup: int, steps: int, rank: int, nproc: int) -> bool:
-    """Runs `steps` updates of powersgd(warmup_steps=tx_warmup); reports
+CONFIGS = {  # name: (warmup_steps, power_iterations, codec)
+    "warmup0": (0, 1, "none"),
+    "warmup1": (1, 1, "none"),
+    "iterations2": (0, 2, "none"),
+    "bf16": (0, 1, "bf16"),
+    "bf16-iterations2": (1, 2, "bf16"),
+}
+
+
+def model_mean(codec: str, parts: list[np.ndarray]) -> np.ndarray:
+    """The mean of float64 `parts` as the factors' reduction takes it."""
+    if codec == "none":
+        return np.mean(parts, axis=0)
+    return codecs.reduce_np(codec, "mean", [x.astype(np.float32) for x in parts],
+                            len(parts)).astype(np.float64)
+
+
+def check(name: str, steps: int, rank: int, nproc: int) -> bool:
+    """Runs `steps` updates of powersgd in configuration `name`; reports
     each step against the model."""
-    tx = herring_jax.powersgd(rank=RANK, warmup_steps=tx_warmup)
+    tx_warmup, iterations, codec = CONFIGS[name]
+    tx = herring_jax.powersgd(rank=RANK, warmup_steps=tx_warmup, power_iterations=iterations,
+                              codec=codec)
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     state = tx.init(params)
     assert state.q["w"].shape == (48, RANK) and state.q["b"].shape == ()
@@ -45,6 +73,7 @@ def check(tx_warmup: int, steps: int, rank: int, nproc: int) -> bool:
     q0 = np.asarray(state.q["w"])
     ok = True
     for step in range(steps):
+        before = np.asarray(state.residual["w"]).reshape(64, 48) if step >= tx_warmup else None
         out, state = update({k: jnp.asarray(v) for k, v in grads(rank, step).items()}, state)
         every = [grads(r, step) for r in range(nproc)]
         exact_ok = all(np.allclose(np.asarray(out[k]), np.mean([e[k] for e in every], axis=0),
@@ -59,22 +88,31 @@ def check(tx_warmup: int, steps: int, rank: int, nproc: int) -> bool:
         else:
             ms = [e["w"].reshape(64, 48).astype(np.float64) + residuals[r]
                   for r, e in enumerate(every)]
-            p = np.mean([m @ q for m in ms], axis=0)
-            p_hat = np.linalg.qr(p)[0]
-            q = np.mean([m.T @ p_hat for m in ms], axis=0)
+            for _ in range(iterations):
+                p = model_mean(codec, [m @ q for m in ms])
+                p_hat = np.linalg.qr(p)[0]
+                q = model_mean(codec, [m.T @ p_hat for m in ms])
             want = p_hat @ q.T
             residuals = [m - want for m in ms]
             got = np.asarray(out["w"]).reshape(64, 48)
             scale = np.abs(want).max()
-            w_ok = np.allclose(got, want, rtol=0, atol=1e-4 * scale)
-            e_ok = np.allclose(np.asarray(state.residual["w"]).reshape(64, 48),
-                               residuals[rank], rtol=0, atol=1e-4 * scale)
+            tol = 1e-4 if codec == "none" else 2e-2
+            w_ok = np.allclose(got, want, rtol=0, atol=tol * scale)
+            residual = np.asarray(state.residual["w"]).reshape(64, 48)
+            e_ok = np.allclose(residual, residuals[rank], rtol=0, atol=tol * scale)
+            # Bitwise: the residual is this process's float32 matrix minus the
+            # update, so it carries the factors' rounding too.
+            mine = grads(rank, step)["w"].reshape(64, 48) + before
+            e_ok = e_ok and np.array_equal(residual, mine - got)
+            # The warm-start Q is the decoded result of the last reduction.
+            q_now = np.asarray(state.q["w"])
+            e_ok = e_ok and np.array_equal(q_now, codecs.roundtrip_np(codec, q_now))
             # The warm start carries over: keep the model's Q in the sign basis jax chose.
             q = np.asarray(state.q["w"], np.float64)
         count_ok = int(state.count) == min(step + 1, tx_warmup)
         step_ok = bool(w_ok and e_ok and exact_ok and count_ok)
         ok = ok and step_ok
-        common.report(f"warmup{tx_warmup}-step{step}", step_ok,
+        common.report(f"{name}-step{step}", step_ok,
                       digest=common.digest(got.astype(np.float32)), w_ok=bool(w_ok),
                       residual_ok=bool(e_ok), exact_ok=bool(exact_ok), count_ok=count_ok)
     return ok
@@ -83,12 +121,12 @@ def check(tx_warmup: int, steps: int, rank: int, nproc: int) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmups", default="0,1",
-                        help="one run per value of powersgd(warmup_steps=...)")
+    parser.add_argument("--configs", default="warmup0,warmup1",
+                        help=f"one run per configuration, of {', '.join(CONFIGS)}")
     args = parser.parse_args()
     herring_jax.initialize()
     rank, nproc = herring_jax.process_index(), herring_jax.process_count()
-    ok = all([check(int(w), args.steps, rank, nproc) for w in args.warmups.split(",")])
+    ok = all([check(c, args.steps, rank, nproc) for c in args.configs.split(",")])
     common.report("powersgd", ok)
     herring_jax.shutdown()
     return 0
