@@ -91,10 +91,29 @@ def test_train_bench_codecs_over_seeds(tmp_path):
 def test_train_bench_rejects_bad_codecs_and_seeds(tmp_path):
     script = str(ROOT / "examples" / "train_lm.py")
     for extra, message in ((["--codecs", "powersgd4-fp8"], "unknown codecs ['powersgd4-fp8']"),
+                           (["--codecs", "none,int8,none"], "named twice"),
                            (["--codecs", "none", "--seeds", "0,0"], "distinct"),
                            (["--codecs", "none", "--seeds", "0,1", "--", "--seed", "3"],
-                            "give the seeds with --seeds")):
+                            "give the seeds with --seeds"),
+                           (["--codecs", "none", "--seeds", "0,1", "--", "--seed=3"],
+                            "give the seeds with --seeds"),
+                           (["--seeds", "0,1"], "--seeds goes with --codecs")):
         proc = subprocess.run(
             [sys.executable, "-m", "herring_jax._src.train_bench", "--script", script, *extra],
             cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 2 and message in proc.stderr, (extra, proc.stderr)
+
+
+def test_train_bench_names_a_script_that_trained_something_else(tmp_path):
+    # A script that ignores --powersgd-codec (it reports plain powersgd4)
+    # must not pass for a run with bf16 factors.
+    script = tmp_path / "plain_powersgd.py"
+    script.write_text("print('done: held-out loss 2.0000, median step 1.0 ms, compression "
+                      "powersgd4, sent 0.100 MiB per step', flush=True)\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.train_bench", "-n", "2", "--steps", "2",
+         "--codecs", "powersgd4-bf16", "--script", str(script)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "reports powersgd4: does it take the options --powersgd-rank 4 --powersgd-codec bf16" \
+        in proc.stderr, proc.stderr

@@ -17,7 +17,7 @@ communication hook does. Other leaves (biases, norms, small matrices) are
 averaged exactly in one reduction. The bytes on the wire per matrix are
 (rows + cols) * rank floats instead of rows * cols, times the power iterations.
 
-The factors can cross in a wire codec (``codec="bf16"``: half the bytes).
+The factors can cross in a wire codec (``codec="bf16"``: half their bytes).
 Error feedback then carries Q's rounding too, since the update is made of the
 Q every worker received; P's rounding only moves the subspace a little.
 """
@@ -89,9 +89,9 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
         it did not narrow the loss gap: see BENCHMARKS.md.)
       codec: the wire codec of the factors (``"none"``, ``"bf16"``,
         ``"fp16"``, ``"int8"``, as for ``pmean(codec=...)``). ``"bf16"`` halves
-        their bytes; on examples/train_lm.py it moved the held-out loss by
-        0.1 point in the mean of three seeds (see BENCHMARKS.md). The leaves
-        averaged exactly stay float32.
+        their bytes; on examples/train_lm.py it raised the held-out loss by
+        0.12 points in the mean of three seeds (-0.09 to +0.54 per seed; see
+        BENCHMARKS.md). The leaves averaged exactly stay float32.
       power_iterations: power-iteration steps per update (each reduces P
         and Q once more): a closer approximation for that many times the
         factor bytes.

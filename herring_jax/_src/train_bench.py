@@ -29,9 +29,9 @@ for the same steps and prints, for each, the held-out loss (and its distance
 from the uncompressed run's), the median step and the bytes each process's
 transport sent per step; --plot draws the held-out loss against the steps.
 With --seeds 0,1,2 every codec trains once per seed (the model's
-initialization and the batches) and the table gives the means, the distance
-from none as the mean of the per-seed distances, and those distances one by
-one: on examples/train_lm.py the distance of a lossy method swings by
+initialization and the batches) and the table gives the mean held-out loss
+and bytes (the median of the median steps), the distance from none as the
+mean of the per-seed distances, and those distances one by one: on examples/train_lm.py the distance of a lossy method swings by
 several points from seed to seed. On one host (no --netns in --launch-args)
 it sets HERRING_HOST_STAGE=0, since a codec applies only to what crosses the
 transport.
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -125,32 +126,52 @@ def _topk_name(name: str) -> bool:
     return bool(m) and 0 < float(m.group(1)) <= 1
 
 
-_POWERSGD = re.compile(r"powersgd([1-9]\d*)(?:-(bf16|fp16|int8))?(?:-it([1-9]\d*))?")
+def _powersgd_name(codec: str):
+    """powersgd<rank>[-<codec>][-it<iterations>]: the match, or None."""
+    from herring_jax._src import codecs as codecs_lib
+    lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
+    return re.fullmatch(rf"powersgd([1-9]\d*)(?:-({lossy}))?(?:-it([1-9]\d*))?", codec)
 
 
-def _codec_args(codec: str) -> list[str] | None:
-    """The training script's options for a --codecs name; None if unknown."""
+def _codec_args(codec: str) -> tuple[list[str], str] | None:
+    """The training script's options for a --codecs name, and the name the
+    script reports it trained with (examples/data_parallel.py's
+    compression_name); None if the name is unknown."""
     from herring_jax._src import codecs as codecs_lib
     if codec in codecs_lib.CODECS:
-        return ["--compression", codec]
+        return ["--compression", codec], codec
     if _topk_name(codec):
-        return ["--topk-fraction", codec[len("topk"):]]
-    m = _POWERSGD.fullmatch(codec)
+        fraction = codec[len("topk"):]
+        return ["--topk-fraction", fraction], f"topk{float(fraction):g}"
+    m = _powersgd_name(codec)
     if m is None:
         return None
-    return ["--powersgd-rank", m.group(1), "--powersgd-codec", m.group(2) or "none",
-            "--powersgd-iterations", m.group(3) or "1"]
+    rank, factor_codec, iterations = m.group(1), m.group(2), int(m.group(3) or 1)
+    how, name = ["--powersgd-rank", rank], f"powersgd{rank}"
+    # Only what differs from the defaults, so that a script that knows
+    # --powersgd-rank alone still runs plain PowerSGD.
+    if factor_codec:
+        how += ["--powersgd-codec", factor_codec]
+        name += f"-{factor_codec}"
+    if iterations != 1:
+        how += ["--powersgd-iterations", str(iterations)]
+        name += f"-it{iterations}"
+    return how, name
 
 
 def _run_codec(args, codec: str, env: dict, seed: int | None) -> dict:
     seeded = [] if seed is None else ["--seed", str(seed)]
+    how, name = _codec_args(codec)
     proc = _run_script(args, args.num_processes,
-                       ["--reduce", "herring", *_codec_args(codec), *seeded, "--steps",
-                        str(args.steps), "--log-every", str(args.log_every)], env)
+                       ["--reduce", "herring", *how, *seeded, "--steps", str(args.steps),
+                        "--log-every", str(args.log_every)], env)
     done = _CODEC_DONE.search(proc.stdout)
     if proc.returncode != 0 or done is None:
         tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
         raise RuntimeError(f"compression {codec} failed (exit {proc.returncode}):\n{tail}")
+    if done.group(3) != name:
+        raise RuntimeError(f"asked {args.script} for compression {codec}, but it reports "
+                           f"{done.group(3)}: does it take the options {' '.join(how)}?")
     curve = [(int(m.group(1)), float(m.group(2))) for m in _STEP.finditer(proc.stdout)]
     return {"codec": codec, "held_out_loss": float(done.group(1)),
             "median_step_ms": float(done.group(2)), "sent_mib_per_step": float(done.group(4)),
@@ -158,10 +179,13 @@ def _run_codec(args, codec: str, env: dict, seed: int | None) -> dict:
 
 
 def _mean_over_seeds(codec: str, runs: list[dict]) -> dict:
-    """One codec's row from its runs, one per seed (in --seeds order)."""
-    if len(runs) == 1:
-        return runs[0]
+    """One codec's row from its runs, one per seed (in --seeds order): the
+    means of the held-out losses (curve step by step) and of the bytes, the
+    median of the median steps, and the runs themselves under "seeds"."""
     steps = [s for s, _ in runs[0]["held_out_curve"]]
+    if any([s for s, _ in r["held_out_curve"]] != steps for r in runs):
+        raise RuntimeError(f"the runs of {codec} logged held-out losses at different steps: "
+                           f"{[[s for s, _ in r['held_out_curve']] for r in runs]}")
     curve = [(s, float(np.mean([r["held_out_curve"][k][1] for r in runs])))
              for k, s in enumerate(steps)]
     return {"codec": codec, "held_out_loss": float(np.mean([r["held_out_loss"] for r in runs])),
@@ -182,8 +206,9 @@ def _plot_codecs(args, results: list[dict], base: dict | None, seeds: int) -> No
     for r in results:
         steps, losses = zip(*r["held_out_curve"]) if r["held_out_curve"] else ((), ())
         ax.plot(steps, losses, label=f"{r['codec']} ({r['held_out_loss']:.4f})")
-    # The first evaluation (untrained) would flatten the rest of the curves.
-    later = [x for r in results for s, x in r["held_out_curve"][1:]]
+    # The first evaluation (untrained) would flatten the rest of the curves;
+    # a diverged run's inf or NaN cannot set a limit.
+    later = [x for r in results for s, x in r["held_out_curve"][1:] if math.isfinite(x)]
     if later:
         ax.set_ylim(min(later) - 0.05, max(later) + 0.05)
     ax.set_xlabel("step")
@@ -201,6 +226,8 @@ def _plot_codecs(args, results: list[dict], base: dict | None, seeds: int) -> No
         ax.axhline(3, color="gray", linestyle=":", linewidth=1)
         ax.set_xlabel("step")
         ax.set_ylabel("held-out loss vs none (%)")
+        # Between the mean curves; the table's "vs none" is the mean of the
+        # per-seed distances, which differs a little.
         ax.set_title("distance from the uncompressed run")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -218,6 +245,10 @@ def run_codecs(args: argparse.Namespace) -> int:
               f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>[-<codec>][-it<iterations>] "
               "(e.g. powersgd4-bf16-it2), topk<fraction> (e.g. topk0.01)", file=sys.stderr)
         return 2
+    if len(set(names)) != len(names):
+        print(f"herring-jax train-bench: a codec is named twice in --codecs {args.codecs}",
+              file=sys.stderr)
+        return 2
     seeds = [None]
     if args.seeds is not None:
         try:
@@ -228,7 +259,7 @@ def run_codecs(args: argparse.Namespace) -> int:
             print(f"herring-jax train-bench: --seeds takes distinct comma-separated integers, "
                   f"got {args.seeds!r}", file=sys.stderr)
             return 2
-        if "--seed" in args.script_args:
+        if any(a == "--seed" or a.startswith("--seed=") for a in args.script_args):
             print("herring-jax train-bench: give the seeds with --seeds, not as the script's "
                   "--seed", file=sys.stderr)
             return 2
@@ -270,21 +301,23 @@ def run_codecs(args: argparse.Namespace) -> int:
                     for x, y in zip(runs[r["codec"]], runs["none"])]
             r["loss_vs_none"] = float(np.mean(gaps))
             r["bytes_reduction"] = base["sent_mib_per_step"] / max(r["sent_mib_per_step"], 1e-9)
+            r["loss_vs_none_per_seed"] = gaps
             if several:
-                r["loss_vs_none_per_seed"] = gaps
                 per_seed = "  " + " ".join(f"{g:+.2%}" for g in gaps)
         vs = f"{r['loss_vs_none']:+.2%}" if base else "-"
         fewer = f"{r['bytes_reduction']:.2f}" if base else "-"
         print(f"{r['codec']:>{width}} {r['held_out_loss']:>9.4f} {vs:>8} "
               f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8}"
               + per_seed)
-    if args.plot:
-        _plot_codecs(args, results, base, len(seeds))
+    # The JSON first: a plot that fails must not lose the runs.
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"script": args.script, "steps": args.steps, "seeds": seeds,
+            json.dump({"script": args.script, "steps": args.steps,
+                       "seeds": seeds if args.seeds is not None else None,
                        "processes": args.num_processes, "launch_args": args.launch_args,
                        "where": where, "cpus": os.cpu_count(), "results": results}, f, indent=1)
+    if args.plot:
+        _plot_codecs(args, results, base, len(seeds))
     return 0
 
 
@@ -383,6 +416,9 @@ def run(args: argparse.Namespace) -> int:
     """Runs every (process count, reducer) pair and prints the table."""
     if args.overlap:
         return run_overlap(args)
+    if args.seeds is not None and not args.codecs:
+        print("herring-jax train-bench: --seeds goes with --codecs", file=sys.stderr)
+        return 2
     if args.codecs:
         if not os.path.isfile(args.script):
             print(f"herring-jax train-bench: no training script at {args.script!r}; pass "

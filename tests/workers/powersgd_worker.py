@@ -58,6 +58,20 @@ def model_mean(codec: str, parts: list[np.ndarray]) -> np.ndarray:
                             len(parts)).astype(np.float64)
 
 
+def reduction_codecs(jaxpr) -> list[str]:
+    """The codec of every herring_jax reduction in `jaxpr`, nested ones too."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if "codec" in eqn.params:
+            found.append(eqn.params["codec"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += reduction_codecs(inner)
+    return found
+
+
 def check(name: str, steps: int, rank: int, nproc: int) -> bool:
     """Runs `steps` updates of powersgd in configuration `name`; reports
     each step against the model."""
@@ -67,11 +81,17 @@ def check(name: str, steps: int, rank: int, nproc: int) -> bool:
     params = {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
     state = tx.init(params)
     assert state.q["w"].shape == (48, RANK) and state.q["b"].shape == ()
+    # What the update reduces: P and Q once per power iteration in the factor
+    # codec, the exact leaves in float32 (and, with a warm-up, every leaf in
+    # float32 in the warm-up's branch).
+    found = sorted(reduction_codecs(jax.make_jaxpr(tx.update)(params, state).jaxpr))
+    want = sorted([codec] * 2 * iterations + ["none"] * (2 if tx_warmup else 1))
+    common.report(f"{name}-reductions", found == want, found=found, want=want)
+    ok = found == want
     update = jax.jit(tx.update)
     residuals = [np.zeros((64, 48)) for _ in range(nproc)]
     q = np.asarray(state.q["w"], np.float64)
     q0 = np.asarray(state.q["w"])
-    ok = True
     for step in range(steps):
         before = np.asarray(state.residual["w"]).reshape(64, 48) if step >= tx_warmup else None
         out, state = update({k: jnp.asarray(v) for k, v in grads(rank, step).items()}, state)
