@@ -124,10 +124,10 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
                 verdict = (f"rank {rank} read {seen:#x} from rank {r}'s probe word, expected "
                            f"{value:#x} (pid {pid_of[r]} is another process: pid namespaces?)")
                 break
-    board_verdict = ("" if not enabled else "HERRING_HOST_BOARD=0" if not boards
-                     else f"rank {rank} refuses boards (HERRING_TEST_DENY_BOARDS)"
-                     if deny_boards and len(_local_ranks(host_of, rank)) > 1
-                     else _attach_boards(records, host_of, pid_of, rank, ext, handle))
+    board_verdict = ""
+    if enabled:
+        board_verdict = ("HERRING_HOST_BOARD=0" if not boards else
+                         _attach_boards(records, host_of, pid_of, rank, ext, handle, deny_boards))
     client.key_value_set(f"{prefix}/memory/{rank}", verdict)
     client.key_value_set(f"{prefix}/board/{rank}", board_verdict)
     # Rank 0 gathers every host's verdicts and publishes one line that all
@@ -160,12 +160,15 @@ def _local_ranks(host_of: list[int], rank: int) -> list[int]:
 
 
 def _attach_boards(records: list[dict], host_of: list[int], pid_of: list[int], rank: int,
-                   ext, handle) -> str:
+                   ext, handle, deny: bool) -> str:
     """Maps the host board of every other process of this host; "" or why the
-    host stage's steps of this host must go through messages instead."""
+    host stage's steps of this host must go through messages instead (deny:
+    tests only, refuse)."""
     local = _local_ranks(host_of, rank)
     if len(local) < 2:
         return ""
+    if deny:
+        return f"rank {rank} refuses boards (HERRING_TEST_DENY_BOARDS)"
     for r in local:
         if records[r]["board"] < 0:
             return f"rank {r} has no host board: {records[r]['board_error']}"

@@ -31,9 +31,10 @@ transport sent per step; --plot draws the held-out loss against the steps.
 With --seeds 0,1,2 every codec trains once per seed (the model's
 initialization and the batches) and the table gives the mean held-out loss
 and bytes (the median of the median steps), the distance from none as the
-mean of the per-seed distances, and those distances one by one: on examples/train_lm.py the distance of a lossy method swings by
-several points from seed to seed. On one host (no --netns in --launch-args)
-it sets HERRING_HOST_STAGE=0, since a codec applies only to what crosses the
+mean of the per-seed distances, and those distances one by one: on
+examples/train_lm.py PowerSGD's distance moves by more than two points from
+seed to seed. On one host (no --netns in --launch-args) it sets
+HERRING_HOST_STAGE=0, since a codec applies only to what crosses the
 transport.
 
 With --overlap it instead runs herring_jax/_src/overlap_worker.py on N
@@ -126,13 +127,6 @@ def _topk_name(name: str) -> bool:
     return bool(m) and 0 < float(m.group(1)) <= 1
 
 
-def _powersgd_name(codec: str):
-    """powersgd<rank>[-<codec>][-it<iterations>]: the match, or None."""
-    from herring_jax._src import codecs as codecs_lib
-    lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
-    return re.fullmatch(rf"powersgd([1-9]\d*)(?:-({lossy}))?(?:-it([1-9]\d*))?", codec)
-
-
 def _codec_args(codec: str) -> tuple[list[str], str] | None:
     """The training script's options for a --codecs name, and the name the
     script reports it trained with (examples/data_parallel.py's
@@ -143,7 +137,8 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
     if _topk_name(codec):
         fraction = codec[len("topk"):]
         return ["--topk-fraction", fraction], f"topk{float(fraction):g}"
-    m = _powersgd_name(codec)
+    lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
+    m = re.fullmatch(rf"powersgd([1-9]\d*)(?:-({lossy}))?(?:-it([1-9]\d*))?", codec)
     if m is None:
         return None
     rank, factor_codec, iterations = m.group(1), m.group(2), int(m.group(3) or 1)
