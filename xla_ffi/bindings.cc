@@ -112,7 +112,7 @@ NB_MODULE(_herring_ffi, m) {
          const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
          double timeout_s, double heartbeat_s, double peer_timeout_s, size_t max_posted,
          bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
-         int progress_slice_us) {
+         int progress_slice_us, double stall_s) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -122,6 +122,7 @@ NB_MODULE(_herring_ffi, m) {
         config.timeout_s = timeout_s;
         config.heartbeat_s = heartbeat_s;
         config.peer_timeout_s = peer_timeout_s;
+        config.stall_s = stall_s;
         config.transport.provider = provider;
         config.transport.interface = interface;
         config.transport.force_mr = force_mr;
@@ -145,6 +146,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("peer_timeout_s"), nb::arg("max_posted") = 0,
       nb::arg("test_stale_copies") = false, nb::arg("test_gather_delay_ms") = 0,
       nb::arg("test_early_strangers") = false, nb::arg("progress_slice_us") = 0,
+      nb::arg("stall_s") = 60.0,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {
@@ -250,6 +252,23 @@ NB_MODULE(_herring_ffi, m) {
     }
     return out;
   }, "The reductions recorded since the last call (CLOCK_MONOTONIC ns), oldest first.");
+
+  m.def(
+      "abort",
+      [](int64_t handle, const std::string& why, double wait_s) {
+        nb::gil_scoped_release release;
+        Find(handle)->Abort(why, wait_s);
+      },
+      nb::arg("handle"), nb::arg("why"), nb::arg("wait_s"),
+      "This process is failing: fails its reductions in flight and tells every other rank "
+      "`why`, waiting up to wait_s seconds for the messages to leave.");
+  m.def(
+      "note_call_site",
+      [](int64_t handle, uint64_t key, uint32_t slot, const std::string& site) {
+        Find(handle)->NoteCallSite(key, slot, site);
+      },
+      nb::arg("handle"), nb::arg("key"), nb::arg("slot"), nb::arg("site"),
+      "Where the reduction of `key` at `slot` was written, for stall reports and errors.");
 
   m.def("destroy", [](int64_t handle) {
     nb::gil_scoped_release release;

@@ -4,8 +4,10 @@
 #include "handlers.h"
 #include "handler_common.h"
 
+#include <cstdio>
 #include <cstring>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -123,6 +125,18 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, engine::Codec 
 ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, DecodedCall* call) {
   call->comm = engine::Registry::Get().Find(attrs.comm);
   if (!call->comm) {
+    // Nobody may read this error: a step still queued when shutdown() ran,
+    // whose results nothing held (shutdown() waits for live results only).
+    // Said once on stderr, since the other processes fail waiting for it.
+    static std::once_flag said;
+    std::call_once(said, [] {
+      std::fprintf(stderr,
+                   "herring_jax: a reduction ran after herring_jax.shutdown() in this "
+                   "process: its jitted step was still queued (jax dispatches "
+                   "asynchronously) and nothing held its results, so shutdown() could not "
+                   "wait for it. Keep the step's results, or call jax.block_until_ready on "
+                   "them, before shutdown().\n");
+    });
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "herring_jax is not initialized (or was shut down) in this process: "
                       "call herring_jax.initialize() before reducing");

@@ -59,15 +59,27 @@ def check_op(op: str) -> None:
         raise ValueError(f"unknown op {op!r}; herring_jax supports op='sum' or op='mean'")
 
 
-def prepare_leaf(index: int, x: Any) -> Any:
-    """The leaf as the engine reduces it: an array, bool converted to int32."""
-    x = jax.numpy.asarray(x)
-    dtype = np.dtype(x.dtype)
+def leaf_names(tree: Any) -> list[str]:
+    """Each leaf's path in `tree` for error messages ("['params']['w']"; "the
+    array" for a tree that is one array)."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [p or "the array" for p in paths]
+
+
+def prepare_leaf(name: str, x: Any) -> Any:
+    """The leaf as the engine reduces it: an array, bool converted to int32.
+    `name` says which leaf it is in errors."""
+    raw = getattr(x, "dtype", None)
+    dtype = np.dtype(raw) if raw is not None else np.asarray(x).dtype
+    # Strings and objects are named here, before jax's conversion fails on them.
+    if dtype.kind in "biufc" or dtype.name in SUPPORTED_DTYPES:
+        x = jax.numpy.asarray(x)
+        dtype = np.dtype(x.dtype)
     if dtype == np.bool_:
         return x.astype(np.int32)
     if dtype.name not in SUPPORTED_DTYPES:
         raise TypeError(
-            f"leaf {index} has dtype {dtype.name}, which herring_jax cannot reduce; supported "
+            f"{name} has dtype {dtype.name}, which herring_jax cannot reduce; supported "
             f"dtypes: bool, {', '.join(SUPPORTED_DTYPES)}. Cast it first, e.g. "
             "x.astype(jnp.float32).")
     return x
@@ -152,12 +164,13 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     # Before anything that starts the XLA backend (jax.distributed must come
     # first): fail with the helpful message.
     runtime.state()
-    leaves = [prepare_leaf(i, x) for i, x in enumerate(leaves)]
+    names = leaf_names(tree)
+    leaves = [prepare_leaf(name, x) for name, x in zip(names, leaves)]
     if op == "mean":
-        for i, x in enumerate(leaves):
+        for name, x in zip(names, leaves):
             if not is_floating(x):
                 raise TypeError(
-                    f"leaf {i} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
+                    f"{name} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
                     "floating dtype (use op='sum' and divide, or cast to float first)")
     outs = bind_grouped(leaves, ops=[op] * len(leaves), codec=codec, axes=None)
     return jax.tree_util.tree_unflatten(treedef, outs)

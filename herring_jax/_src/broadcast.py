@@ -11,6 +11,8 @@ process gets bitwise the root's value.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -18,9 +20,48 @@ import jax.numpy as jnp
 import numpy as np
 
 from herring_jax._src import allreduce as _allreduce
+from herring_jax._src import jax_compat
+from herring_jax._src import knobs
 from herring_jax._src import runtime
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _describe(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}".replace(" ", "")
+
+
+def _check_same_tree(names, leaves, root: int) -> None:
+    """Outside jit: every process's tree must be the root's (paths, shapes,
+    dtypes). A small broadcast of the description's digest comes first; a
+    process whose tree differs raises ValueError naming the first leaf that
+    differs (the root's description is in jax.distributed's key-value store)
+    instead of waiting in a reduction of another shape until the timeout."""
+    mine = json.dumps([[n, _describe(x)] for n, x in zip(names, leaves)])
+    digest = hashlib.blake2b(mine.encode(), digest_size=8).digest()
+    state = runtime.state()
+    key = f"herring_jax/{state.generation}/broadcast/{digest.hex()}"
+    client = jax_compat.distributed_client()
+    if state.rank == root:
+        client.key_value_set(key, mine, allow_overwrite=True)
+    [theirs] = _allreduce.bind([jnp.asarray(np.frombuffer(digest, np.uint32))], op="sum",
+                               axes=None, root=root)
+    theirs = np.asarray(theirs).tobytes()
+    if theirs == digest:
+        return
+    timeout_ms = int(knobs.get("HERRING_INIT_TIMEOUT_S") * 1000)
+    root_tree = dict(json.loads(client.blocking_key_value_get(
+        f"herring_jax/{state.generation}/broadcast/{theirs.hex()}", timeout_ms)))
+    own = dict(json.loads(mine))
+    differ = [f"{n} is {own[n]} here and {root_tree[n]} on rank {root}"
+              for n in own if n in root_tree and own[n] != root_tree[n]]
+    differ += [f"{n} is only here" for n in own if n not in root_tree]
+    differ += [f"{n} is only on rank {root}" for n in root_tree if n not in own]
+    shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+    raise ValueError(
+        f"herring_jax.broadcast: rank {state.rank}'s tree differs from the root's (rank "
+        f"{root}): {shown}. Every process must pass the same structure, shapes and dtypes "
+        "(the same model configuration).")
 
 
 def _parts(x):
@@ -79,10 +120,13 @@ def broadcast(tree: Any, root: int = 0) -> Any:
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
+    names = _allreduce.leaf_names(tree)
     leaves = [jnp.asarray(x) for x in leaves]
-    for i, x in enumerate(leaves):
+    for name, x in zip(names, leaves):
         if x.dtype != jnp.bool_:
-            _allreduce.prepare_leaf(i, x)  # the dtype check and its message
+            _allreduce.prepare_leaf(name, x)  # the dtype check and its message
+    if not any(isinstance(x, jax.core.Tracer) for x in leaves):
+        _check_same_tree(names, leaves, int(root))
     # Every process binds the same program; the handler makes the zeros off
     # the root (a per-process constant here would compile a different program
     # per process, and XLA's run id, which matches reductions, would differ).

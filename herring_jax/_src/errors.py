@@ -40,21 +40,22 @@ def as_herring_error(exc: BaseException) -> BaseException:
 
     jax raises a reduction that failed inside a compiled function as
     JaxRuntimeError (when the result is awaited) or ValueError (when the call
-    itself ran it). A JaxRuntimeError changes class in place (message,
-    traceback and cause kept), so a re-raise of the same object is caught by
-    ``except herring_jax.HerringError``; anything else gets a new HerringError
-    whose ``__cause__`` is the original. Other exceptions come back unchanged.
+    itself ran it), its message prefixed by XLA once per computation it passed
+    through. The HerringError returned carries herring's own message and the
+    original traceback. Other exceptions come back unchanged.
     """
     if isinstance(exc, HerringError) or _MARKER not in str(exc):
         return exc
-    if type(exc) is jax.errors.JaxRuntimeError:
-        exc.__class__ = HerringError
+    # XLA prefixes a failure with "INTERNAL: Error dispatching computation: "
+    # once for every computation it passed through (each queued step that
+    # depended on the failed one): herring's own text says it all.
+    if not isinstance(exc, (jax.errors.JaxRuntimeError, ValueError)):
         return exc
-    if isinstance(exc, (jax.errors.JaxRuntimeError, ValueError)):
-        new = HerringError(str(exc)).with_traceback(exc.__traceback__)
-        new.__cause__ = exc
-        return new
-    return exc
+    text = str(exc)
+    new = HerringError(text[text.index(_MARKER):]).with_traceback(exc.__traceback__)
+    # Not chained: jax's exception says the same with the prefixes.
+    new.__suppress_context__ = True
+    return new
 
 
 class herring_errors(contextlib.ContextDecorator):
@@ -82,21 +83,43 @@ class herring_errors(contextlib.ContextDecorator):
         herring = as_herring_error(exc)
         if herring is not exc:
             raise herring
-        return False  # re-raise (re-classed in place where it was a JaxRuntimeError)
+        return False  # not a herring failure: re-raised as it is
 
 
 _hook_lock = threading.Lock()
 _hook_installed = False
+# Set by runtime.initialize(): tells every other rank that this process fails,
+# with the text given ("RuntimeError: ..."), and returns whether there were
+# any; None before.
+_abort_peers = None
+# What the other ranks are told at most (their error quotes it).
+_REASON_CHARS = 1500
+
+
+def set_abort_peers(abort) -> None:
+    global _abort_peers
+    _abort_peers = abort
+
+
+def failure_reason(exc: BaseException) -> str:
+    """What the other ranks' errors quote: the exception's type and message."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    if len(text) > _REASON_CHARS:
+        text = text[:_REASON_CHARS] + " [...]"
+    return text + " (uncaught; its traceback is in this rank's output)"
 
 
 def install_excepthook(fast_exit: bool = True) -> None:
-    """Makes an uncaught herring failure print as HerringError (idempotent).
+    """Makes an uncaught exception end the whole job quickly (idempotent).
 
-    With `fast_exit` (HERRING_FAST_EXIT), the process then ends at once with
-    status 1 instead of running its exit handlers: jax.distributed's
-    shutdown barrier would otherwise wait up to its heartbeat timeout (about
-    100 s) for the dead peer. `herring-jax launch` sees the failure and stops
-    the other ranks.
+    For any exception that reaches the top of the main thread (not
+    SystemExit), the other ranks are told first, each naming this one and the
+    exception ("rank 1 failed: RuntimeError: ..."), so that none waits for
+    this rank until a timeout; a failed reduction prints as HerringError.
+    With `fast_exit` (HERRING_FAST_EXIT) the process then ends at once with
+    status 1 instead of running its exit handlers: jax.distributed's shutdown
+    barrier would otherwise wait up to 5 minutes for ranks that have failed
+    too. `herring-jax launch` sees the failure and stops the other ranks.
     """
     global _hook_installed
     with _hook_lock:
@@ -106,13 +129,20 @@ def install_excepthook(fast_exit: bool = True) -> None:
 
         def hook(exc_type, exc, tb):
             herring = None if exc is None else as_herring_error(exc)
-            if not isinstance(herring, HerringError):
+            told = False
+            if _abort_peers is not None and exc is not None:
+                try:
+                    told = _abort_peers(failure_reason(herring))
+                except Exception as e:  # noqa: BLE001 - the report below must still happen
+                    sys.stderr.write(f"herring_jax: could not tell the other ranks: {e}\n")
+            if isinstance(herring, HerringError):
+                previous(HerringError, herring, herring.__traceback__)
+            else:
                 previous(exc_type, exc, tb)
-                return
-            previous(HerringError, herring, herring.__traceback__)
-            if fast_exit:
-                sys.stderr.write("herring_jax: exiting at once after an uncaught HerringError "
-                                 "(HERRING_FAST_EXIT=0 runs exit handlers instead)\n")
+            if fast_exit and (told or isinstance(herring, HerringError)):
+                sys.stderr.write(f"herring_jax: exiting at once after an uncaught "
+                                 f"{type(herring).__name__} (HERRING_FAST_EXIT=0 runs exit "
+                                 "handlers instead)\n")
                 for stream in (sys.stdout, sys.stderr):
                     try:
                         stream.flush()

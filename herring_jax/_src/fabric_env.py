@@ -13,8 +13,19 @@ from __future__ import annotations
 import ipaddress
 import os
 
-from herring_jax import _herring_ffi
 from herring_jax._src import knobs
+
+try:
+    from herring_jax import _herring_ffi
+except ImportError:
+    # Raised while `import herring_jax` runs (this is the first import of
+    # it), where Python's own words would be "a circular import".
+    raise ImportError(
+        "herring_jax's compiled extension (_herring_ffi) is missing. Install the package "
+        "with `pip install --no-build-isolation .` (it needs libfabric-dev and pkg-config; "
+        "`bash .ci/install.sh` installs everything). If it is installed, a source checkout "
+        "of herring_jax in the current directory shadows it: run from another directory, "
+        "or with `python -P`.") from None
 
 # Bytes of herring's wire header in front of every chunk (engine/wire.h).
 WIRE_HEADER_BYTES = _herring_ffi.WIRE_HEADER_BYTES

@@ -12,6 +12,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import sharding_impls as _sharding_impls
+from jax._src import source_info_util as _source_info
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import parallel as _parallel
@@ -82,6 +83,11 @@ def drop_reduced_axes(aval, axes):
         unreduced=frozenset(a for a in unreduced if a not in axes)))
 
 
+def varies_over_all(aval, axes) -> bool:
+    """Whether `aval` is varying over every one of `axes` (check_vma=True)."""
+    return _varying(aval).issuperset(axes)
+
+
 def is_varying(aval, axes) -> bool:
     return bool(_varying(aval).intersection(axes))
 
@@ -106,8 +112,18 @@ def auto_pcast_enabled() -> bool:
 
 
 def check_axis_names(axes, api_name: str) -> None:
-    """Raises lax's NameError for an axis name no enclosing transform binds."""
-    _parallel._check_axis_names(tuple(axes), api_name)
+    """Raises lax's NameError for an axis name no enclosing transform binds,
+    naming the axes that are bound."""
+    try:
+        _parallel._check_axis_names(tuple(axes), api_name)
+    except NameError:
+        bound = [a for a in _core.unsafe_get_axis_names()]
+        missing = [a for a in axes if not isinstance(a, int) and a not in bound]
+        where = (f"the axes bound here (by jax.shard_map, pmap or vmap) are {bound}: check "
+                 "the spelling" if bound else
+                 "no axis is bound here: call it inside jax.shard_map (or jax.pmap) over a "
+                 "mesh with that axis")
+        raise NameError(f"{api_name}: unbound axis name(s) {missing}; {where}.") from None
 
 
 def skip_one_sized_axes(axes) -> tuple:
@@ -169,3 +185,23 @@ def production_order(values) -> list[int] | None:
         if e is not None:
             index[id(e)] = i
     return [index.get(id(getattr(v, "parent", None)), -1) for v in values]
+
+
+# -- where a call was written in the user's program ---------------------------
+
+# Libraries between the user's code and a reduction (their frames are skipped).
+_LIBRARY_DIRS = ("/herring_jax/", "/optax/", "/flax/", "/orbax/")
+
+
+def user_call_site(ctx) -> str | None:
+    """'train.py:42 (step)': the innermost frame of the user's own code that
+    led to the equation being lowered, or None where jax kept no traceback."""
+    traceback = getattr(ctx, "traceback", None)
+    try:
+        for frame in _source_info.user_frames(traceback):
+            if not any(d in frame.file_name for d in _LIBRARY_DIRS):
+                name = frame.file_name.rsplit("/", 1)[-1]
+                return f"{name}:{frame.start_line} ({frame.function_name})"
+    except Exception:  # noqa: BLE001 - a description only; never fail a lowering for it
+        return None
+    return None

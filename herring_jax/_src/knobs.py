@@ -84,6 +84,11 @@ KNOBS: dict[str, Knob] = {
              "of HERRING_PEER_TIMEOUT_S); 0 turns them off (then only HERRING_TIMEOUT_S "
              "detects a dead peer). Unset: 1 s, but off over shm, whose libfabric 1.17 "
              "provider lost data messages between heartbeats."),
+        Knob("HERRING_STALL_S", 60.0, _non_negative_float,
+             "A reduction that has waited this long is reported once on stderr: the ranks "
+             "it waits for, what each of them waits in (a different compiled program is "
+             "named as such) and where in the program the reductions were written; those "
+             "ranks' errors then quote the report. 0: never."),
         Knob("HERRING_MAX_POSTED", 0, _non_negative_int,
              "At most this many sends, and this many receives, handed to the libfabric "
              "provider at once; more wait in herring_jax's queue (posting never blocks). "
@@ -117,9 +122,19 @@ KNOBS: dict[str, Knob] = {
              "Tests only: each host-stage call of this process waits this many ms before "
              "reading the other processes' result slices (a slow reader)."),
         Knob("HERRING_FAST_EXIT", True, _bool,
-             "1: an uncaught HerringError ends the process at once (status 1) instead of "
-             "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "
-             "for the dead peer."),
+             "1: an uncaught HerringError, and in a job of several processes any uncaught "
+             "exception (after every other rank was told), ends the process at once (status "
+             "1) instead of running exit handlers, which would wait up to 5 minutes in "
+             "jax.distributed's shutdown for the other processes."),
+        Knob("HERRING_LAUNCH_GRACE_S", 10.0, _non_negative_float,
+             "herring-jax launch: seconds between SIGTERM and SIGKILL when it stops a job "
+             "(a rank failed, --timeout, Ctrl-C); the launcher says when it waits."),
+        Knob("HERRING_LAUNCH_KEEP_PREEMPTION", False, _bool,
+             "Under herring-jax launch, initialize() gives SIGTERM its default action back, "
+             "so that the launcher's SIGTERM ends a rank at once: jax.distributed's "
+             "preemption notifier catches SIGTERM and lets the process run on. 1 keeps the "
+             "notifier (for jax's preemption sync points). A SIGTERM handler installed from "
+             "Python before initialize() is always kept."),
         Knob("HERRING_INIT_TIMEOUT_S", 300.0, _positive_float,
              "How long initialize() waits for every process to publish its address."),
         Knob("HERRING_COORDINATOR_ADDRESS", None, str,

@@ -88,12 +88,18 @@ def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec) -> di
     state = runtime.state()
     plan = layout.plan(ctx, axes, groups, root is not None, platform)
     i64 = functools.partial(np.asarray, dtype=np.int64)
+    call_key, slot = key(op, avals_in, codec), next_slot(ctx)
+    # For stall reports and errors only: the process's own table, never an
+    # attribute (attributes must be the same on every process, see layout.py).
+    site = jax_compat.user_call_site(ctx)
+    if site:
+        runtime.note_call_site(call_key, slot, site)
     return dict(
         comm=np.int64(state.handle),
         op=np.int64((OPS[op] if root is None else _OP_BROADCAST + root)
                     | CODECS[codec] << _OP_CODEC_SHIFT),
-        key=np.int64(key(op, avals_in, codec)),
-        slot=np.int64(next_slot(ctx)),
+        key=np.int64(call_key),
+        slot=np.int64(slot),
         device_procs=i64(plan.device_procs),
         device_locals=i64(plan.device_locals),
         device_groups=i64(plan.device_groups),

@@ -15,7 +15,7 @@ from herring_jax._src import fusion
 from herring_jax._src import jax_compat
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.split import split_reductions
-from herring_jax._src.psum import pmean, psum
+from herring_jax._src.psum import check_per_device_gradients, pmean, psum
 
 # The first buffer of each dtype holds at most this much, and no more than the
 # others (first_bucket_bytes=None), so that the first reduction starts early.
@@ -77,7 +77,7 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         shard_map, use ``check_vma=False`` (pmap semantics) so that gradients
         of replicated parameters stay per-device: with varying-axis checks on,
         jax already sums them over the mesh in the backward pass, and the
-        mean here no longer divides that sum.
+        update raises ValueError while tracing rather than reduce them again.
       average: mean (True) or sum (False) of the gradients.
       fusion_bytes: the most bytes in one fusion buffer. None (default): about a
         sixteenth of the gradients of each dtype, between 256 KiB and 25 MiB, so
@@ -128,6 +128,7 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
 
     def update_fn(updates, state, params=None):
         del params
+        check_per_device_gradients(updates, axis_name, "allreduce_gradients")
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         ready = jax_compat.production_order(leaves)
         if feedback:

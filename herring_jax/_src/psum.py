@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
@@ -50,7 +51,8 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none") 
     if axes and any(isinstance(a, int) for a in axes):
         raise TypeError(f"herring_jax.psum reduces named axes only, got {axes}; for "
                         "positional axes use jnp.sum")
-    leaves = [_allreduce.prepare_leaf(i, v) for i, v in enumerate(leaves)]
+    leaves = [_allreduce.prepare_leaf(name, v)
+              for name, v in zip(_allreduce.leaf_names(x), leaves)]
     if axes:
         # lax's NameError, while tracing, for an axis nothing binds.
         jax_compat.check_axis_names(axes, "herring_jax.psum")
@@ -100,6 +102,42 @@ def _bind(leaves, axes, groups, op, codec):
     # Integers are averaged after the sum (see _reduce).
     ops = ["sum" if op == "mean" and not _allreduce.is_floating(v) else op for v in leaves]
     return _allreduce.bind_grouped(leaves, ops=ops, codec=codec, axes=axes, groups=groups)
+
+
+def check_per_device_gradients(tree: Any, axis_name, api: str) -> None:
+    """Refuses gradients that jax has already reduced over `axis_name`.
+
+    Inside ``jax.shard_map(..., check_vma=True)`` (jax's default) a parameter
+    replicated over the mesh is used through an implicit ``pvary``, whose
+    transpose is a ``psum``: its gradient comes out of the backward pass
+    already summed over the axis (by XLA's own collectives), and no longer
+    varying. Averaging it once more would be a no-op (lax.pmean of an
+    invariant value is that value), so a data-parallel step would move N times
+    too far. Which share of such a gradient is "per device" cannot be told from
+    the value (a loss that was pmean'd first gives the mean, not the sum), so
+    it is refused while tracing instead of guessed. Gradients that vary over
+    the axes (check_vma=False, pmap, parameters marked varying) pass.
+    """
+    if axis_name is None or not jax_compat.check_vma_enabled():
+        return
+    axes = jax_compat.skip_one_sized_axes(_axes(axis_name))
+    if not axes:
+        return
+    paths = [jax.tree_util.keystr(path)
+             for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]
+             if isinstance(g, jax.core.Tracer) and np.size(g) > 0
+             and not jax_compat.varies_over_all(jax.typeof(g), axes)]
+    if not paths:
+        return
+    shown = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    raise ValueError(
+        f"{api}({axis_name!r}) inside jax.shard_map(..., check_vma=True): the gradients "
+        f"{shown} do not vary over {axes}, so jax has already summed them over the mesh in "
+        "the backward pass (the transpose of the implicit pvary of a replicated parameter), "
+        "and reducing them again would scale the step by the axis size. Pass "
+        "check_vma=False to jax.shard_map, so that each device's gradients reach "
+        f"{api} unreduced and herring_jax averages them, or leave {api} out of the chain "
+        "and divide jax's sum by the axis size yourself.")
 
 
 def psum(x: Any, axis_name, *, axis_index_groups=None, codec: str = "none") -> Any:

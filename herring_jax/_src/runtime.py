@@ -8,8 +8,11 @@ second rendezvous service.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
 import secrets
+import signal
 import socket
 import sys
 import threading
@@ -20,14 +23,11 @@ import jax
 from herring_jax._src import jax_compat
 from herring_jax._src import knobs
 from herring_jax._src import topology as topology_lib
-from herring_jax._src.errors import HerringError, install_excepthook
+from herring_jax._src import errors
+from herring_jax._src.errors import HerringError, as_herring_error, install_excepthook
 
-try:
-    from herring_jax import _herring_ffi as _ext
-except ImportError as e:  # pragma: no cover - only without a build
-    raise ImportError(
-        "herring_jax's compiled extension is missing; install the package with "
-        "`pip install .` (it needs libfabric-dev and pkg-config)") from e
+# fabric_env.py, imported with the package, has said what to do if it is missing.
+from herring_jax import _herring_ffi as _ext
 
 _IP_PROVIDERS = ("tcp", "udp", "sockets", "net")
 
@@ -47,6 +47,7 @@ _lock = threading.Lock()
 _state: _State | None = None
 _generation = 0
 _targets_registered = False
+_exit_registered = False
 
 
 def _register_targets() -> None:
@@ -178,15 +179,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if process_id is None:
             process_id = knobs.get("HERRING_PROCESS_ID")
         if not jax.distributed.is_initialized():
-            if coordinator_address and process_id not in (None, 0):
-                _wait_for_coordinator(coordinator_address, knobs.get("HERRING_INIT_TIMEOUT_S"))
-            try:
-                jax.distributed.initialize(coordinator_address=coordinator_address,
-                                           num_processes=num_processes, process_id=process_id)
-            except RuntimeError as e:
-                raise HerringError(
-                    f"jax.distributed.initialize() failed: {e} Call herring_jax.initialize() "
-                    "at the start of the program, before any JAX computation.") from e
+            _join_distributed(coordinator_address, num_processes, process_id)
+            _default_sigterm_under_launcher()
         client = jax_compat.distributed_client()
         rank, size = jax.process_index(), jax.process_count()
         if client is None:
@@ -220,7 +214,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_STALE_COPIES"),
                 knobs.get("HERRING_TEST_GATHER_DELAY_MS"),
                 knobs.get("HERRING_TEST_EARLY_STRANGERS"),
-                knobs.get("HERRING_PROGRESS_SLICE_US"))
+                knobs.get("HERRING_PROGRESS_SLICE_US"), knobs.get("HERRING_STALL_S"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(
@@ -249,8 +243,95 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                   "with 'the provider lost data'); prefer tcp;ofi_rxm, or efa on AWS",
                   file=sys.stderr, flush=True)
         _register_targets()
-        install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _state = _State(handle, rank, size, provider, _generation, args, topology)
+        errors.set_abort_peers(_abort_peers)
+        install_excepthook(knobs.get("HERRING_FAST_EXIT"))
+        _shutdown_at_exit()
+
+
+def _join_distributed(coordinator_address, num_processes, process_id) -> None:
+    """jax.distributed.initialize(), or a job of this one process where
+    nothing says there are others (plain ``python train.py``)."""
+    if coordinator_address and process_id not in (None, 0):
+        _wait_for_coordinator(coordinator_address, knobs.get("HERRING_INIT_TIMEOUT_S"))
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator_address,
+                                   num_processes=num_processes, process_id=process_id)
+        return
+    except ValueError as e:
+        # No launcher and no cluster jax recognises (SLURM, Open MPI, ...).
+        if coordinator_address or num_processes or "coordinator_address" not in str(e):
+            raise HerringError(f"jax.distributed.initialize() failed: {e}") from e
+    except RuntimeError as e:
+        raise HerringError(
+            f"jax.distributed.initialize() failed: {e} Call herring_jax.initialize() "
+            "at the start of the program, before any JAX computation.") from e
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+    print(f"herring_jax: no launcher or cluster found, so this runs as a job of one process; "
+          f"for N processes on this machine: herring-jax launch -n N -- python {script}",
+          file=sys.stderr, flush=True)
+    try:
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{_free_port()}",
+                                   num_processes=1, process_id=0)
+    except RuntimeError as e:
+        raise HerringError(f"jax.distributed.initialize() failed: {e}") from e
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _under_launcher() -> bool:
+    """Whether `herring-jax launch` (or its environment) started this process."""
+    return os.environ.get("HERRING_NUM_PROCESSES") is not None
+
+
+def _default_sigterm_under_launcher() -> None:
+    """Under `herring-jax launch`, lets SIGTERM end the process again.
+
+    jax.distributed.initialize() installs its preemption notifier, a C-level
+    SIGTERM handler that only records the signal for jax's preemption sync
+    points: the process runs on, and a launcher stopping a failed job waited
+    its whole grace period for every rank. Python still reports SIGTERM's
+    handler as the default then (it did not install one), so a handler of the
+    user's own, installed from Python before initialize(), is left alone.
+    HERRING_LAUNCH_KEEP_PREEMPTION=1 keeps jax's notifier.
+    """
+    if (not _under_launcher() or knobs.get("HERRING_LAUNCH_KEEP_PREEMPTION")
+            or threading.current_thread() is not threading.main_thread()):
+        return
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _abort_peers(why: str) -> bool:
+    """Tells every other rank that this process is failing (errors.py's hook);
+    whether there were any."""
+    current = _state
+    if current is None or current.size < 2:
+        return False
+    _ext.abort(current.handle, why, 2.0)
+    return True
+
+
+def _shutdown_at_exit() -> None:
+    """Registers shutdown() to run at interpreter exit (once per process),
+    before jax's own exit handler: atexit runs handlers last-in first-out."""
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(_exit_handler)
+        _exit_registered = True
+
+
+def _exit_handler() -> None:
+    try:
+        shutdown()
+    except BaseException as e:  # noqa: BLE001 - the program is ending; say why and fail
+        print(f"herring_jax: at exit: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if knobs.get("HERRING_FAST_EXIT"):
+            os._exit(1)
 
 
 def _or(value, default):
@@ -258,18 +339,39 @@ def _or(value, default):
 
 
 def shutdown() -> None:
-    """Stops the server threads and closes the endpoint. Safe to call twice.
+    """Waits for this process's work in flight, then stops herring_jax here.
+
+    jax dispatches jitted steps asynchronously: a loop of steps returns
+    before they have run, and their reductions are still to come. shutdown()
+    first waits for every computation whose results are still alive, so that
+    a step that reduces can finish with the other processes; then it stops
+    the server threads, tells the other processes that this one has left
+    (one that still waits for it fails at once, naming this rank), and closes
+    the endpoint. It also runs at interpreter exit. Safe to call twice.
 
     Compiled functions that reduce through herring_jax are dropped from jax's
     caches, since they refer to the closed communicator.
+
+    Raises:
+      HerringError: a computation still in flight failed (a peer failed or
+        left); herring_jax is shut down all the same.
     """
     global _state
+    if _state is None:
+        return
+    failure = None
+    try:
+        jax.block_until_ready(jax.live_arrays())
+    except Exception as e:  # noqa: BLE001 - raised after the shutdown below
+        failure = e
     with _lock:
         if _state is None:
             return
         _ext.destroy(_state.handle)
         _state = None
     jax.clear_caches()
+    if failure is not None:
+        raise as_herring_error(failure)
 
 
 def state() -> _State:
@@ -301,6 +403,11 @@ def stats() -> dict:
     return dict(_ext.stats(state().handle))
 
 
+def note_call_site(key: int, slot: int, site: str) -> None:
+    """Where the reduction of `key` at `slot` was written (lowering.py)."""
+    _ext.note_call_site(state().handle, key, slot, site)
+
+
 def take_timeline() -> list[dict]:
     """This process's reductions since the last call, oldest first: slot,
     device, bytes and the CLOCK_MONOTONIC nanoseconds (time.monotonic_ns) at
@@ -308,9 +415,23 @@ def take_timeline() -> list[dict]:
     return list(_ext.take_timeline())
 
 
+def _check_started(api: str) -> None:
+    """Under the launcher, jax answers one process of rank 0 until
+    jax.distributed is up: a rank that asks first would act as rank 0 alone."""
+    if _state is None and _under_launcher() and not jax.distributed.is_initialized():
+        raise HerringError(
+            f"herring_jax.{api}() was called before herring_jax.initialize(): under "
+            "herring-jax launch every process would answer as rank 0 of 1. Call "
+            "herring_jax.initialize() first.")
+
+
 def process_count() -> int:
+    """The number of processes in the job (after ``initialize()``)."""
+    _check_started("process_count")
     return jax.process_count()
 
 
 def process_index() -> int:
+    """This process's rank (after ``initialize()``)."""
+    _check_started("process_index")
     return jax.process_index()

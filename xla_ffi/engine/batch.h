@@ -46,6 +46,8 @@ struct Batch {
   // Every job's per-peer counters exist (StartJob ran for all): from then on
   // other threads may read them.
   std::atomic<bool> started{false};
+  // Its stall was reported (Communicator::ReportStalls): once per batch.
+  std::atomic<bool> stall_reported{false};
   // The host stage's state (host_stage.cc); null for a flat batch, whose jobs
   // then carry the per-peer counters. A host batch's jobs only describe.
   std::unique_ptr<HostWait> host;

@@ -39,7 +39,9 @@ std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Sta
   comm->last_sent_.reset(new std::atomic<int64_t>[config.size]);
   comm->waiter_until_.reset(new std::atomic<int64_t>[config.size]);
   comm->heartbeat_busy_.reset(new std::atomic<bool>[config.size]);
+  comm->left_ns_.reset(new std::atomic<int64_t>[config.size]);
   for (int r = 0; r < config.size; ++r) {
+    comm->left_ns_[r] = 0;
     comm->last_heard_[r] = now;
     comm->last_sent_[r] = 0;
     comm->waiter_until_[r] = 0;
@@ -68,6 +70,20 @@ Communicator::~Communicator() {
   if (DrainLingering() > 0) {
     std::fprintf(stderr, "herring_jax rank %d: shutting down while another process of this "
                  "host has not said it read this one's last results\n", config_.rank);
+  }
+  // Every reduction of this rank has ended: a peer that still waits for it
+  // (it ran more reductions, or this rank's steps never ran them) learns why
+  // at once instead of declaring it dead after HERRING_PEER_TIMEOUT_S. After
+  // a failure every rank has been told already.
+  if (connected_ && config_.size > 1 && Broken().empty()) {
+    // Not to the ranks that have left already (they may have exited: a send
+    // to them would only wait), and briefly: the job is ending, and a
+    // process still in jax.distributed aborts once its coordinator is gone.
+    std::vector<int> staying;
+    for (int peer : AllPeers()) {
+      if (left_ns_[peer].load() == 0) staying.push_back(peer);
+    }
+    TellPeers(MsgKind::kLeave, "", staying, /*wait_s=*/0.25, /*report=*/false);
   }
   {
     std::lock_guard<std::mutex> lock(heartbeat_mu_);
@@ -131,8 +147,8 @@ Status Communicator::Connect(const std::vector<std::vector<uint8_t>>& addrs) {
     for (int r = 0; r < config_.size; ++r) {
       if (r != config_.rank) PostHeartbeatRecv(r);
     }
-    heartbeat_ = std::thread([this] { HeartbeatLoop(); });
   }
+  if (config_.size > 1) heartbeat_ = std::thread([this] { WatchLoop(); });
   return s;
 }
 
@@ -370,13 +386,12 @@ Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
     Fail(batch.get(), "herring allreduce timed out after " +
                           std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
                           std::to_string(config_.rank) + ": " + MissingReport(*batch) +
-                          " A process may have died or hung, or the processes issued "
-                          "different reductions (different executables or shapes, or "
-                          "launches of a reducing executable a different number of times). "
-                          "HERRING_TIMEOUT_S sets the limit.");
-  } else {
-    // Failed by a peer's abort, a mismatch or the peer watch: the error
-    // names the cause; this rank's own view goes to the log.
+                          " A process may have hung, or the processes issued different "
+                          "reductions (other shapes or code, or a reducing step run a "
+                          "different number of times). HERRING_TIMEOUT_S sets the limit.");
+  } else if (!told_by_peer_) {
+    // Failed by a mismatch or the peer watch: the error names the cause;
+    // this rank's own view goes to the log.
     std::fprintf(stderr, "herring_jax rank %d: state of the failed reduction: %s\n",
                  config_.rank, MissingReport(*batch).c_str());
   }

@@ -45,6 +45,9 @@ struct CommConfig {
   // so a killed process or a lost host fails the job long before timeout_s.
   double heartbeat_s = 1.0;
   double peer_timeout_s = 30.0;
+  // A reduction that has waited this long is reported once on stderr: whom it
+  // waits for and what they do (0: never).
+  double stall_s = 60.0;
   transport::TransportOptions transport;
   // Tests only: before every data message, send one copy with a stale job
   // token, which the receiver must drop (and re-post its receive for).
@@ -127,6 +130,16 @@ class Communicator {
   // apart by their occurrence; every process must make them equally often.
   Status AllReduce(uint32_t stream, const std::vector<int>& group,
                    std::vector<ReduceRequest>& requests);
+
+  // This process is failing (its program raised): breaks the communicator,
+  // fails what is in flight and tells every other rank `why`, waiting up to
+  // `wait_s` for the messages to leave (the process exits next).
+  void Abort(const std::string& why, double wait_s);
+  // The first fatal error ("" while the communicator works).
+  std::string Broken();
+  // Where in the user's program the reduction of `key` (the first buffer's)
+  // at `slot` was written, for stall reports and errors (this process only).
+  void NoteCallSite(uint64_t key, uint32_t slot, const std::string& site);
 
   int rank() const { return config_.rank; }
   int size() const { return config_.size; }
@@ -213,6 +226,20 @@ class Communicator {
   void PostControlRecv(size_t slot);
   void OnControl(size_t slot, const transport::Completion& c);
   void BroadcastAbort(const std::string& why);
+  // Departures (departures.cc). Sends `kind` with `text` to `peers`, best
+  // effort (a busy queue is retried until `wait_s` has passed), and waits up
+  // to `wait_s` for the sends to complete; logs what failed if `report`.
+  void TellPeers(MsgKind kind, const std::string& text, const std::vector<int>& peers,
+                 double wait_s, bool report);
+  std::vector<int> AllPeers() const;
+  // A notice from `sender` (kLeave, kStall) arrived.
+  void OnNotice(MsgKind kind, uint32_t sender, const std::string& text);
+  // Fails the batches that still wait for a rank that has shut down.
+  void WatchLeavers();
+  // Reports (once each) the batches that have waited longer than stall_s.
+  void ReportStalls();
+  // "float32[1000] sum (key ...; run ...) at train.py:42 (step)".
+  std::string DescribeJob(const Job& job) const;
   // A message that failed its header check: counted, logged (the first 10),
   // and its receive posted again.
   void CountDropped(const std::string& why);
@@ -234,7 +261,9 @@ class Communicator {
   void PostHeartbeatRecv(size_t slot);
   void OnHeartbeat(size_t slot, const transport::Completion& c);
   void Heard(uint32_t rank);
-  void HeartbeatLoop();
+  // The watch thread: heartbeats and the peer watch (where heartbeats are
+  // on), departures and stall reports, every heartbeat_s (1 s without them).
+  void WatchLoop();
   void SendHeartbeats();
   void WatchPeers();
   void PostContributionRecv(Job* job, int peer_index, size_t chunk);
@@ -312,8 +341,14 @@ class Communicator {
     char text[kAbortTextBytes];
   };
   std::vector<ControlBuffer> control_;  // posted receives
-  ControlBuffer abort_out_;             // what this rank broadcasts, sent once
-  std::once_flag abort_once_;
+  std::once_flag abort_once_;  // a rank broadcasts one abort
+  // A peer's abort broke the communicator: its message names the cause, and
+  // this rank's own view of the batches it failed is no news.
+  std::atomic<bool> told_by_peer_{false};
+  // [rank] steady_clock nanoseconds of its kLeave notice (0: still here).
+  std::unique_ptr<std::atomic<int64_t>[]> left_ns_;
+  mutable std::mutex call_sites_mu_;
+  std::map<std::pair<uint64_t, uint32_t>, std::string> call_sites_;  // (key, slot)
 
   std::vector<WireHeader> heartbeat_in_;  // [sender] posted receives
   std::vector<WireHeader> heartbeat_out_;  // [rank] rewritten only when not busy
@@ -324,6 +359,8 @@ class Communicator {
   struct PeerWait {
     std::string what;
     double seconds = 0;
+    int64_t run_id = 0;   // of what it waits in (its program's executable)
+    std::string report;   // its last stall notice (kStall), with its call site
   };
   mutable std::mutex peer_wait_mu_;
   std::vector<PeerWait> peer_wait_;
@@ -336,7 +373,7 @@ class Communicator {
   std::mutex heartbeat_mu_;
   std::condition_variable heartbeat_cv_;
   bool heartbeat_stop_ = false;
-  std::thread heartbeat_;
+  std::thread heartbeat_;  // the watch thread (WatchLoop)
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

@@ -41,19 +41,29 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
     Enqueue([this, slot] { PostControlRecv(slot); });
     return;
   }
-  if (!CheckControlHeader(b.header, c.len, MsgKind::kAbort, config_.token, sender,
+  // The kind is checked against itself: any control kind is welcome here.
+  const MsgKind kind = static_cast<MsgKind>(b.header.kind);
+  if (!IsControlKind(kind) ||
+      !CheckControlHeader(b.header, c.len, kind, config_.token, sender,
                           static_cast<uint32_t>(config_.size), &why)) {
-    CountDropped(why);
+    CountDropped(why.empty() ? "control message of unknown kind" : why);
     Enqueue([this, slot] { PostControlRecv(slot); });
     return;
   }
   Heard(sender);
   const std::string reason(b.text, c.len - sizeof(WireHeader));
+  if (kind != MsgKind::kAbort) {
+    // Notices (departures.cc): taken in, and the receive posted again.
+    OnNotice(kind, sender, reason);
+    Enqueue([this, slot] { PostControlRecv(slot); });
+    return;
+  }
   const std::string mine = OldestWait();
   const std::string message = "rank " + std::to_string(sender) + " failed: " + reason +
                               (mine.empty() ? std::string()
                                             : " [rank " + std::to_string(config_.rank) +
                                                   " was waiting in " + mine + "]");
+  told_by_peer_ = true;
   FailAll(message, /*tell_peers=*/false);
 }
 
@@ -65,31 +75,10 @@ void Communicator::CountDropped(const std::string& why) {
 }
 
 void Communicator::BroadcastAbort(const std::string& why) {
-  std::call_once(abort_once_, [&] {
-    const size_t len = std::min(why.size(), kAbortTextBytes);
-    std::memcpy(abort_out_.text, why.data(), len);
-    WireHeader& h = abort_out_.header;
-    h = ControlHeader(MsgKind::kAbort, config_.token, config_.rank);
-    h.payload_bytes = len;
-    SealHeader(&h);
-    for (int peer = 0; peer < config_.size; ++peer) {
-      if (peer == config_.rank) continue;
-      transport::IoVec iov[2] = {{&abort_out_.header, sizeof(WireHeader)},
-                                 {abort_out_.text, len}};
-      // Best effort, never queued: a dead peer never completes this, nothing
-      // waits on it, and the peers it does not reach learn of the failure
-      // from their own timeout or peer watch. Failures are logged.
-      auto report = [rank = config_.rank, peer](const std::string& error) {
-        std::fprintf(stderr, "herring_jax rank %d: could not tell rank %d of the failure: %s\n",
-                     rank, peer, error.c_str());
-      };
-      Status s = transport_->TrySend(peer, MakeControlTag(config_.rank), iov, len > 0 ? 2 : 1,
-                                     [report](const transport::Completion& c) {
-                                       if (!c.ok) report(c.error);
-                                     });
-      if (!s.ok()) report(s.message());
-    }
-  });
+  // Best effort, never queued, not waited for: this runs on a server thread.
+  // A dead peer never completes this, and the peers it does not reach learn
+  // of the failure from their own timeout or peer watch. Failures are logged.
+  std::call_once(abort_once_, [&] { TellPeers(MsgKind::kAbort, why, AllPeers(), 0.0, true); });
 }
 
 void Communicator::FailAll(const std::string& why, bool tell_peers) {

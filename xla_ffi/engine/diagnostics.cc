@@ -40,7 +40,7 @@ std::string Communicator::OldestWait(WireHeader* h) {
     SetHeaderIdentity(h, job.id);
     h->chunk = static_cast<uint32_t>(std::min(seconds, 4e9));
   }
-  return job.Describe() + " for " + std::to_string(static_cast<int64_t>(seconds)) + " s";
+  return DescribeJob(job) + " for " + std::to_string(static_cast<int64_t>(seconds)) + " s";
 }
 
 std::string Communicator::PeerReport(const std::set<int>& ranks) const {
@@ -55,6 +55,8 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
       line += " has sent nothing for " + std::to_string(static_cast<int64_t>(silent)) + " s";
     } else if (peer_wait_[rank].what.empty()) {
       line += " is alive and waits in no reduction";
+    } else if (!peer_wait_[rank].report.empty()) {
+      line += " is alive and " + peer_wait_[rank].report;  // its own words, with its call site
     } else {
       line += " is alive and has waited " +
               std::to_string(static_cast<int64_t>(peer_wait_[rank].seconds)) + " s in " +
@@ -104,7 +106,7 @@ std::string Communicator::MissingReport(const Batch& batch) const {
     }
     const std::string peers = PeerReport(missing);
     return "waiting in the host stage for rank(s) " + RankList(missing) + " (" +
-           std::string(kWhat[step]) + ") in " + batch.jobs.front()->Describe() +
+           std::string(kWhat[step]) + ") in " + DescribeJob(*batch.jobs.front()) +
            (batch.jobs.size() > 1 ? " and " + std::to_string(batch.jobs.size() - 1) + " more"
                                   : std::string()) +
            "." + (peers.empty() ? std::string() : " " + peers + ".");
@@ -131,7 +133,7 @@ std::string Communicator::MissingReport(const Batch& batch) const {
         incomplete = true;
       }
     }
-    if (incomplete && what.empty()) what = job->Describe();
+    if (incomplete && what.empty()) what = DescribeJob(*job);
   }
   size_t remaining, inflight;
   {

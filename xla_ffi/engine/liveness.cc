@@ -66,8 +66,11 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
                     " (key " +
                     std::to_string(h.key) + "; " + DescribeIdentity(HeaderIdentity(h)) + ")";
         wait.seconds = h.chunk;
+        wait.run_id = h.run_id;
       }
       std::lock_guard<std::mutex> lock(peer_wait_mu_);
+      // Its stall notice stays while it still waits in something.
+      if (!wait.what.empty()) wait.report = std::move(peer_wait_[sender].report);
       peer_wait_[sender] = std::move(wait);
     } else {
       CountDropped(why);
@@ -77,14 +80,19 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
   Enqueue([this, slot] { PostHeartbeatRecv(slot); });
 }
 
-void Communicator::HeartbeatLoop() {
+void Communicator::WatchLoop() {
+  const bool heartbeats = config_.heartbeat_s > 0;
   const auto interval = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-      std::chrono::duration<double>(config_.heartbeat_s));
+      std::chrono::duration<double>(heartbeats ? config_.heartbeat_s : 1.0));
   std::unique_lock<std::mutex> lock(heartbeat_mu_);
   while (!heartbeat_cv_.wait_for(lock, interval, [this] { return heartbeat_stop_; })) {
     lock.unlock();
-    SendHeartbeats();
-    WatchPeers();
+    if (heartbeats) {
+      SendHeartbeats();
+      WatchPeers();
+    }
+    WatchLeavers();
+    ReportStalls();
     lock.lock();
   }
 }
@@ -172,7 +180,7 @@ void Communicator::WatchPeers() {
     std::snprintf(silent, sizeof(silent), "%.1f", silent_s(dead));
     Fail(batch, "rank " + std::to_string(dead) + " has sent nothing (no data, no " +
                     "heartbeat) for " + silent + " s while rank " +
-                    std::to_string(config_.rank) + " waits for it in " + job.Describe() +
+                    std::to_string(config_.rank) + " waits for it in " + DescribeJob(job) +
                     (batch->jobs.size() > 1
                          ? " and " + std::to_string(batch->jobs.size() - 1) + " more"
                          : std::string()) +

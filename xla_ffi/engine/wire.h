@@ -22,7 +22,15 @@ enum class MsgKind : uint8_t {
   kHostArrive = 5,    // here are my inputs (addresses in my process)
   kHostReady = 6,     // my slice of the result is ready (in my staging buffer)
   kHostDone = 7,      // I have read your slice: you may let go of it (no payload)
+  // Control messages between ranks, besides aborts and heartbeats
+  // (departures.cc): payload text.
+  kLeave = 8,         // any -> all: this rank shuts down (its reductions are done)
+  kStall = 9,         // any -> the ranks it waits for: what it has waited in, for how long
 };
+
+inline bool IsControlKind(MsgKind kind) {
+  return kind == MsgKind::kAbort || kind == MsgKind::kLeave || kind == MsgKind::kStall;
+}
 
 inline bool IsHostKind(MsgKind kind) {
   return kind == MsgKind::kHostArrive || kind == MsgKind::kHostReady ||
