@@ -7,6 +7,7 @@ the installed herring_jax is the one under test.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -38,7 +39,7 @@ def _launch_cmd(args):
 
 
 def _env(extra=None):
-    return dict(os.environ, HERRING_LAUNCH_GRACE_S="2", **(extra or {}))
+    return {**os.environ, "HERRING_LAUNCH_GRACE_S": "2", **(extra or {})}
 
 
 def launch(args, env=None, timeout=60):
@@ -289,3 +290,43 @@ def test_ranks_other_than_0_wait_for_the_coordinators_port():
     # Nothing listening: it gives up after its timeout, without raising, and
     # leaves the error to jax.distributed.
     _wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=0.2)
+
+
+def test_a_coordinator_port_in_use_is_refused():
+    # jax's coordination service would join another job's coordinator there,
+    # and both jobs would fail.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = launch(["-n", "2", "--coordinator-port", str(port), "--", sys.executable, "-c",
+                    "print('ran')"])
+    assert p.returncode == 2, p.stderr
+    assert f"--coordinator-port {port} is in use" in p.stderr
+    assert "ran" not in p.stdout
+
+
+def test_the_grace_wait_is_announced_and_skipped_for_a_rank_ignoring_sigterm(tmp_path):
+    # Rank 1 fails; rank 0 catches SIGTERM and runs on (rank 0's handler only
+    # records it): the launcher says how long it waits before SIGKILL. Rank 2
+    # ignores SIGTERM outright: it gets no grace at all.
+    body = """
+        import signal
+        if rank == "0":
+            signal.signal(signal.SIGTERM, lambda *a: None)
+        if rank == "2":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if rank == "1":
+            while len([f for f in os.listdir(DIR) if not f.endswith(".tmp")]) < 3:
+                time.sleep(0.05)
+            sys.exit(3)
+        time.sleep(60)
+    """
+    start = time.monotonic()
+    p = launch(["-n", "3", "--", sys.executable, "-c", _child(tmp_path, body)],
+               env={"HERRING_LAUNCH_GRACE_S": "4"})
+    took = time.monotonic() - start
+    assert p.returncode == 3, p.stderr
+    assert "waiting up to 4 s (HERRING_LAUNCH_GRACE_S) for 1 process to exit after SIGTERM" \
+        in p.stderr, p.stderr
+    assert took < 20, p.stderr

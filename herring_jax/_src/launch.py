@@ -51,13 +51,20 @@ import sys
 import threading
 import time
 
+from herring_jax._src import knobs
+
 PROG = "herring-jax launch"
 GRACE_ENV = "HERRING_LAUNCH_GRACE_S"
-DEFAULT_GRACE_S = 10.0
+DEFAULT_GRACE_S = knobs.KNOBS[GRACE_ENV].default
 EXIT_TIMEOUT = 124
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _DEVICE_FLAG_RE = re.compile(rf"(?:^|\s){_DEVICE_FLAG}(?:=\S*)?(?=\s|$)")
 _POLL_S = 0.05
+# A stop that takes longer than this is announced, with how long it may take.
+_ANNOUNCE_AFTER_S = 0.5
+# After a rank failed, how long the others get to end (and report) by
+# themselves before SIGTERM.
+_SETTLE_S = 3.0
 # A reader can only hang past the kill if something left the child's process
 # group and still holds the pipe; do not let that hang the launcher too.
 _READER_JOIN_S = 2.0
@@ -196,6 +203,28 @@ def _grace_s() -> float:
         return DEFAULT_GRACE_S
 
 
+def _ignores_sigterm(pid: int) -> bool:
+    """Whether the process has SIGTERM's disposition set to ignore (Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigIgn:"):
+                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def port_in_use(port: int) -> bool:
+    """Whether something listens on (or holds) 127.0.0.1:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
 def _exit_code(returncode: int) -> int:
     """Maps Popen.returncode to a shell-style exit code (128 + n for signal n)."""
     return 128 - returncode if returncode < 0 else returncode
@@ -330,8 +359,24 @@ class _Job:
           failed_rank: the rank whose last output should come before the verdict.
         """
         signals_before = len(self.signals)
+        if failed_rank is not None:
+            # herring_jax has told the other ranks of the failure: those waiting
+            # for the failed rank end by themselves within a moment, each naming
+            # it and its exception; SIGTERM now would cut that report off.
+            settle = time.monotonic() + min(_SETTLE_S, self.grace_s)
+            while (time.monotonic() < settle and len(self.signals) == signals_before
+                   and any(proc.poll() is None for proc in self.procs)):
+                time.sleep(_POLL_S)
         self._signal_groups(signal.SIGTERM)
         end = time.monotonic() + self.grace_s
+        # A process that ignores SIGTERM outright gets no grace: it cannot
+        # act on it.
+        for proc in self.procs:
+            if proc.poll() is None and _ignores_sigterm(proc.pid):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         if failed_rank is not None:
             # Its last words (usually a traceback) belong before the verdict;
             # SIGTERM first, so a grandchild holding its pipes lets go of them.
@@ -340,8 +385,15 @@ class _Job:
         if message:
             self.say(message)
         # A second Ctrl-C means "now": skip the rest of the grace period.
+        announced = False
         while (self._any_alive() and time.monotonic() < end
                and len(self.signals) == signals_before):
+            if not announced and end - time.monotonic() < self.grace_s - _ANNOUNCE_AFTER_S:
+                alive = sum(proc.poll() is None for proc in self.procs)
+                self.say(f"waiting up to {self.grace_s:g} s ({GRACE_ENV}) for "
+                         f"{_processes(max(alive, 1))} to exit after SIGTERM, then SIGKILL "
+                         "(Ctrl-C again: at once)")
+                announced = True
             time.sleep(_POLL_S)
         self._signal_groups(signal.SIGKILL)
         for t in self.waiters:
@@ -391,6 +443,12 @@ def run(args: argparse.Namespace) -> int:
             return 2
     # In a fresh namespace every port is free.
     port = args.coordinator_port or (29400 if net else free_port())
+    if not net and args.coordinator_port and port_in_use(port):
+        # jax's coordination service would join the other job's: both fail.
+        print(f"{PROG}: error: --coordinator-port {port} is in use on 127.0.0.1 (another "
+              "job's coordinator?); choose another port, or leave the option out for a free "
+              "one", file=sys.stderr)
+        return 2
     job = _Job(_grace_s())
     # Handlers go in before any child exists, so a Ctrl-C during start-up
     # cannot leave children running; signal.signal only works on the main thread.
