@@ -41,9 +41,6 @@ ffi::TypeId CudaInstructionState::id = {};
 
 namespace {
 
-constexpr int64_t kEveryProcess = -1;  // device_procs: each process's own device
-constexpr int64_t kAnyDevice = -1;     // device_locals: whichever device runs this
-
 const ffi::TypeInfo kStateInfo = ffi::MakeTypeInfo<InstructionState>();
 const ffi::TypeInfo kCudaStateInfo = ffi::MakeTypeInfo<CudaInstructionState>();
 
@@ -90,18 +87,14 @@ uint64_t HashAttrs(const CallAttrs& a) {
   add_span(a.group_streams);
   add_span(a.group_ranks);
   add_span(a.group_offsets);
+  add(a.collective);
+  add_span(a.device_blocks);
   return h;
 }
 
 template <typename State>
-ffi::ErrorOr<std::unique_ptr<State>> InstantiateImpl(
-    int64_t comm, int64_t op, int64_t key, int64_t slot, ffi::Span<const int64_t> device_procs,
-    ffi::Span<const int64_t> device_locals, ffi::Span<const int64_t> device_groups,
-    ffi::Span<const int64_t> group_streams, ffi::Span<const int64_t> group_ranks,
-    ffi::Span<const int64_t> group_offsets) {
-  return InstantiateCall<State>(CallAttrs{comm, op, key, slot, device_procs, device_locals,
-                                          device_groups, group_streams, group_ranks,
-                                          group_offsets});
+ffi::ErrorOr<std::unique_ptr<State>> InstantiateImpl(HERRING_ATTR_PARAMS) {
+  return InstantiateCall<State>(HERRING_ATTRS);
 }
 
 }  // namespace
@@ -162,6 +155,7 @@ ffi::Error LocateCall(const CallAttrs& attrs, int32_t device, const DecodedCall&
   if (group < 0 || group >= static_cast<int64_t>(groups)) {
     return ffi::Error::InvalidArgument(where + "group out of range");
   }
+  place->group = group;
   place->stream = static_cast<uint32_t>(attrs.group_streams[group]);
   place->ranks.clear();
   for (int64_t k = attrs.group_offsets[group]; k < attrs.group_offsets[group + 1]; ++k) {

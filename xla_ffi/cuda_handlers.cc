@@ -147,26 +147,22 @@ void ReduceStarted(const std::shared_ptr<CudaStart>& task) {
 
 ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
                      CudaInstructionState* instruction, ffi::RemainingArgs args,
-                     ffi::RemainingRets rets, int64_t comm_handle, int64_t op, int64_t key,
-                     int64_t slot, ffi::Span<const int64_t> device_procs,
-                     ffi::Span<const int64_t> device_locals,
-                     ffi::Span<const int64_t> device_groups,
-                     ffi::Span<const int64_t> group_streams,
-                     ffi::Span<const int64_t> group_ranks,
-                     ffi::Span<const int64_t> group_offsets) {
+                     ffi::RemainingRets rets, HERRING_ATTR_PARAMS) {
   return NoThrow("herring allreduce start (CUDA)", [&]() -> ffi::Error {
     auto task = std::make_shared<CudaStart>();
     task->run_id = run_id.run_id;
     task->device = device;
     ReceiveInstructionState(instruction);
     task->instruction = *instruction;
-    task->attrs = OwnedAttrs(CallAttrs{comm_handle, op, key, slot, device_procs, device_locals,
-                                       device_groups, group_streams, group_ranks,
-                                       group_offsets});
+    task->attrs = OwnedAttrs(HERRING_ATTRS);
     task->call.platform = "cuda";
     ffi::Error error = DecodeOperands(args, task->attrs.View(), &task->call);
     if (error.failure()) return error;
     const std::string& where = task->call.where;
+    if (collective != kCollectiveAllReduce) {
+      return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                        where + "reduce-scatter and all-gather run on XLA:CPU only so far");
+    }
     if (rets.size() != 1) {
       return ffi::Error::InvalidArgument(where + "the start returns one token buffer");
     }

@@ -46,6 +46,8 @@ struct CallAttrs {
   ffi::Span<const int64_t> group_streams;
   ffi::Span<const int64_t> group_ranks;
   ffi::Span<const int64_t> group_offsets;
+  int64_t collective;
+  ffi::Span<const int64_t> device_blocks;
 };
 
 // Per-instruction state from XLA's instantiate stage (call_identity.cc).
@@ -88,7 +90,13 @@ struct CallPlace {
   std::vector<int> ranks;
   int position = 0;
   int local_count = 0;
+  int64_t group = 0;  // its index in the attributes' groups
 };
+
+// device_procs: each process's own device; device_locals: whichever device
+// runs this (a single-device computation lowered before its device is known).
+constexpr int64_t kEveryProcess = -1;
+constexpr int64_t kAnyDevice = -1;
 
 // The attributes copied out of XLA's call frame: its spans are only
 // guaranteed while the handler runs, and an asynchronous reduction runs on
@@ -97,6 +105,8 @@ struct OwnedAttrs {
   int64_t comm = 0, op = 0, key = 0, slot = 0;
   std::vector<int64_t> device_procs, device_locals, device_groups, group_streams, group_ranks,
       group_offsets;
+  int64_t collective = 0;
+  std::vector<int64_t> device_blocks;
 
   OwnedAttrs() = default;
   explicit OwnedAttrs(const CallAttrs& a)
@@ -106,12 +116,14 @@ struct OwnedAttrs {
         device_groups(a.device_groups.begin(), a.device_groups.end()),
         group_streams(a.group_streams.begin(), a.group_streams.end()),
         group_ranks(a.group_ranks.begin(), a.group_ranks.end()),
-        group_offsets(a.group_offsets.begin(), a.group_offsets.end()) {}
+        group_offsets(a.group_offsets.begin(), a.group_offsets.end()),
+        collective(a.collective),
+        device_blocks(a.device_blocks.begin(), a.device_blocks.end()) {}
 
   CallAttrs View() const {
     return CallAttrs{comm,          op,            key,           slot,
                      device_procs,  device_locals, device_groups, group_streams,
-                     group_ranks,   group_offsets};
+                     group_ranks,   group_offsets, collective,    device_blocks};
   }
 };
 
@@ -121,7 +133,9 @@ struct DecodedCall {
   std::string where;               // "herring allreduce on rank R: "
   engine::LocalArrival arrival;    // XLA's buffer pointers, one per operand
   std::vector<engine::DType> dtypes;
-  std::vector<size_t> counts;
+  std::vector<size_t> counts;      // engine elements of each operand
+  std::vector<size_t> out_counts;  // and of each result (a reduce-scatter's are
+                                   // its blocks, an all-gather's whole buffers)
 };
 
 // Adds the attributes every allreduce handler takes, in CallAttrs order, to
@@ -130,7 +144,7 @@ template <typename Binding>
 auto BindAllReduceAttrs(Binding binding) {
   return std::move(binding)
       .template Attr<int64_t>("comm")                   // communicator handle (registry)
-      .template Attr<int64_t>("op")                     // 0 sum, 1 mean, 2 + r: broadcast from r
+      .template Attr<int64_t>("op")                     // kOp* below, and the codec
       .template Attr<int64_t>("key")                    // description hash, checked on the wire
       .template Attr<int64_t>("slot")                   // call site in the module
       .template Attr<ffi::Span<const int64_t>>("device_procs")   // each device's process
@@ -138,8 +152,23 @@ auto BindAllReduceAttrs(Binding binding) {
       .template Attr<ffi::Span<const int64_t>>("device_groups")  // the group it reduces in
       .template Attr<ffi::Span<const int64_t>>("group_streams")  // each group's stream
       .template Attr<ffi::Span<const int64_t>>("group_ranks")    // processes of each group,
-      .template Attr<ffi::Span<const int64_t>>("group_offsets");  // concatenated; offsets
+      .template Attr<ffi::Span<const int64_t>>("group_offsets")  // concatenated; offsets
+      .template Attr<int64_t>("collective")                      // kCollective* below
+      .template Attr<ffi::Span<const int64_t>>("device_blocks");  // each device's block
 }
+
+// The handlers' attribute parameters, in CallAttrs order, and their CallAttrs.
+#define HERRING_ATTR_PARAMS                                                                \
+  int64_t comm_handle, int64_t op, int64_t key, int64_t slot,                              \
+      ffi::Span<const int64_t> device_procs, ffi::Span<const int64_t> device_locals,       \
+      ffi::Span<const int64_t> device_groups, ffi::Span<const int64_t> group_streams,      \
+      ffi::Span<const int64_t> group_ranks, ffi::Span<const int64_t> group_offsets,        \
+      int64_t collective, ffi::Span<const int64_t> device_blocks
+#define HERRING_ATTRS                                                                      \
+  CallAttrs {                                                                              \
+    comm_handle, op, key, slot, device_procs, device_locals, device_groups, group_streams, \
+        group_ranks, group_offsets, collective, device_blocks                              \
+  }
 
 // The instantiate stage: numbers the instruction (call_identity.cc).
 template <typename State>
@@ -163,13 +192,26 @@ ffi::Error NoThrow(const char* what, Body&& body) {
   }
 }
 
-// op attribute values: a sum, a mean, or (kOpBroadcast + r) a broadcast from
-// rank r, which is a sum to which every other rank contributes zeros; so
-// that the compiled program (and so XLA's run id) is the same on every
-// process, the root travels in the attribute and the zeros are made here.
+// op attribute values: a sum, a mean, a maximum, a minimum, or
+// (kOpBroadcast + r) a broadcast from rank r, which is a sum to which every
+// other rank contributes zeros; so that the compiled program (and so XLA's
+// run id) is the same on every process, the root travels in the attribute
+// and the zeros are made here.
 constexpr int64_t kOpSum = 0;
 constexpr int64_t kOpMean = 1;
-constexpr int64_t kOpBroadcast = 2;
+constexpr int64_t kOpMax = 2;
+constexpr int64_t kOpMin = 3;
+constexpr int64_t kOpBroadcast = 4;
+
+// collective attribute values. A reduce-scatter gives each device one block
+// of the result, an all-gather each device every device's block; which block
+// is each device's is in device_blocks (its index in its group, as lax's
+// axis_index; kEveryProcess's entry: the process's place in the group).
+// Block g of a buffer of n elements is [g * B, min((g + 1) * B, n)), B the
+// reduce-scatter's result (the all-gather's operand) count.
+constexpr int64_t kCollectiveAllReduce = 0;
+constexpr int64_t kCollectiveReduceScatter = 1;
+constexpr int64_t kCollectiveAllGather = 2;
 // Bits 24..31 of the op attribute carry the wire codec of a sum or mean
 // (engine/codec.h; 0: none), so that it is part of the attributes every
 // process compiles alike; bits 0..23 are the operation above.
@@ -198,6 +240,14 @@ ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, Decod
 // (see engine/local_rendezvous.h).
 ffi::Error ReduceCall(int64_t run_id, int32_t device, const InstructionState& instruction,
                       const CallAttrs& attrs, DecodedCall& call);
+
+// A reduce-scatter or all-gather of the local devices' arrivals (`all`, in
+// local position order) across the processes of `place`'s group
+// (scatter_gather.cc); the ReduceAll of those collectives.
+engine::Status ScatterGatherAll(engine::Communicator& comm, const CallAttrs& attrs,
+                                const CallPlace& place, int64_t run_id, uint32_t instance,
+                                const DecodedCall& call,
+                                const std::vector<engine::LocalArrival>& all);
 
 }  // namespace herring
 

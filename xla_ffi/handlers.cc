@@ -106,7 +106,8 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, engine::Codec 
     scratch[k] = engine::PooledBuffer(&comm.pool(), counts[k] * engine::ElementSize(dtypes[k]));
     if (!scratch[k].ok()) return engine::Status::Error("out of memory for the local sum");
     for (size_t d = 0; d < local; ++d) srcs[d] = arrivals[d].in[k];
-    engine::ReduceInto(dtypes[k], scratch[k].data(), srcs.data(), local, counts[k], 1.0);
+    engine::ReduceOpInto(op, dtypes[k], scratch[k].data(), nullptr, srcs.data(), local,
+                         counts[k], 1.0);
     r.in = scratch[k].data();
   }
   engine::Status status = comm.AllReduce(stream, group, requests);
@@ -146,13 +147,19 @@ ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, Decod
   const int64_t kind = OpKind(attrs.op);
   const int64_t codec = OpCodec(attrs.op);
   if (kind < kOpSum || kind >= kOpBroadcast + call->comm->size()) {
-    return ffi::Error::InvalidArgument(where + "op must be 0 (sum), 1 (mean) or 2 + a rank "
-                                       "(broadcast from it)");
+    return ffi::Error::InvalidArgument(where + "op must be 0 (sum), 1 (mean), 2 (max), 3 "
+                                       "(min) or 4 + a rank (broadcast from it)");
   }
   if (codec < 0 || codec > static_cast<int64_t>(engine::Codec::kInt8) ||
-      (codec != 0 && kind >= kOpBroadcast)) {
+      (codec != 0 && kind > kOpMean)) {
     return ffi::Error::InvalidArgument(where + "op's codec bits must name a codec (0 none, "
-                                       "1 bf16, 2 fp16, 3 int8), and a broadcast takes none");
+                                       "1 bf16, 2 fp16, 3 int8), for a sum or mean only");
+  }
+  if (attrs.collective < kCollectiveAllReduce || attrs.collective > kCollectiveAllGather ||
+      (attrs.collective != kCollectiveAllReduce && kind >= kOpBroadcast)) {
+    return ffi::Error::InvalidArgument(where + "collective must be 0 (all-reduce), 1 "
+                                       "(reduce-scatter) or 2 (all-gather), which broadcasts "
+                                       "never are");
   }
   for (size_t k = 0; k < args.size(); ++k) {
     auto in = args.get<ffi::AnyBuffer>(k);
@@ -182,12 +189,17 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
     auto out = rets.get<ffi::AnyBuffer>(k);
     if (in.has_error()) return in.error();
     if (out.has_error()) return out.error();
+    // A reduce-scatter's result is a block of its operand, an all-gather's
+    // the blocks of every device (checked against the group in
+    // scatter_gather.cc).
     if ((*out)->element_type() != in->element_type() ||
-        (*out)->element_count() != in->element_count()) {
+        (attrs.collective == kCollectiveAllReduce &&
+         (*out)->element_count() != in->element_count())) {
       return ffi::Error::InvalidArgument(call->where + "result " + std::to_string(k) +
                                          " does not match its operand");
     }
     call->arrival.out.push_back((*out)->untyped_data());
+    call->out_counts.push_back((*out)->element_count() * FromXla(in->element_type()).per_element);
   }
   return ffi::Error::Success();
 }
@@ -222,6 +234,9 @@ ffi::Error ReduceCall(int64_t run_id, int32_t device, const InstructionState& in
   const std::vector<int>& ranks = place.ranks;
 
   auto work = [&](const std::vector<engine::LocalArrival>& all) {
+    if (attrs.collective != kCollectiveAllReduce) {
+      return ScatterGatherAll(*call.comm, attrs, place, run_id, instruction.instance, call, all);
+    }
     return ReduceAll(*call.comm, static_cast<ReduceOp>(OpKind(attrs.op)),
                      static_cast<engine::Codec>(OpCodec(attrs.op)),
                      static_cast<uint64_t>(attrs.key), run_id, static_cast<uint32_t>(attrs.slot),
@@ -261,13 +276,7 @@ struct AsyncCall {
 // for the future. XLA keeps the operand and result buffers until then.
 ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* instruction,
                           ffi::RemainingArgs args, ffi::RemainingRets rets,
-                          int64_t comm_handle, int64_t op, int64_t key, int64_t slot,
-                          ffi::Span<const int64_t> device_procs,
-                          ffi::Span<const int64_t> device_locals,
-                          ffi::Span<const int64_t> device_groups,
-                          ffi::Span<const int64_t> group_streams,
-                          ffi::Span<const int64_t> group_ranks,
-                          ffi::Span<const int64_t> group_offsets) {
+                          HERRING_ATTR_PARAMS) {
   ffi::Promise promise;
   ffi::Future future(promise);
   ffi::Error error = NoThrow("herring allreduce", [&]() -> ffi::Error {
@@ -276,9 +285,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* i
     task->device = device;
     ReceiveInstructionState(instruction);
     task->instruction = *instruction;
-    task->attrs = OwnedAttrs(CallAttrs{comm_handle, op, key, slot, device_procs, device_locals,
-                                       device_groups, group_streams, group_ranks,
-                                       group_offsets});
+    task->attrs = OwnedAttrs(HERRING_ATTRS);
     ffi::Error decoded = DecodeCall(args, rets, task->attrs.View(), &task->call);
     if (decoded.failure()) return decoded;
     ffi::Error prepared = PrepareBroadcast(task->call, &task->attrs.op, &task->zeros);

@@ -45,6 +45,14 @@ class Plan:
     group_streams: list[int]  # each group's stream (wire id)
     group_ranks: list[int]    # processes of every group, concatenated
     group_offsets: list[int]  # where each group's processes start; one more at the end
+    # Each device's index in its group (lax's axis_index over the reduced axes,
+    # or its place in its axis_index_groups group): the block a reduce-scatter
+    # gives it and an all-gather takes from it. ANY_BLOCK: the process's place
+    # among the group's processes (one device per process).
+    device_blocks: list[int]
+
+
+ANY_BLOCK = -1
 
 
 def plan(ctx, axes, groups, one_per_process: bool, platform: str = "cpu") -> Plan:
@@ -95,7 +103,7 @@ def _across_processes(ctx, one_per_process: bool, platform: str) -> Plan:
     n = jax.process_count()
     everyone = ([0], list(range(n)), [0, n])
     if devices == [None]:
-        return Plan([EVERY_PROCESS], [ANY_DEVICE], [0], *everyone)
+        return Plan([EVERY_PROCESS], [ANY_DEVICE], [0], *everyone, [ANY_BLOCK])
     if devices is None:
         # (jax lowers a multi-device computation without its assignment.)
         if one_per_process:
@@ -107,13 +115,16 @@ def _across_processes(ctx, one_per_process: bool, platform: str) -> Plan:
         raise ValueError(_ONE_PER_PROCESS.format(me=me))
     if not mine:
         raise HerringError(f"process {me} has no device in this computation")
-    return Plan(procs, locals_, [0] * len(devices), *everyone)
+    # One device per process where blocks matter (one_per_process): its rank.
+    blocks = [ANY_BLOCK if p == EVERY_PROCESS else p for p in procs]
+    return Plan(procs, locals_, [0] * len(devices), *everyone, blocks)
 
 
 _ONE_PER_PROCESS = (
-    "herring_jax.broadcast runs on one device per process, but this computation spans "
-    "several devices of process {me}: call it outside jit, or in a jit whose inputs live "
-    "on one device")
+    "herring_jax's process-level broadcast, reduce_scatter and allgather run on one device "
+    "per process, but this computation spans several devices of process {me}: call it "
+    "outside jit, or in a jit whose inputs live on one device (inside jax.shard_map, use "
+    "psum_scatter / all_gather over a mesh axis)")
 
 
 def _across_axes(mesh, axes: tuple, groups, platform: str) -> Plan:
@@ -128,14 +139,18 @@ def _across_axes(mesh, axes: tuple, groups, platform: str) -> Plan:
     # axis_index_groups, split further by the index along the reduced axes (in
     # the order given, as lax numbers it).
     group_of = {}
+    block_of = {}
     members: dict[tuple, list] = {}
     for idx in np.ndindex(*mesh.devices.shape):
         base = tuple(idx[i] for i in others)
+        index = int(np.ravel_multi_index([idx[i] for i in reduced], sizes))
         if groups is None:
             key = base
+            block_of[idx] = index
         else:
-            index = int(np.ravel_multi_index([idx[i] for i in reduced], sizes))
-            key = base + (_index_group(groups, index, int(np.prod(sizes))),)
+            g = _index_group(groups, index, int(np.prod(sizes)))
+            key = base + (g,)
+            block_of[idx] = list(groups[g]).index(index)
         members.setdefault(key, []).append(mesh.devices[idx])
         group_of[idx] = key
     keys = sorted(members)
@@ -150,7 +165,8 @@ def _across_axes(mesh, axes: tuple, groups, platform: str) -> Plan:
         offsets.append(len(ranks))
     return Plan(device_procs, device_locals,
                 [number_of[group_of[idx]] for idx in np.ndindex(*mesh.devices.shape)],
-                streams, ranks, offsets)
+                streams, ranks, offsets,
+                [block_of[idx] for idx in np.ndindex(*mesh.devices.shape)])
 
 
 def _index_group(groups, index: int, size: int) -> int:

@@ -33,12 +33,14 @@ from herring_jax._src import jax_compat
 from herring_jax._src import layout
 from herring_jax._src import runtime
 
-OPS = {"sum": 0, "mean": 1}
+OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3}
 # Wire codecs (engine/codec.h), in bits 24..31 of the op attribute
 # (handler_common.h): how float32 data crosses between processes.
 CODECS = {"none": 0, "bf16": 1, "fp16": 2, "int8": 3}
 _OP_CODEC_SHIFT = 24
-_OP_BROADCAST = 2  # the op attribute of a broadcast from rank r is 2 + r (handler_common.h)
+_OP_BROADCAST = 4  # the op attribute of a broadcast from rank r is 4 + r (handler_common.h)
+# The collective attribute (handler_common.h): what each device gets back.
+COLLECTIVES = {"allreduce": 0, "reduce_scatter": 1, "all_gather": 2}
 
 # What a start returns for its done. Its bytes are never read (XLA:CUDA: the
 # done uses only its address; XLA:CPU: it is a constant nobody uses); it is
@@ -46,9 +48,11 @@ _OP_BROADCAST = 2  # the op attribute of a broadcast from rank r is 2 + r (handl
 TOKEN = jax.core.ShapedArray((8,), np.uint8)
 
 
-def key(op: str, avals, codec: str = "none") -> int:
+def key(op: str, avals, codec: str = "none", collective: str = "allreduce") -> int:
     """A stable 63-bit description of the call, compared across processes."""
     what = op if codec == "none" else f"{op}@{codec}"
+    if collective != "allreduce":
+        what = f"{collective}:{what}"
     text = what + ";" + ";".join(f"{np.dtype(a.dtype).name}{tuple(a.shape)}" for a in avals)
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return struct.unpack("<q", digest)[0] & 0x3FFFFFFFFFFFFFFF
@@ -83,12 +87,14 @@ def zeros_for_empty(avals_out, kept) -> list:
             for i, a in enumerate(avals_out)]
 
 
-def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec) -> dict:
+def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec,
+                collective="allreduce") -> dict:
     """The attributes every reducing call takes (handler_common.h's CallAttrs)."""
     state = runtime.state()
-    plan = layout.plan(ctx, axes, groups, root is not None, platform)
+    plan = layout.plan(ctx, axes, groups, root is not None or collective != "allreduce",
+                       platform)
     i64 = functools.partial(np.asarray, dtype=np.int64)
-    call_key, slot = key(op, avals_in, codec), next_slot(ctx)
+    call_key, slot = key(op, avals_in, codec, collective), next_slot(ctx)
     # For stall reports and errors only: the process's own table, never an
     # attribute (attributes must be the same on every process, see layout.py).
     site = jax_compat.user_call_site(ctx)
@@ -105,7 +111,9 @@ def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec) -> di
         device_groups=i64(plan.device_groups),
         group_streams=i64(plan.group_streams),
         group_ranks=i64(plan.group_ranks),
-        group_offsets=i64(plan.group_offsets))
+        group_offsets=i64(plan.group_offsets),
+        collective=np.int64(COLLECTIVES[collective]),
+        device_blocks=i64(plan.device_blocks))
 
 
 def _call(name, ctx, operands, avals_in, avals_out, attrs, aliases=None):

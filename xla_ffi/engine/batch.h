@@ -94,7 +94,11 @@ struct Job {
   int n = 0;   // processes in the group
   int me = 0;  // this process's index in the group (= the part it serves)
   size_t elem = 0;
-  size_t part_elems = 0;
+  std::vector<size_t> part_begin;  // [part] first element; n + 1 entries, the last count
+  // Where `req.in` and `req.out` start in the buffer: a reduce-scatter's out
+  // and an all-gather's in hold only this process's part.
+  size_t in_base = 0;
+  size_t out_base = 0;
   size_t chunk_elems = 0;
   size_t max_chunks = 0;
   // Bytes between chunks in the buffers that hold data as it travels (the
@@ -126,10 +130,16 @@ struct Job {
   std::unique_ptr<std::atomic<int>[]> contribs_from;  // [peer] chunks received
   std::unique_ptr<std::atomic<int>[]> results_from;   // [part] chunks received
 
-  size_t PartBegin(int i) const { return std::min(req.count, i * part_elems); }
-  size_t PartLen(int i) const {
-    return std::min(req.count, (i + 1) * part_elems) - PartBegin(i);
-  }
+  size_t PartBegin(int i) const { return part_begin[i]; }
+  size_t PartLen(int i) const { return part_begin[i + 1] - part_begin[i]; }
+  // Contributions travel to the servers (not in an all-gather), results back
+  // from them (not in a reduce-scatter).
+  bool Contributes() const { return req.collective != Collective::kAllGather; }
+  bool Returns() const { return req.collective != Collective::kReduceScatter; }
+  // Chunks expected from each other process: contributions to this process's
+  // part, results of part p.
+  int ContributionsFrom() const { return Contributes() ? static_cast<int>(Chunks(me)) : 0; }
+  int ResultsFrom(int p) const { return Returns() ? static_cast<int>(Chunks(p)) : 0; }
   size_t Chunks(int i) const { return (PartLen(i) + chunk_elems - 1) / chunk_elems; }
   size_t ChunkBegin(int i, size_t c) const { return PartBegin(i) + c * chunk_elems; }
   size_t ChunkLen(int i, size_t c) const {
@@ -149,17 +159,27 @@ struct Job {
     return wire_out.data() + (i * max_chunks + c) * wire_stride;
   }
   char* OutAt(size_t elem_index) const {
-    return static_cast<char*>(req.out) + elem_index * elem;
+    return static_cast<char*>(req.out) + (elem_index - out_base) * elem;
   }
   const char* InAt(size_t elem_index) const {
-    return static_cast<const char*>(req.in) + elem_index * elem;
+    return static_cast<const char*>(req.in) + (elem_index - in_base) * elem;
   }
   std::string Describe() const {
-    return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " +
-           ReduceOpName(req.op) + (Encoded() ? std::string(" over ") + CodecName(req.codec) : "") +
+    const std::string what = req.collective == Collective::kAllGather ? "all-gather"
+                             : req.collective == Collective::kReduceScatter
+                                 ? std::string(ReduceOpName(req.op)) + " reduce-scatter"
+                                 : std::string(ReduceOpName(req.op));
+    return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " + what +
+           (Encoded() ? std::string(" over ") + CodecName(req.codec) : "") +
            " (key " + std::to_string(req.key) + "; " +
            DescribeIdentity(id) + ")";
   }
+};
+
+// Elements [begin, begin + len) of a buffer.
+struct Range {
+  size_t begin = 0;
+  size_t len = 0;
 };
 
 // The host stage of one call (host_stage.cc): the messages exchanged with the
@@ -184,6 +204,11 @@ struct HostWait {
   WireHeader out_headers[kSteps];                   // sent to every peer
   std::vector<HostEntry> out_entries[kSteps];
   std::vector<PooledBuffer> staging;  // [buffer] this process's slice of the result
+  // [buffer][local index] the ranges of the buffer that process's slice
+  // holds, in the order of its staging: one for an all-reduce; for a
+  // reduce-scatter or all-gather the parts of the processes with that local
+  // index, hosts in order (the parts the stage across hosts exchanges).
+  std::vector<std::vector<std::vector<Range>>> slices;
   // Through the host boards instead of messages (GroupPlan::board): this
   // call's key and posting on this process's board, the peers' board
   // indices, and per peer the posting (and its version) whose slices this

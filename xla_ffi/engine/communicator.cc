@@ -236,27 +236,23 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
       std::adjacent_find(group.begin(), group.end()) != group.end()) {
     return Status::Error("invalid process group for rank " + std::to_string(config_.rank));
   }
+  const int n = static_cast<int>(group.size());
   for (const ReduceRequest& r : requests) {
-    if (ElementSize(r.dtype) == 0) return Status::Error("unsupported dtype");
-    if (r.codec != Codec::kNone &&
-        (r.dtype != DType::kFloat32 || (r.op != ReduceOp::kSum && r.op != ReduceOp::kMean))) {
-      return Status::Error(std::string("codec ") + CodecName(r.codec) + " compresses float32 "
-                           "sums and means only; this reduction is a " + ReduceOpName(r.op) +
-                           " of " + DTypeName(r.dtype) + " (use codec none for it)");
-    }
+    const std::string invalid = CheckRequest(r, n);
+    if (!invalid.empty()) return Status::Error(invalid);
     bytes_reduced_ += r.count * ElementSize(r.dtype);
   }
   reductions_ += requests.size();
 
-  const int n = static_cast<int>(group.size());
   // Only groups that reach the wire need a stream id that fits in the tag; a
   // group of this process alone (any number of them) never does.
   if (n > 1 && stream >= kControlStream) return Status::Error("stream id out of range");
   if (n == 1) {
+    // This process's part is the whole buffer.
     for (ReduceRequest& r : requests) {
       const void* src = r.in;
       double divisor = r.op == ReduceOp::kMean ? r.contributors : 1.0;
-      ReduceInto(r.dtype, r.out, &src, 1, r.count, divisor);
+      ReduceOpInto(r.op, r.dtype, r.out, nullptr, &src, 1, r.count, divisor);
     }
     return Status::Ok();
   }
@@ -265,6 +261,35 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   const GroupPlan& plan = PlanFor(group);
   if (plan.hierarchical) return ReduceInHosts(stream, plan, requests, ids);
   return ReduceFlat(stream, group, requests, ids);
+}
+
+std::string CheckRequest(const ReduceRequest& r, int n) {
+  if (ElementSize(r.dtype) == 0) return "unsupported dtype";
+  if (static_cast<uint8_t>(r.op) > static_cast<uint8_t>(ReduceOp::kMin)) return "unknown op";
+  if (r.codec != Codec::kNone &&
+      (r.dtype != DType::kFloat32 || (r.op != ReduceOp::kSum && r.op != ReduceOp::kMean))) {
+    return std::string("codec ") + CodecName(r.codec) + " compresses float32 sums and means " +
+           "only; this reduction is a " + ReduceOpName(r.op) + " of " + DTypeName(r.dtype) +
+           " (use codec none for it)";
+  }
+  if (r.collective == Collective::kAllReduce) {
+    return r.parts.empty() ? "" : "an all-reduce cuts its own parts";
+  }
+  if (r.collective != Collective::kReduceScatter && r.collective != Collective::kAllGather) {
+    return "unknown collective";
+  }
+  if (static_cast<int>(r.parts.size()) != n + 1 || r.parts.front() != 0 ||
+      r.parts.back() != r.count || !std::is_sorted(r.parts.begin(), r.parts.end())) {
+    return std::string("a ") + CollectiveName(r.collective) + " needs one part per process, " +
+           "in order, covering the buffer";
+  }
+  for (size_t begin : r.parts) {
+    if (r.codec != Codec::kNone && begin != r.count && begin % kCodecBlock != 0) {
+      return std::string("codec ") + CodecName(r.codec) + " needs parts that begin at " +
+             "multiples of " + std::to_string(kCodecBlock) + " elements";
+    }
+  }
+  return "";
 }
 
 std::vector<Identity> Communicator::TakeIdentities(uint32_t stream,
@@ -318,20 +343,36 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     // the buffer, so parts and chunks are cut there.
     const size_t align =
         j.Encoded() ? kCodecBlock : std::max<size_t>(1, 64 / j.elem);
-    j.part_elems = ((j.req.count + n - 1) / n + align - 1) / align * align;
+    const size_t count = j.req.count;
+    if (j.req.collective == Collective::kAllReduce) {
+      const size_t part_elems = ((count + n - 1) / n + align - 1) / align * align;
+      for (int i = 0; i <= n; ++i) j.part_begin.push_back(std::min(count, i * part_elems));
+    } else {
+      j.part_begin = j.req.parts;
+    }
+    if (j.req.collective == Collective::kAllGather) j.in_base = j.PartBegin(me);
+    if (j.req.collective == Collective::kReduceScatter) j.out_base = j.PartBegin(me);
+    size_t largest = 0;
+    for (int i = 0; i < n; ++i) largest = std::max(largest, j.PartLen(i));
     j.chunk_elems = std::max<size_t>(1, config_.chunk_bytes / j.elem);
-    j.chunk_elems = std::max(j.chunk_elems, (j.part_elems + kMaxChunksPerPart - 1) /
+    j.chunk_elems = std::max(j.chunk_elems, (largest + kMaxChunksPerPart - 1) /
                                                 kMaxChunksPerPart);
     if (j.Encoded()) j.chunk_elems = (j.chunk_elems + align - 1) / align * align;
     j.wire_stride = j.Encoded() ? EncodedBytes(j.req.codec, j.chunk_elems)
                                 : j.chunk_elems * j.elem;
-    j.max_chunks = j.part_elems == 0 ? 0 : (j.part_elems + j.chunk_elems - 1) / j.chunk_elems;
+    j.max_chunks = largest == 0 ? 0 : (largest + j.chunk_elems - 1) / j.chunk_elems;
     const size_t mine = j.Chunks(j.me);
-    // Server: n-1 receives, one sum and n-1 result sends per chunk.
-    batch->remaining += mine * (2 * (n - 1) + 1);
-    // Worker: one send and one result receive per chunk of every other part.
+    const size_t in = j.Contributes() ? n - 1 : 0;
+    const size_t out = j.Returns() ? n - 1 : 0;
+    // Server: per chunk, n-1 receives (none in an all-gather), one sum (in an
+    // all-gather, its own part taken as the result) and n-1 result sends
+    // (none in a reduce-scatter).
+    batch->remaining += mine * (in + 1 + out);
+    // Worker: per chunk of every other part, a send and a result receive
+    // (only the send in a reduce-scatter, only the receive in an all-gather).
     for (int i = 0; i < n; ++i) {
-      if (i != j.me) batch->remaining += 2 * j.Chunks(i);
+      if (i != j.me) batch->remaining += (in > 0 ? 1 : 0) * j.Chunks(i) +
+                                         (out > 0 ? 1 : 0) * j.Chunks(i);
     }
   }
   if (batch->remaining == 0) return Status::Ok();  // only empty parts

@@ -66,10 +66,18 @@ struct CommConfig {
 
 // One buffer to reduce. `in` holds this process's contribution (already summed
 // over its local devices), `out` receives the result; they may be equal.
+// A reduce-scatter's `out` holds only this process's part, an all-gather's
+// `in` only its own part (parts: see below).
 struct ReduceRequest {
   DType dtype = DType::kInvalid;
   ReduceOp op = ReduceOp::kSum;
-  size_t count = 0;          // elements
+  Collective collective = Collective::kAllReduce;
+  size_t count = 0;          // elements of the whole buffer
+  // Reduce-scatter and all-gather: where each process's part begins, in the
+  // group's order (group[i] owns [parts[i], parts[i + 1]); parts.back() ==
+  // count). With a codec every part begins at a multiple of kCodecBlock.
+  // An all-reduce cuts its own balanced parts and leaves this empty.
+  std::vector<size_t> parts;
   uint64_t key = 0;          // what is reduced (shape, dtype, op): checked on the wire
   // Which reduction this is (see Identity in wire.h), the same on every
   // process whatever order calls start in; the engine adds the occurrence.
@@ -102,6 +110,9 @@ struct CommStats {
 
 struct Job;
 struct Batch;
+
+// Why `r` cannot be reduced in a group of `n` processes ("" if it can).
+std::string CheckRequest(const ReduceRequest& r, int n);
 
 class Communicator {
  public:

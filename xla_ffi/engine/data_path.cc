@@ -1,7 +1,9 @@
 // The data path: a job's contributions go to every part's server, the server
-// sums its part in rank order and sends the result back. Runs on the caller's
-// thread (StartJob), the transport's progress thread (On* callbacks) and the
-// server threads (ReduceChunk, re-posts).
+// sums its part in rank order and sends the result back. A reduce-scatter is
+// the first half (the server keeps its sum), an all-gather the second (the
+// server's "sum" is its own part). Runs on the caller's thread (StartJob), the
+// transport's progress thread (On* callbacks) and the server threads
+// (ReduceChunk, re-posts).
 #include "engine/communicator.h"
 
 #include <algorithm>
@@ -71,12 +73,13 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   job->results_from.reset(new std::atomic<int>[n]());
   job->staging.resize(n);
 
-  job->results_staged = !job->Encoded() && job->req.in == job->req.out;
+  job->results_staged = !job->Encoded() && job->req.in == job->req.out &&
+                        job->req.collective == Collective::kAllReduce;
   if (job->ResultsApart()) {
     job->wire_out = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
     if (!job->wire_out.ok()) return Status::Error("out of memory for received results");
   }
-  if (job->Encoded()) {
+  if (job->Encoded() && job->Contributes()) {
     job->wire_in = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
     if (!job->wire_in.ok()) return Status::Error("out of memory for encoded buffers");
     // This process's contribution to its own part, encoded before any
@@ -88,7 +91,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
     }
   }
   // Receives before sends, so that peers' messages find posted buffers.
-  if (chunks_me > 0) {
+  if (chunks_me > 0 && job->Contributes()) {
     for (int p = 0; p < n; ++p) {
       if (p == me) continue;
       job->staging[p] = PooledBuffer(&pool_, chunks_me * job->wire_stride);
@@ -96,9 +99,17 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       for (size_t c = 0; c < chunks_me; ++c) PostContributionRecv(job, p, c);
     }
   }
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < n && job->Returns(); ++i) {
     if (i == me) continue;
     for (size_t c = 0; c < job->Chunks(i); ++c) PostResultRecv(job, i, c);
+  }
+  if (!job->Contributes()) {
+    // An all-gather: this process serves its own part at once.
+    for (size_t c = 0; c < chunks_me; ++c) {
+      batch->AddTask();
+      Enqueue([this, job, c] { ReduceChunk(job, c); });
+    }
+    return Status::Ok();
   }
   if (config_.test_early_strangers) {
     // Strangers that reach the peers' result receives before the peers have
@@ -218,7 +229,8 @@ Expectation Communicator::Expect(const Job& job, MsgKind kind, int from_rank, in
   want.dtype = job.req.dtype;
   want.op = job.req.op;
   want.codec = job.req.codec;
-  want.payload_bytes = job.WireBytes(part, chunk);
+  // A host-stage job has no parts (its caller sets what the message carries).
+  want.payload_bytes = IsHostKind(kind) ? 0 : job.WireBytes(part, chunk);
   want.total_elems = job.req.count;
   return want;
 }
@@ -252,26 +264,38 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   Batch* batch = job->batch;
   const int n = job->n;
   const int me = job->me;
+  const size_t sends = job->Returns() ? n - 1 : 0;
   if (batch->Failed()) {
-    batch->CompleteTask(1 + (n - 1));
+    batch->CompleteTask(1 + sends);
     return;
   }
   const size_t begin = job->ChunkBegin(me, c);
   const size_t count = job->ChunkLen(me, c);
   // Rank order, whichever contribution arrived first: the sum is the same
-  // bits on every run.
+  // bits on every run. An all-gather's only source is this process's part.
+  const int sources = job->Contributes() ? n : 1;
   std::vector<const void*> srcs(n);
   uint32_t contributors = 0;
-  for (int p = 0; p < n; ++p) {
-    srcs[p] = p == me ? static_cast<const void*>(job->InAt(begin))
-                      : job->staging[p].data() + c * job->wire_stride;
+  for (int p = 0; p < sources; ++p) {
+    srcs[p] = p == me || !job->Contributes()
+                  ? static_cast<const void*>(job->InAt(begin))
+                  : job->staging[p].data() + c * job->wire_stride;
     contributors += job->contributors[p].load(std::memory_order_relaxed);
   }
+  if (!job->Contributes()) contributors = job->req.contributors;
   const double divisor = job->req.op == ReduceOp::kMean ? contributors : 1.0;
   char* dst = job->OutAt(begin);
   const char* payload = dst;
   size_t payload_bytes = count * job->elem;
-  if (job->Encoded()) {
+  if (job->Encoded() && !job->Contributes()) {
+    // This process's part as it travels, and as decoded here too, so every
+    // process holds the same bits.
+    Encode(job->req.codec, reinterpret_cast<const float*>(job->InAt(begin)), count,
+           job->WireOut(me, c));
+    Decode(job->req.codec, job->WireOut(me, c), count, reinterpret_cast<float*>(dst));
+    payload = job->WireOut(me, c);
+    payload_bytes = job->WireBytes(me, c);
+  } else if (job->Encoded()) {
     // Every contribution as decoded (this process's own from its encoding),
     // summed in float32 in rank order; the result encoded for the way back,
     // and kept as decoded here too, so every process holds the same bits.
@@ -284,15 +308,16 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
     payload = job->WireOut(me, c);
     payload_bytes = job->WireBytes(me, c);
   } else {
-    ReduceInto(job->req.dtype, dst, srcs.data(), n, count, divisor);
+    ReduceOpInto(job->req.op, job->req.dtype, dst, nullptr, srcs.data(), sources, count,
+                 divisor);
   }
 
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
   WireHeader& h = job->out_hdrs[c];
   h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, payload_bytes,
                  contributors);
-  size_t unposted = n - 1;
-  for (int p = 0; p < n; ++p) {
+  size_t unposted = sends;
+  for (int p = 0; p < n && sends > 0; ++p) {
     if (p == me) continue;
     transport::IoVec iov[2] = {{&h, sizeof(h)}, {const_cast<char*>(payload), payload_bytes}};
     const uint64_t tag = MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c);

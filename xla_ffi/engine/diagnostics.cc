@@ -82,8 +82,8 @@ std::set<int> Communicator::MissingRanks(const Batch& batch) {
   for (const auto& job : batch.jobs) {
     for (int p = 0; p < job->n; ++p) {
       if (p == job->me) continue;
-      if (job->contribs_from[p].load() < static_cast<int>(job->Chunks(job->me)) ||
-          job->results_from[p].load() < static_cast<int>(job->Chunks(p))) {
+      if (job->contribs_from[p].load() < job->ContributionsFrom() ||
+          job->results_from[p].load() < job->ResultsFrom(p)) {
         missing.insert(batch.group[p]);
       }
     }
@@ -119,8 +119,8 @@ std::string Communicator::MissingReport(const Batch& batch) const {
       const int rank = batch.group[p];
       const int contribs = job->contribs_from[p].load();
       const int results = job->results_from[p].load();
-      const int want_contribs = static_cast<int>(job->Chunks(job->me));
-      const int want_results = static_cast<int>(job->Chunks(p));
+      const int want_contribs = job->ContributionsFrom();
+      const int want_results = job->ResultsFrom(p);
       if (contribs < want_contribs || results < want_results) {
         missing.insert(rank);
         if (what.empty() || incomplete) {

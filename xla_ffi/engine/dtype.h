@@ -30,6 +30,15 @@ enum class DType : uint8_t {
 enum class ReduceOp : uint8_t {
   kSum = 0,
   kMean = 1,
+  kMax = 2,  // NaN wins, as in XLA's maximum
+  kMin = 3,
+};
+
+// What a reduction gives each process (ReduceRequest).
+enum class Collective : uint8_t {
+  kAllReduce = 0,      // the whole reduced buffer
+  kReduceScatter = 1,  // its own part of it
+  kAllGather = 2,      // every process's part (each contributes its own; op unused)
 };
 
 inline size_t ElementSize(DType t) {
@@ -69,11 +78,26 @@ inline const char* DTypeName(DType t) {
 }
 
 inline const char* ReduceOpName(ReduceOp op) {
-  return op == ReduceOp::kSum ? "sum" : op == ReduceOp::kMean ? "mean" : "invalid";
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMean: return "mean";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+    default: return "invalid";
+  }
+}
+
+inline const char* CollectiveName(Collective c) {
+  switch (c) {
+    case Collective::kAllReduce: return "all-reduce";
+    case Collective::kReduceScatter: return "reduce-scatter";
+    case Collective::kAllGather: return "all-gather";
+    default: return "invalid";
+  }
 }
 
 inline bool IsValidDType(uint8_t v) { return v >= 1 && v <= 12; }
-inline bool IsValidOp(uint8_t v) { return v <= 1; }
+inline bool IsValidOp(uint8_t v) { return v <= 3; }
 
 }  // namespace herring::engine
 

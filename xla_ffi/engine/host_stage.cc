@@ -20,6 +20,11 @@
 //      tells each owner when it is done (kHostDone). A call returns once it
 //      has gathered; its staging buffers stay with its batch, which lingers
 //      until every other process has said it read them (Linger).
+// A reduce-scatter takes steps 1-3 and 5 without reading slices (each
+// process's result is its own part, from step 3, or step 2 with one host); an
+// all-gather steps 3-5 (no sum inside the host). Their slices are lists of
+// ranges: process j's are the parts of the processes with local index j, one
+// per host, so that step 3 exchanges exactly the parts that cross hosts.
 // The bytes go through memory. The steps (arrive, ready, done) go through
 // the host boards (host_board.h: each process publishes its entries on its own
 // shared-memory board, and the others wait for them with futex, matched by the
@@ -99,6 +104,48 @@ size_t SliceLen(const ReduceRequest& r, int p, int i) {
   return std::min(r.count, (i + 1) * SliceElems(r, p)) - SliceBegin(r, p, i);
 }
 
+// The ranges local process q's slice holds (HostWait::slices).
+std::vector<Range> SliceOf(const ReduceRequest& r, const GroupPlan& plan, int q) {
+  const int p = static_cast<int>(plan.local.size());
+  if (r.collective == Collective::kAllReduce) return {{SliceBegin(r, p, q), SliceLen(r, p, q)}};
+  std::vector<Range> ranges;
+  for (const std::vector<int>& host : plan.members) {
+    const size_t i = std::lower_bound(plan.group.begin(), plan.group.end(), host[q]) -
+                     plan.group.begin();
+    ranges.push_back({r.parts[i], r.parts[i + 1] - r.parts[i]});
+  }
+  return ranges;
+}
+
+size_t Total(const std::vector<Range>& ranges) {
+  size_t total = 0;
+  for (const Range& range : ranges) total += range.len;
+  return total;
+}
+
+// The parts of the stage across hosts for a slice: each range in turn.
+std::vector<size_t> CrossParts(const std::vector<Range>& ranges) {
+  std::vector<size_t> parts{0};
+  for (const Range& range : ranges) parts.push_back(parts.back() + range.len);
+  return parts;
+}
+
+// Whether the stage across hosts can keep a codec's blocks where they are in
+// the buffer: a range that is not whole blocks must be followed by empty ones
+// only. (Parts cut by herring_jax are whole blocks but for the last non-empty
+// one; only hosts whose ranks interleave can put that one before another.)
+bool CodecAligned(const ReduceRequest& r, const GroupPlan& plan) {
+  if (r.codec == Codec::kNone || r.collective == Collective::kAllReduce) return true;
+  for (size_t q = 0; q < plan.local.size(); ++q) {
+    bool ragged = false;
+    for (const Range& range : SliceOf(r, plan, static_cast<int>(q))) {
+      if (ragged && range.len > 0) return false;
+      ragged = ragged || range.len % kCodecBlock != 0;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceRequest>& requests) {
@@ -106,16 +153,22 @@ Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceReq
   const std::vector<HostEntry>& ready = w.in_entries[1 * w.size() + q];
   for (size_t k = 0; k < requests.size(); ++k) {
     const ReduceRequest& r = requests[k];
+    // A reduce-scatter's result is its own part: nothing to read, only the
+    // acknowledgement below (its owner's posting is released by it).
+    if (r.collective == Collective::kReduceScatter) continue;
     const size_t elem = ElementSize(r.dtype);
-    const size_t len = SliceLen(r, w.size(), q) * elem;
-    if (len == 0) continue;
-    Status s = ReadProcessMemory(w.pids[q], ready[k].addr,
-                                 static_cast<char*>(r.out) + SliceBegin(r, w.size(), q) * elem,
-                                 len);
-    if (!s.ok()) {
-      return HostReadFailed(batch, q, "slice of " + batch->jobs[k]->Describe(), s);
+    uint64_t from = ready[k].addr;
+    for (const Range& range : w.slices[k][q]) {
+      const size_t len = range.len * elem;
+      if (len == 0) continue;
+      Status s = ReadProcessMemory(w.pids[q], from,
+                                   static_cast<char*>(r.out) + range.begin * elem, len);
+      if (!s.ok()) {
+        return HostReadFailed(batch, q, "slice of " + batch->jobs[k]->Describe(), s);
+      }
+      host_bytes_read_ += len;
+      from += len;
     }
-    host_bytes_read_ += len;
   }
   if (w.board) {
     board_->Ack(w.board_index[q], w.ready_posting[q], w.ready_version[q]);
@@ -149,6 +202,10 @@ Status Communicator::HostReadFailed(Batch* batch, int q, const std::string& what
 Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
                                    const std::vector<ReduceRequest>& requests,
                                    const std::vector<Identity>& ids) {
+  for (const ReduceRequest& r : requests) {
+    // The same verdict on every process (it depends on parts and topology).
+    if (!CodecAligned(r, plan)) return ReduceFlat(stream, plan.group, requests, ids);
+  }
   host_calls_ += 1;
   const int p = static_cast<int>(plan.local.size());
   const int me = plan.local_index;
@@ -179,9 +236,17 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     w.in_entries[0 * p + q].resize(num);
     w.in_entries[1 * p + q].resize(num);
   }
+  w.slices.resize(num);
+  for (size_t k = 0; k < num; ++k) {
+    for (int q = 0; q < p; ++q) w.slices[k].push_back(SliceOf(requests[k], plan, q));
+  }
   for (size_t k = 0; k < num; ++k) {
     const ReduceRequest& r = requests[k];
-    w.staging.emplace_back(&pool_, std::max<size_t>(1, SliceLen(r, p, me) * ElementSize(r.dtype)));
+    // A reduce-scatter on one host sums straight into its output (its part).
+    const bool staged =
+        r.collective != Collective::kReduceScatter || plan.hosts > 1;
+    w.staging.emplace_back(
+        &pool_, std::max<size_t>(1, staged ? Total(w.slices[k][me]) * ElementSize(r.dtype) : 1));
     if (!w.staging.back().ok()) return Status::Error("out of memory for the host stage");
     HostEntry e{};
     e.addr = reinterpret_cast<uint64_t>(r.in);
@@ -254,7 +319,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     }
   };
 
-  // 2. reduce-scatter.
+  // 2. reduce-scatter (not for an all-gather: nothing to sum inside the host).
   wait(0);
   std::vector<uint32_t> contributors(num, 0);
   if (ok) {
@@ -269,58 +334,79 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     std::vector<const void*> srcs(p);
     for (size_t k = 0; ok && k < num; ++k) {
       const ReduceRequest& r = requests[k];
+      if (r.collective == Collective::kAllGather) continue;
       const size_t elem = ElementSize(r.dtype);
       const size_t piece = std::max<size_t>(1, kPieceBytes / elem);
-      const size_t begin = SliceBegin(r, p, me);
-      const size_t len = SliceLen(r, p, me);
       const double divisor =
           r.op == ReduceOp::kMean && w.hosts == 1 ? static_cast<double>(contributors[k]) : 1.0;
-      for (size_t off = 0; ok && off < len; off += piece) {
-        const size_t n = std::min(piece, len - off);
-        const size_t at = (begin + off) * elem;
-        for (int q = 0, slot = 0; ok && q < p; ++q) {
-          if (q == me) {
-            srcs[q] = static_cast<const char*>(r.in) + at;
-            continue;
+      size_t staged = 0;  // elements of the slice summed so far
+      for (const Range& range : w.slices[k][me]) {
+        for (size_t off = 0; ok && off < range.len; off += piece) {
+          const size_t n = std::min(piece, range.len - off);
+          const size_t at = (range.begin + off) * elem;
+          for (int q = 0, slot = 0; ok && q < p; ++q) {
+            if (q == me) {
+              srcs[q] = static_cast<const char*>(r.in) + at;
+              continue;
+            }
+            // The arrive entries of process q (step 0).
+            const uint64_t from = w.in_entries[0 * p + q][k].addr + at;
+            char* into = pieces.data() + (slot++) * kPieceBytes;
+            Status s = ReadProcessMemory(w.pids[q], from, into, n * elem);
+            if (!s.ok()) {
+              fail(HostReadFailed(batch.get(), q, "input of " + batch->jobs[k]->Describe(), s),
+                   true);
+              break;
+            }
+            host_bytes_read_ += n * elem;
+            srcs[q] = into;
           }
-          // The arrive entries of process q (step 0).
-          const uint64_t from = w.in_entries[0 * p + q][k].addr + at;
-          char* into = pieces.data() + (slot++) * kPieceBytes;
-          Status s = ReadProcessMemory(w.pids[q], from, into, n * elem);
-          if (!s.ok()) {
-            fail(HostReadFailed(batch.get(), q, "input of " + batch->jobs[k]->Describe(), s),
-                 true);
-            break;
+          if (!ok) break;
+          char* slice = w.staging[k].data() + (staged + off) * elem;
+          if (w.hosts > 1) {
+            ReduceOpInto(r.op, r.dtype, slice, nullptr, srcs.data(), p, n, divisor);
+          } else if (r.collective == Collective::kReduceScatter) {
+            // One host: the slice is this process's part, final: its output.
+            ReduceOpInto(r.op, r.dtype, static_cast<char*>(r.out) + (staged + off) * elem,
+                         nullptr, srcs.data(), p, n, divisor);
+          } else {
+            // One host: the slice is final, into the output at once too.
+            ReduceOpInto(r.op, r.dtype, slice, static_cast<char*>(r.out) + at, srcs.data(), p,
+                         n, divisor);
           }
-          host_bytes_read_ += n * elem;
-          srcs[q] = into;
         }
-        // With one host the slice is final: into the output at once too.
-        char* out = w.hosts == 1 ? static_cast<char*>(r.out) + (begin + off) * elem : nullptr;
-        if (ok) {
-          ReduceIntoTwo(r.dtype, w.staging[k].data() + off * elem, out, srcs.data(), p, n,
-                        divisor);
-        }
+        staged += range.len;
       }
     }
   }
 
-  // 3. across hosts: this process's slice with the same slice of every host.
+  // 3. across hosts: this process's slice with the same slice of every host
+  // (a reduce-scatter's result lands in its output; an all-gather's parts
+  // of every host with this local index land in its staging).
   if (ok && w.hosts > 1) {
     std::vector<ReduceRequest> slices(requests);
     for (size_t k = 0; k < num; ++k) {
-      slices[k].count = SliceLen(requests[k], p, me);
-      slices[k].in = w.staging[k].data();
-      slices[k].out = w.staging[k].data();
-      slices[k].contributors = contributors[k];
+      ReduceRequest& slice = slices[k];
+      slice.count = Total(w.slices[k][me]);
+      slice.contributors = contributors[k];
+      slice.in = w.staging[k].data();
+      slice.out = w.staging[k].data();
+      if (slice.collective != Collective::kAllReduce) slice.parts = CrossParts(w.slices[k][me]);
+      if (slice.collective == Collective::kReduceScatter) slice.out = requests[k].out;
+      if (slice.collective == Collective::kAllGather) slice.in = requests[k].in;
     }
     // Its failure has been told to every rank already.
     fail(ReduceFlat(stream, plan.cross, slices, ids), /*tell_peers=*/false);
   }
 
-  // 4. ready, and this process's own slice into its output.
+  // 4. ready, and this process's own slice into its output (an all-gather's
+  // on one host: its input, staged for the others to read).
   if (ok) {
     for (size_t k = 0; k < num; ++k) {
+      const ReduceRequest& r = requests[k];
+      if (r.collective == Collective::kAllGather && w.hosts == 1) {
+        std::memcpy(w.staging[k].data(), r.in, Total(w.slices[k][me]) * ElementSize(r.dtype));
+      }
       HostEntry e = w.out_entries[0][k];
       e.addr = reinterpret_cast<uint64_t>(w.staging[k].data());
       e.contributors = contributors[k];
@@ -329,11 +415,19 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     w.out_headers[1] = MakeHeader(first, MsgKind::kHostReady, config_.token, my_rank, me, 0,
                                   num * sizeof(HostEntry), 1);
     PublishHost(batch.get(), 1);
-    for (size_t k = 0; w.hosts > 1 && k < num; ++k) {
+    for (size_t k = 0; k < num; ++k) {
       const ReduceRequest& r = requests[k];
+      const bool copy = r.collective == Collective::kAllGather ||
+                        (r.collective == Collective::kAllReduce && w.hosts > 1);
       const size_t elem = ElementSize(r.dtype);
-      std::memcpy(static_cast<char*>(r.out) + SliceBegin(r, p, me) * elem, w.staging[k].data(),
-                  SliceLen(r, p, me) * elem);
+      size_t staged = 0;
+      for (const Range& range : w.slices[k][me]) {
+        if (copy) {
+          std::memcpy(static_cast<char*>(r.out) + range.begin * elem,
+                      w.staging[k].data() + staged * elem, range.len * elem);
+        }
+        staged += range.len;
+      }
     }
   }
 

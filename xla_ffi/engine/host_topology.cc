@@ -51,6 +51,8 @@ GroupPlan PlanGroup(const HostTopology& topology, const std::vector<int>& group,
   for (const auto& [host, ranks] : members) plan.cross.push_back(ranks[plan.local_index]);
   plan.board = !topology.board_shared.empty() && topology.board_shared[topology.host_of[rank]];
   for (int r : plan.local) plan.board_index.push_back(topology.IndexOnHost(r));
+  plan.group = group;
+  for (const auto& [host, ranks] : members) plan.members.push_back(ranks);
   return plan;
 }
 

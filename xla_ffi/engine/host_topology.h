@@ -53,6 +53,11 @@ struct GroupPlan {
   // [local index] the process's index among all the processes of its host
   // (its board's place in the boards' ack tables).
   std::vector<int> board_index;
+  // The group (sorted ranks), and its members per host (hosts in order, each
+  // in rank order): where a reduce-scatter's or all-gather's parts are
+  // (ReduceRequest::parts are in group order).
+  std::vector<int> group;
+  std::vector<std::vector<int>> members;
 };
 
 // The plan of `group` (sorted, containing `rank`). With an empty topology

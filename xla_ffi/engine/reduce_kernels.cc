@@ -17,9 +17,31 @@ namespace {
 template <typename A>
 constexpr size_t kLanes = 64 / sizeof(A);
 
+// How two accumulated values combine: a sum, or a maximum or minimum in which
+// a NaN wins (v != v only for NaN; integers never are).
+struct Add {
+  template <typename A>
+  A operator()(A acc, A v) const {
+    return acc + v;
+  }
+};
+struct Max {
+  template <typename A>
+  A operator()(A acc, A v) const {
+    return (v > acc || v != v) ? v : acc;
+  }
+};
+struct Min {
+  template <typename A>
+  A operator()(A acc, A v) const {
+    return (v < acc || v != v) ? v : acc;
+  }
+};
+
 // Elements [i, i + L) of every source: all of them are read before dst or
 // copy is written, so either may alias a source at the same elements.
-template <size_t L, typename T, typename A, typename Load, typename Store, typename Divide>
+template <size_t L, typename T, typename A, typename Combine, typename Load, typename Store,
+          typename Divide>
 inline void ReduceBlock(T* dst, T* copy, const void* const* srcs, size_t n, size_t i, Load load,
                         Store store, Divide divide) {
   A acc[L];
@@ -27,7 +49,7 @@ inline void ReduceBlock(T* dst, T* copy, const void* const* srcs, size_t n, size
   for (size_t j = 0; j < L; ++j) acc[j] = load(s0[j]);
   for (size_t k = 1; k < n; ++k) {
     const T* s = static_cast<const T*>(srcs[k]) + i;
-    for (size_t j = 0; j < L; ++j) acc[j] += load(s[j]);
+    for (size_t j = 0; j < L; ++j) acc[j] = Combine()(acc[j], load(s[j]));
   }
   T out[L];
   for (size_t j = 0; j < L; ++j) out[j] = store(divide(acc[j]));
@@ -37,15 +59,18 @@ inline void ReduceBlock(T* dst, T* copy, const void* const* srcs, size_t n, size
 
 // Storage type T, accumulator A; Load/Store convert between them.
 // `copy` (may be null) receives the same bits as `dst`.
-template <typename T, typename A, typename Load, typename Store, typename Divide>
+template <typename T, typename A, typename Combine = Add, typename Load, typename Store,
+          typename Divide>
 void Reduce(void* dst_v, void* copy_v, const void* const* srcs_v, size_t n, size_t count,
             Load load, Store store, Divide divide) {
   T* dst = static_cast<T*>(dst_v);
   T* copy = static_cast<T*>(copy_v);
   constexpr size_t L = kLanes<A>;
   size_t i = 0;
-  for (; i + L <= count; i += L) ReduceBlock<L, T, A>(dst, copy, srcs_v, n, i, load, store, divide);
-  for (; i < count; ++i) ReduceBlock<1, T, A>(dst, copy, srcs_v, n, i, load, store, divide);
+  for (; i + L <= count; i += L) {
+    ReduceBlock<L, T, A, Combine>(dst, copy, srcs_v, n, i, load, store, divide);
+  }
+  for (; i < count; ++i) ReduceBlock<1, T, A, Combine>(dst, copy, srcs_v, n, i, load, store, divide);
 }
 
 // Function objects, not function pointers: the kernels must inline the
@@ -95,7 +120,66 @@ void Dispatch(void* dst, void* copy, const void* const* srcs, size_t n, size_t c
   }
 }
 
+// The maximum or minimum (Combine) in the storage type's own order: signed
+// and unsigned integers as themselves, floats in float.
+template <typename Combine>
+void Extreme(DType dtype, void* dst, void* copy, const void* const* srcs, size_t n,
+             size_t count) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return Reduce<float, float, Combine>(dst, copy, srcs, n, count, Same(), Same(), Same());
+    case DType::kFloat64:
+      return Reduce<double, double, Combine>(dst, copy, srcs, n, count, Same(), Same(), Same());
+    case DType::kFloat16:
+      return Reduce<uint16_t, float, Combine>(dst, copy, srcs, n, count, FromHalf(), ToHalf(),
+                                              Same());
+    case DType::kBFloat16:
+      return Reduce<uint16_t, float, Combine>(dst, copy, srcs, n, count, FromBF16(), ToBF16(),
+                                              Same());
+    case DType::kInt8:
+      return Reduce<int8_t, int8_t, Combine>(dst, copy, srcs, n, count, Same(), Same(), Same());
+    case DType::kInt16:
+      return Reduce<int16_t, int16_t, Combine>(dst, copy, srcs, n, count, Same(), Same(), Same());
+    case DType::kInt32:
+      return Reduce<int32_t, int32_t, Combine>(dst, copy, srcs, n, count, Same(), Same(), Same());
+    case DType::kInt64:
+      return Reduce<int64_t, int64_t, Combine>(dst, copy, srcs, n, count, Same(), Same(), Same());
+    case DType::kUInt8:
+      return Reduce<uint8_t, uint8_t, Combine>(dst, copy, srcs, n, count, Same(), Same(), Same());
+    case DType::kUInt16:
+      return Reduce<uint16_t, uint16_t, Combine>(dst, copy, srcs, n, count, Same(), Same(),
+                                                 Same());
+    case DType::kUInt32:
+      return Reduce<uint32_t, uint32_t, Combine>(dst, copy, srcs, n, count, Same(), Same(),
+                                                 Same());
+    case DType::kUInt64:
+      return Reduce<uint64_t, uint64_t, Combine>(dst, copy, srcs, n, count, Same(), Same(),
+                                                 Same());
+    default:
+      return;
+  }
+}
+
 }  // namespace
+
+void ReduceOpInto(ReduceOp op, DType dtype, void* dst, void* copy, const void* const* srcs,
+                  size_t n, size_t count, double divisor) {
+  if (n == 0 || count == 0) return;
+  switch (op) {
+    case ReduceOp::kMax: {
+      IeeeDenormals ieee;
+      return Extreme<Max>(dtype, dst, copy, srcs, n, count);
+    }
+    case ReduceOp::kMin: {
+      IeeeDenormals ieee;
+      return Extreme<Min>(dtype, dst, copy, srcs, n, count);
+    }
+    case ReduceOp::kMean:
+      return ReduceIntoTwo(dtype, dst, copy, srcs, n, count, divisor);
+    default:
+      return ReduceIntoTwo(dtype, dst, copy, srcs, n, count, 1.0);
+  }
+}
 
 void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t n, size_t count,
                 double divisor) {

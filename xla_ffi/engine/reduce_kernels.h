@@ -26,6 +26,13 @@ void ReduceInto(DType dtype, void* dst, const void* const* srcs, size_t num_srcs
 void ReduceIntoTwo(DType dtype, void* dst, void* copy, const void* const* srcs,
                    size_t num_srcs, size_t count, double divisor);
 
+// `op` of the sources into `dst` and (if not null) `copy`: a sum or mean as
+// ReduceIntoTwo (the mean divides by `divisor`), or the element-wise maximum
+// or minimum, where a NaN in any source gives NaN (as XLA's maximum and
+// minimum; 16-bit floats compare as float32). Aliasing as ReduceIntoTwo.
+void ReduceOpInto(ReduceOp op, DType dtype, void* dst, void* copy, const void* const* srcs,
+                  size_t num_srcs, size_t count, double divisor);
+
 }  // namespace herring::engine
 
 #endif  // HERRING_ENGINE_REDUCE_KERNELS_H_
