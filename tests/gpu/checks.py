@@ -219,8 +219,11 @@ def extension() -> int:
                      if "libfabric.so" in line})
     print(f"herring_jax: {herring_jax.__file__}\nmodule: {_herring_ffi.__file__}\n"
           f"libfabric: {fabric}\nCUDA handlers: {runtime.cuda_handler_built()}\n"
-          f"HERRING_CUDA_DONE_GRACE_S={knobs.get('HERRING_CUDA_DONE_GRACE_S')}\n"
           f"jax_compat: {jax_compat.__name__} imported", flush=True)
+    if "HERRING_CUDA_DONE_GRACE_S" not in knobs.KNOBS:
+        # An installed herring_jax older than this tree: the steps would test it.
+        return summary("FAIL", f"{herring_jax.__file__} predates this tree (no "
+                       "HERRING_CUDA_DONE_GRACE_S): pip install --no-build-isolation . first")
     if not runtime.cuda_handler_built():
         if GPU:
             return summary("FAIL", "the module has no CUDA handlers")

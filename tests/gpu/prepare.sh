@@ -22,7 +22,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source tests/gpu/common.sh
 
-# What the GPU machine runs (DESIGN.md, "The GPU machine").
+# What the GPU machine runs: Python 3.12 with jax and jaxlib 0.11.2 (and the
+# jax-cuda13 plugin), nvcc 13, probably Ubuntu 24.04.
 JAX_VERSION=0.11.2
 CUDA_WHEELS=(nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 nvidia-cuda-nvcc==13.0.88)
 # libfabric1's dependencies, closed over (libfabric-bin: fi_info, fi_pingpong).

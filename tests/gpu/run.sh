@@ -80,6 +80,8 @@ start_s=$SECONDS
 # up after HERRING_TIMEOUT_S + this (default 300 s).
 export HERRING_CUDA_DONE_GRACE_S=${HERRING_CUDA_DONE_GRACE_S:-30}
 export HERRING_TIMEOUT_S=${HERRING_TIMEOUT_S:-60}
+# No process here may take most of the GPU up front (two ranks share it).
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 cat <<EOF
 == herring_jax GPU check: $mode, python $python, $(date -u +%FT%TZ)
