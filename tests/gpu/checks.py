@@ -292,7 +292,8 @@ def flax_step() -> int:
         "--steps", str(steps), "--exchange", str(exchange), "--hlo", str(LOGS / "step_hlo.txt"),
         "--timeline", str(LOGS / "timeline.json")], 2)
     shutil.rmtree(exchange, ignore_errors=True)
-    return summary(*judge(run, steps + 1, f"Flax MLP {' '.join(size[1::2])}: reduced "
+    width, layers, batch = size[1::2]
+    return summary(*judge(run, steps + 1, f"Flax MLP {layers}x{width}, batch {batch}: reduced "
                           "gradients = numpy mean, parameters equal on both ranks"))
 
 
