@@ -35,16 +35,20 @@ class Run:
 
 def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
            env: dict[str, str] | None = None, timeout: float = 600,
-           hosts: int | None = None) -> Run:
+           hosts: int | None = None, platform: str = "cpu") -> Run:
     """Runs tests/workers/<worker> on `nproc` processes with `devices` CPU devices each.
 
     hosts: run them as that many simulated hosts (network namespaces, needs
     root), nproc / hosts consecutive ranks on each; the workers learn the
     layout from HERRING_TEST_HOSTS ("HxP") for their numpy reference.
+    platform: the ranks' JAX_PLATFORMS. The suite runs on CPU devices, set
+    here rather than inherited so that a GPU on the test machine changes
+    nothing; the GPU check (tests/gpu/checks.py) passes "cuda", and then each
+    rank has the devices the platform gives it (`devices` must be 1).
     """
     full_env = dict(os.environ)
     full_env.pop("XLA_FLAGS", None)
-    full_env["JAX_PLATFORMS"] = "cpu"
+    full_env["JAX_PLATFORMS"] = platform
     full_env.setdefault("HERRING_TIMEOUT_S", "120")
     full_env.update(env or {})
     layout = []
@@ -54,8 +58,12 @@ def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
         # The order the workers' reference sums in, unless the test says
         # otherwise (a job that falls back to the flat path sums in rank order).
         full_env.setdefault("HERRING_TEST_HOSTS", f"{hosts}x{nproc // hosts}")
+    if platform == "cpu":
+        layout += ["--devices-per-process", str(devices)]
+    else:
+        assert devices == 1, "only CPU devices can be multiplied per process"
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc),
-           "--devices-per-process", str(devices), "--timeout", str(int(timeout)), *layout, "--",
+           "--timeout", str(int(timeout)), *layout, "--",
            sys.executable, str(WORKERS / worker), *args]
     # cwd=tests/: `-m` puts the cwd on sys.path, and the source tree's
     # herring_jax (without the compiled extension) must not shadow the installed one.

@@ -112,7 +112,7 @@ NB_MODULE(_herring_ffi, m) {
          const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
          double timeout_s, double heartbeat_s, double peer_timeout_s, size_t max_posted,
          bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
-         int progress_slice_us, double stall_s) {
+         int progress_slice_us, double stall_s, double done_grace_s) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -123,6 +123,7 @@ NB_MODULE(_herring_ffi, m) {
         config.heartbeat_s = heartbeat_s;
         config.peer_timeout_s = peer_timeout_s;
         config.stall_s = stall_s;
+        config.done_grace_s = done_grace_s;
         config.transport.provider = provider;
         config.transport.interface = interface;
         config.transport.force_mr = force_mr;
@@ -146,7 +147,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("peer_timeout_s"), nb::arg("max_posted") = 0,
       nb::arg("test_stale_copies") = false, nb::arg("test_gather_delay_ms") = 0,
       nb::arg("test_early_strangers") = false, nb::arg("progress_slice_us") = 0,
-      nb::arg("stall_s") = 60.0,
+      nb::arg("stall_s") = 60.0, nb::arg("done_grace_s") = 300.0,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {

@@ -240,10 +240,11 @@ ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
 
 // How long a done waits for its reduction before it gives up: the engine's
 // own timeout, plus time for the GPU to reach the start's copy (the work
-// enqueued before it) and for a slow host.
+// enqueued before it) and for a slow host (HERRING_CUDA_DONE_GRACE_S).
 double WaitLimitSeconds(const std::shared_ptr<engine::Communicator>& comm) {
-  constexpr double kGpuGraceS = 300.0;
-  return (comm ? comm->config().timeout_s : 0.0) + kGpuGraceS;
+  static const engine::CommConfig kDefaults;
+  const engine::CommConfig& config = comm ? comm->config() : kDefaults;
+  return config.timeout_s + config.done_grace_s;
 }
 
 ffi::Error DoneImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
@@ -290,8 +291,9 @@ ffi::Error DoneImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
       return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                         where + "the reduction started for this done has not ended after " +
                             std::to_string(static_cast<int>(limit)) +
-                            " s: the GPU has not reached its copy to the host, or the engine "
-                            "is stuck; check the GPU and the other ranks' logs");
+                            " s (HERRING_TIMEOUT_S + HERRING_CUDA_DONE_GRACE_S): the GPU "
+                            "has not reached its copy to the host, or the engine is stuck; "
+                            "check the GPU and the other ranks' logs");
     }
     ffi::Error error = pending->error();
     if (error.failure()) return error;

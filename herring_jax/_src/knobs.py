@@ -74,6 +74,11 @@ KNOBS: dict[str, Knob] = {
              "Threads per process that sum the parts this process serves."),
         Knob("HERRING_TIMEOUT_S", 300.0, _positive_float,
              "No reduction waits longer; then every surviving rank raises HerringError."),
+        Knob("HERRING_CUDA_DONE_GRACE_S", 300.0, _non_negative_float,
+             "XLA:CUDA: how much longer than HERRING_TIMEOUT_S a reduction's done waits "
+             "for it (the GPU may take that long to reach the start's copy to the host) "
+             "before it fails; lower it where a start whose done never pairs must not "
+             "hold the job for long (the GPU check, tests/gpu/run.sh)."),
         Knob("HERRING_PEER_TIMEOUT_S", 30.0, _positive_float,
              "A rank a reduction waits for that has sent nothing (data or heartbeat) "
              "for this long is declared dead: every surviving rank raises HerringError "

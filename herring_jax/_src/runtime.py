@@ -214,7 +214,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_STALE_COPIES"),
                 knobs.get("HERRING_TEST_GATHER_DELAY_MS"),
                 knobs.get("HERRING_TEST_EARLY_STRANGERS"),
-                knobs.get("HERRING_PROGRESS_SLICE_US"), knobs.get("HERRING_STALL_S"))
+                knobs.get("HERRING_PROGRESS_SLICE_US"), knobs.get("HERRING_STALL_S"),
+                knobs.get("HERRING_CUDA_DONE_GRACE_S"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(

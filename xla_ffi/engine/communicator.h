@@ -48,6 +48,11 @@ struct CommConfig {
   // A reduction that has waited this long is reported once on stderr: whom it
   // waits for and what they do (0: never).
   double stall_s = 60.0;
+  // Not used by the engine: how much longer than timeout_s a platform whose
+  // reductions are a start and a done (XLA:CUDA, cuda_handlers.cc) lets the
+  // done wait, since the device may take that long to reach the start's copy.
+  // Kept here because it is per job, like every other knob the handlers read.
+  double done_grace_s = 300.0;
   transport::TransportOptions transport;
   // Tests only: before every data message, send one copy with a stale job
   // token, which the receiver must drop (and re-post its receive for).
