@@ -21,3 +21,33 @@ EXPECTED = 6 * 19 + 3 * 2 + 30 + 4 + 3 + 1 + 1 + 2
 def test_lax_compatibility(nproc, devices):
     run = launch("compat_worker.py", [], nproc=nproc, devices=devices)
     assert_all_ok(run, expected_cases=EXPECTED)
+
+
+def test_psum_types_follow_lax_unreduced_kind():
+    """jax 0.11 and later type an unreduced value with the reduction it
+    awaits (unreduced_kind): a psum's result has none left, and an operand
+    that awaits a max is refused, as by lax.psum."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from herring_jax._src import jax_compat
+    if not hasattr(jax.sharding, "UnreducedKind"):
+        pytest.skip(f"jax {jax.__version__} has no unreduced_kind")
+    mesh = jax.make_mesh((1,), ("i",))
+    seen = {}
+
+    def body(v):
+        aval = jax.typeof(v)
+        summed = aval.update(manual_axis_type=jax.sharding.ManualAxisType(unreduced={"i"}))
+        seen["state"] = jax_compat.axis_state(summed, ("i",))
+        seen["out"] = jax_compat.drop_reduced_axes(summed, ("i",)).mat
+        maxed = aval.update(manual_axis_type=jax.sharding.ManualAxisType(
+            unreduced={"i"}, unreduced_kind=jax.sharding.UnreducedKind.max))
+        with pytest.raises(ValueError, match="cannot accept args with unreduced_kind="):
+            jax_compat.axis_state(maxed, ("i",))
+        return v
+
+    x = jax.device_put(jnp.ones(2), NamedSharding(mesh, P("i")))
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x)
+    assert seen["state"] == "unreduced"
+    assert not seen["out"].unreduced and seen["out"].unreduced_kind is None, seen["out"]

@@ -72,14 +72,24 @@ def _unreduced(aval) -> frozenset:
     return frozenset(getattr(mat, "unreduced", ()) or ())
 
 
+# Since jax 0.11 the type records which reduction an unreduced value awaits
+# (mat.unreduced_kind: sum, max or min) and requires it to be None exactly
+# when nothing is left unreduced; jax 0.10 has no such field.
+_HAS_UNREDUCED_KIND = "unreduced_kind" in getattr(_core.ManualAxisType, "__slots__", ())
+
+
 def drop_reduced_axes(aval, axes):
     """The aval of a psum result: no longer varying (nor unreduced) over `axes`."""
     varying, unreduced = _varying(aval), _unreduced(aval)
     if not (varying | unreduced).intersection(axes):
         return aval
-    return aval.update(manual_axis_type=aval.mat.update(
-        varying=frozenset(a for a in varying if a not in axes),
-        unreduced=frozenset(a for a in unreduced if a not in axes)))
+    left = frozenset(a for a in unreduced if a not in axes)
+    update = dict(varying=frozenset(a for a in varying if a not in axes), unreduced=left)
+    if _HAS_UNREDUCED_KIND and not left:
+        # Else update() keeps the operand's kind (sum) beside an empty
+        # unreduced set, which jax 0.11 and later reject.
+        update["unreduced_kind"] = None
+    return aval.update(manual_axis_type=aval.mat.update(**update))
 
 
 def is_varying(aval, axes) -> bool:
@@ -92,8 +102,17 @@ def is_unreduced(aval, axes) -> bool:
 
 def axis_state(aval, axes) -> str:
     """'varying', 'unreduced', 'reduced' or 'invarying' over `axes`, with lax's
-    ValueError when the axes disagree."""
-    return _parallel._get_from(aval, tuple(axes), "herring_jax.psum")
+    ValueError when the axes disagree, or when an unreduced operand awaits a
+    max or min (unreduced_kind, jax 0.11 and later) rather than a sum."""
+    state = _parallel._get_from(aval, tuple(axes), "herring_jax.psum")
+    kind = getattr(aval.mat, "unreduced_kind", None)
+    if state == "unreduced" and kind is not None and kind.name != "sum":
+        # lax.psum's unreduced_psum refuses it too: summing partial maxima
+        # would be a wrong answer, not a reduction.
+        raise ValueError(f"herring_jax.psum cannot accept args with unreduced_kind={kind}; "
+                         "it sums, so the operand must be unreduced for a sum "
+                         f"(got {aval.str_short(True)}); reduce it with jax.lax.pmax/pmin")
+    return state
 
 
 def check_vma_enabled() -> bool:
