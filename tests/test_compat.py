@@ -6,6 +6,10 @@ axis_index_groups, unreduced and invariant inputs, lax's errors; and
 herring_jax.allreduce against its documented (mpi4jax) convention. See
 tests/workers/compat_worker.py."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from multiproc import assert_all_ok, launch
@@ -21,6 +25,32 @@ EXPECTED = 6 * 19 + 3 * 2 + 30 + 4 + 3 + 1 + 1 + 2
 def test_lax_compatibility(nproc, devices):
     run = launch("compat_worker.py", [], nproc=nproc, devices=devices)
     assert_all_ok(run, expected_cases=EXPECTED)
+
+
+def test_supported_jax_range_and_what_an_unknown_jax_is_told():
+    from herring_jax._src import jax_compat
+    import jax
+    jax_compat.check_jax_version(jax.__version__)  # the jax under test is one it knows
+    for version in ("0.10.0", "0.11.2", "0.12.0.1", "0.12.3.dev20261201"):
+        jax_compat.check_jax_version(version)
+    for version in ("0.9.2", "0.13.0", "1.0.0"):
+        with pytest.raises(ImportError) as info:
+            jax_compat.check_jax_version(version)
+        message = str(info.value)
+        assert f"supports jax >=0.10,<0.13, but found jax {version}" in message
+        assert "pip install 'jax>=0.10,<0.13' 'jaxlib>=0.10,<0.13'" in message
+
+
+def test_an_unknown_jax_fails_at_import_not_later():
+    # The first public name loads jax_compat, which refuses before touching
+    # any private jax name.
+    code = ("import jax; jax.__version__ = '0.13.0'\n"
+            "import herring_jax\n"
+            "herring_jax.psum\n")
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ImportError: herring_jax supports jax >=0.10,<0.13, but found jax 0.13.0" in proc.stderr
 
 
 def test_psum_types_follow_lax_unreduced_kind():

@@ -1,24 +1,49 @@
 """The one place herring_jax touches jax internals (jax._src and friends).
 
-Checked against jax 0.10; if a newer jax moves these, only this file changes.
+Checked against jax 0.10.2, 0.11.2 and 0.12.0.1 (SUPPORTED_JAX); if a newer
+jax moves these, only this file changes.
 """
 
 from __future__ import annotations
 
+import re
+
 import jax
 
-from jax._src import ad_util as _ad_util
-from jax._src import config as _config
-from jax._src import core as _core
-from jax._src import distributed as _distributed
-from jax._src import sharding_impls as _sharding_impls
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.lax import parallel as _parallel
+# The jax releases whose private names below were read and the suite run
+# against: 0.10.x (the newest for Python 3.11), 0.11.x and 0.12.x (Python
+# 3.12 and later). Outside it any name below may have moved or changed its
+# meaning, so importing fails rather than reducing wrongly.
+SUPPORTED_JAX = ">=0.10,<0.13"
+_MIN_JAX, _END_JAX = (0, 10), (0, 13)
 
-_MIN_JAX = (0, 10)
-if tuple(int(p) for p in jax.__version__.split(".")[:2]) < _MIN_JAX:
-    raise ImportError(f"herring_jax needs jax >= 0.10, found {jax.__version__}")
+
+def check_jax_version(version: str, where: str = "") -> None:
+    """Raises ImportError, saying how to get a supported jax, for a jax
+    version outside SUPPORTED_JAX."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and _MIN_JAX <= (int(match[1]), int(match[2])) < _END_JAX:
+        return
+    found = f"jax {version}" + (f" ({where})" if where else "")
+    raise ImportError(
+        f"herring_jax supports jax {SUPPORTED_JAX}, but found {found}. Install a supported "
+        f"one, pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}' (0.10.x on Python "
+        "3.11, 0.12.x on Python 3.12 and later), then reinstall herring_jax against it "
+        "(pip install --no-build-isolation . in its checkout); .ci/install.sh does both.")
+
+
+# Before the private imports below: on an unknown jax they may be the first
+# thing to fail, with a message that says nothing of versions.
+check_jax_version(jax.__version__, jax.__file__)
+
+from jax._src import ad_util as _ad_util  # noqa: E402
+from jax._src import config as _config  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src import distributed as _distributed  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax._src.lax import parallel as _parallel  # noqa: E402
 
 
 def distributed_client():
