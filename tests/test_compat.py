@@ -81,3 +81,13 @@ def test_psum_types_follow_lax_unreduced_kind():
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x)
     assert seen["state"] == "unreduced"
     assert not seen["out"].unreduced and seen["out"].unreduced_kind is None, seen["out"]
+
+
+def test_pyproject_asks_for_the_jax_jax_compat_knows():
+    import tomllib
+    from herring_jax._src import jax_compat
+    from multiproc import ROOT
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = {f"jax{jax_compat.SUPPORTED_JAX}", f"jaxlib{jax_compat.SUPPORTED_JAX}"}
+    assert wanted <= set(project["project"]["dependencies"])
+    assert wanted <= set(project["build-system"]["requires"])
