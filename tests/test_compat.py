@@ -91,3 +91,22 @@ def test_pyproject_asks_for_the_jax_jax_compat_knows():
     wanted = {f"jax{jax_compat.SUPPORTED_JAX}", f"jaxlib{jax_compat.SUPPORTED_JAX}"}
     assert wanted <= set(project["project"]["dependencies"])
     assert wanted <= set(project["build-system"]["requires"])
+
+
+def test_no_collectives_forbids_herring_psum_as_it_forbids_lax_psum():
+    """jax 0.12's jax.sharding.no_collectives: herring_jax.psum checks its
+    axes through lax's own check, so it is refused with lax's error."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import herring_jax
+    if not hasattr(jax.sharding, "no_collectives"):
+        pytest.skip(f"jax {jax.__version__} has no no_collectives")
+    mesh = jax.make_mesh((1,), ("i",))
+    x = jax.device_put(jnp.ones(2), NamedSharding(mesh, P("i")))
+    for psum, name in [(jax.lax.psum, "`psum`"), (herring_jax.psum, "`herring_jax.psum`")]:
+        step = jax.jit(jax.shard_map(lambda v: psum(v, "i"), mesh=mesh, in_specs=P("i"),
+                                     out_specs=P()))
+        with jax.sharding.no_collectives({"i"}), pytest.raises(
+                Exception, match=f"forbidden by `no_collectives`, but {name} acts on axis 'i'"):
+            step(x)
