@@ -10,10 +10,12 @@ import re
 
 import jax
 
-# The jax releases whose private names below were read and the suite run
-# against: 0.10.x (the newest for Python 3.11), 0.11.x and 0.12.x (Python
-# 3.12 and later). Outside it any name below may have moved or changed its
-# meaning, so importing fails rather than reducing wrongly.
+# The jax releases whose private names below were read, and herring_jax
+# tested with: 0.10 (the newest for Python 3.11; the whole suite on 0.10.2),
+# 0.11 (lax compatibility, allreduce and optax on 0.11.2) and 0.12 (Python
+# 3.12 and later; the whole suite on 0.12.0.1). Outside it any name below may
+# have moved or changed its meaning, so importing fails rather than reducing
+# wrongly.
 SUPPORTED_JAX = ">=0.10,<0.13"
 _MIN_JAX, _END_JAX = (0, 10), (0, 13)
 
