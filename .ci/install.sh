@@ -41,16 +41,37 @@ pip_install() {
   fi
 }
 
-echo "== pip install build and test dependencies"
-pip_install "jax>=0.10,<0.11" "jaxlib>=0.10,<0.11" "nanobind>=2" "scikit-build-core>=0.10" \
-  flax optax orbax-checkpoint ml_dtypes scikit-learn pytest pytest-timeout
+# The jax that matches the interpreter (python3: a venv's when it comes
+# first on PATH, as in .ci/run's second leg). Python 3.11 gets jax 0.10, the
+# newest release for it and the setup tested longest; 3.12 and later get the
+# newest jax herring_jax supports (jax_compat.SUPPORTED_JAX: >=0.10,<0.13).
+py_version=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+case "$py_version" in
+  3.11) jax_spec=">=0.10,<0.11" ;;
+  3.1[2-9]) jax_spec=">=0.12,<0.13" ;;
+  *)
+    echo "install.sh: error: python3 is Python $py_version; herring_jax needs Python 3.11" \
+      "(jax 0.10) or 3.12 and later (jax 0.12): put one first on PATH, e.g. in a venv" >&2
+    exit 1 ;;
+esac
+
+echo "== pip install build and test dependencies (Python $py_version: jax$jax_spec)"
+# setuptools: mpi4jax builds without build isolation below, and a venv of
+# Python 3.12 or later comes without it.
+pip_install "jax$jax_spec" "jaxlib$jax_spec" "nanobind>=2" "scikit-build-core>=0.10" \
+  setuptools flax optax orbax-checkpoint ml_dtypes scikit-learn pytest pytest-timeout
 
 echo "== pip install the benchmark's peers (mpi4py, mpi4jax, torch) and matplotlib"
-# torch 2.13.0 is the CPU build these machines hold locally; mpi4jax builds
-# against the installed mpi4py and jax. It also builds a CUDA bridge whenever
-# nvcc is on PATH, which fails without CUDA's headers: an empty CUDA_ROOT
-# turns that part off.
-pip_install mpi4py "torch==2.13.0" matplotlib cython
+# torch 2.13.0 is the CPU build these machines hold locally, for Python 3.11
+# only; for 3.12 the registry serves CUDA builds of several GB, so there the
+# bench's torch_gloo peer reports itself missing (as on any machine without
+# torch) unless torch is already installed. mpi4jax builds against the
+# installed mpi4py and jax. It also builds a CUDA bridge whenever nvcc is on
+# PATH, which fails without CUDA's headers: an empty CUDA_ROOT turns that
+# part off.
+peers=(mpi4py matplotlib cython)
+[ "$py_version" = 3.11 ] && peers+=("torch==2.13.0")
+pip_install "${peers[@]}"
 if ! python3 -c "import mpi4jax" 2>/dev/null; then
   no_cuda=$(mktemp -d)
   status=0

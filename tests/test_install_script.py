@@ -10,13 +10,17 @@ import shutil
 import stat
 import subprocess
 
+import pytest
+
 from multiproc import ROOT
 
-# python3 stub: `-m pip install ARGS` prints a WARNING line (which the script
-# filters) and fails with pip's wording when ARGS contain $FAIL_ON; any other
-# call (the import checks) fails for mpi4jax, so its install step runs.
+# python3 stub: it is Python $STUB_PY to the version query; `-m pip install
+# ARGS` prints a WARNING line (which the script filters) and fails with pip's
+# wording when ARGS contain $FAIL_ON; any other call (the import checks)
+# fails for mpi4jax, so its install step runs.
 _PYTHON3 = r"""#!/bin/bash
 echo "$* CUDA_ROOT=${CUDA_ROOT-}" >> "$STUB_LOG"
+case "$*" in *"sys.version_info"*) echo "$STUB_PY"; exit 0;; esac
 if [ "$1 $2 $3" = "-m pip install" ]; then
   if [ -n "${CUDA_ROOT-}" ] && [ -d "$CUDA_ROOT" ]; then echo "cuda_root_existed" >> "$STUB_LOG"; fi
   echo "WARNING: Running pip as the 'root' user can result in broken permissions"
@@ -30,7 +34,7 @@ echo "herring_jax (stub) installed"
 """
 
 
-def _run(tmp_path, fail_on="<nothing>"):
+def _run(tmp_path, fail_on="<nothing>", python="3.11"):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, text in [("python3", _PYTHON3), ("apt-get", "#!/bin/sh\nexit 99\n")] + [
@@ -40,7 +44,7 @@ def _run(tmp_path, fail_on="<nothing>"):
         (stubs / name).chmod(stat.S_IRWXU)
     log = tmp_path / "calls.log"
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_LOG": str(log), "FAIL_ON": fail_on,
-           "HOME": str(tmp_path)}
+           "HOME": str(tmp_path), "STUB_PY": python}
     proc = subprocess.run([shutil.which("bash"), str(ROOT / ".ci" / "install.sh")], env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     calls = log.read_text().splitlines() if log.exists() else []
@@ -55,6 +59,29 @@ def test_every_step_succeeds_and_warnings_are_filtered(tmp_path):
     assert "WARNING" not in proc.stdout + proc.stderr
     assert len(pips) == 4, pips
     assert "herring_jax (stub) installed" in proc.stdout
+    # Python 3.11: jax 0.10, the setup tested longest, and the local CPU torch.
+    assert "jax>=0.10,<0.11" in pips[0] and "jaxlib>=0.10,<0.11" in pips[0], pips
+    assert "torch==2.13.0" in pips[1], pips
+
+
+@pytest.mark.parametrize("python", ["3.12", "3.13"])
+def test_python_312_and_later_get_the_newest_supported_jax_and_no_torch(tmp_path, python):
+    proc, pips, _ = _run(tmp_path, python=python)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"Python {python}: jax>=0.12,<0.13" in proc.stdout
+    assert "jax>=0.12,<0.13" in pips[0] and "jaxlib>=0.12,<0.13" in pips[0], pips
+    # mpi4jax builds without isolation, and a new venv has no setuptools.
+    assert " setuptools " in pips[0], pips
+    # The registry has only multi-GB CUDA builds of torch for 3.12.
+    assert not any("torch" in p for p in pips), pips
+    assert len(pips) == 4 and "herring_jax (stub) installed" in proc.stdout, pips
+
+
+def test_an_unsupported_python_stops_before_any_install(tmp_path):
+    proc, pips, _ = _run(tmp_path, python="3.10")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "python3 is Python 3.10; herring_jax needs Python 3.11" in proc.stderr
+    assert pips == []
 
 
 def test_a_failed_rebuild_stops_the_script_with_pips_error(tmp_path):

@@ -1,25 +1,52 @@
 """The one place herring_jax touches jax internals (jax._src and friends).
 
-Checked against jax 0.10; if a newer jax moves these, only this file changes.
+Checked against jax 0.10.2, 0.11.2 and 0.12.0.1 (SUPPORTED_JAX); if a newer
+jax moves these, only this file changes.
 """
 
 from __future__ import annotations
 
+import re
+
 import jax
 
-from jax._src import ad_util as _ad_util
-from jax._src import config as _config
-from jax._src import core as _core
-from jax._src import distributed as _distributed
-from jax._src import sharding_impls as _sharding_impls
-from jax._src import source_info_util as _source_info
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import partial_eval as _pe
-from jax._src.lax import parallel as _parallel
+# The jax releases whose private names below were read, and herring_jax
+# tested with: 0.10 (the newest for Python 3.11; the whole suite on 0.10.2),
+# 0.11 (lax compatibility, allreduce and optax on 0.11.2) and 0.12 (Python
+# 3.12 and later; the whole suite on 0.12.0.1). Outside it any name below may
+# have moved or changed its meaning, so importing fails rather than reducing
+# wrongly.
+SUPPORTED_JAX = ">=0.10,<0.13"
+_MIN_JAX, _END_JAX = (0, 10), (0, 13)
 
-_MIN_JAX = (0, 10)
-if tuple(int(p) for p in jax.__version__.split(".")[:2]) < _MIN_JAX:
-    raise ImportError(f"herring_jax needs jax >= 0.10, found {jax.__version__}")
+
+def check_jax_version(version: str, where: str = "") -> None:
+    """Raises ImportError, saying how to get a supported jax, for a jax
+    version outside SUPPORTED_JAX."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match and _MIN_JAX <= (int(match[1]), int(match[2])) < _END_JAX:
+        return
+    found = f"jax {version}" + (f" ({where})" if where else "")
+    raise ImportError(
+        f"herring_jax supports jax {SUPPORTED_JAX}, but found {found}. Install a supported "
+        f"one, pip install 'jax{SUPPORTED_JAX}' 'jaxlib{SUPPORTED_JAX}' (0.10.x on Python "
+        "3.11, 0.12.x on Python 3.12 and later), then reinstall herring_jax against it "
+        "(pip install --no-build-isolation . in its checkout); .ci/install.sh does both.")
+
+
+# Before the private imports below: on an unknown jax they may be the first
+# thing to fail, with a message that says nothing of versions.
+check_jax_version(jax.__version__, jax.__file__)
+
+from jax._src import ad_util as _ad_util  # noqa: E402
+from jax._src import config as _config  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src import distributed as _distributed  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
+from jax._src import source_info_util as _source_info  # noqa: E402
+from jax._src.interpreters import batching as _batching  # noqa: E402
+from jax._src.interpreters import partial_eval as _pe  # noqa: E402
+from jax._src.lax import parallel as _parallel  # noqa: E402
 
 
 def distributed_client():
@@ -73,14 +100,24 @@ def _unreduced(aval) -> frozenset:
     return frozenset(getattr(mat, "unreduced", ()) or ())
 
 
+# Since jax 0.11 the type records which reduction an unreduced value awaits
+# (mat.unreduced_kind: sum, max or min) and requires it to be None exactly
+# when nothing is left unreduced; jax 0.10 has no such field.
+_HAS_UNREDUCED_KIND = "unreduced_kind" in getattr(_core.ManualAxisType, "__slots__", ())
+
+
 def drop_reduced_axes(aval, axes):
     """The aval of a psum result: no longer varying (nor unreduced) over `axes`."""
     varying, unreduced = _varying(aval), _unreduced(aval)
     if not (varying | unreduced).intersection(axes):
         return aval
-    return aval.update(manual_axis_type=aval.mat.update(
-        varying=frozenset(a for a in varying if a not in axes),
-        unreduced=frozenset(a for a in unreduced if a not in axes)))
+    left = frozenset(a for a in unreduced if a not in axes)
+    update = dict(varying=frozenset(a for a in varying if a not in axes), unreduced=left)
+    if _HAS_UNREDUCED_KIND and not left:
+        # Else update() keeps the operand's kind (sum) beside an empty
+        # unreduced set, which jax 0.11 and later reject.
+        update["unreduced_kind"] = None
+    return aval.update(manual_axis_type=aval.mat.update(**update))
 
 
 def varies_over_all(aval, axes) -> bool:
@@ -98,8 +135,17 @@ def is_unreduced(aval, axes) -> bool:
 
 def axis_state(aval, axes) -> str:
     """'varying', 'unreduced', 'reduced' or 'invarying' over `axes`, with lax's
-    ValueError when the axes disagree."""
-    return _parallel._get_from(aval, tuple(axes), "herring_jax.psum")
+    ValueError when the axes disagree, or when an unreduced operand awaits a
+    max or min (unreduced_kind, jax 0.11 and later) rather than a sum."""
+    state = _parallel._get_from(aval, tuple(axes), "herring_jax.psum")
+    kind = getattr(aval.mat, "unreduced_kind", None)
+    if state == "unreduced" and kind is not None and kind.name != "sum":
+        # lax.psum's unreduced_psum refuses it too: summing partial maxima
+        # would be a wrong answer, not a reduction.
+        raise ValueError(f"herring_jax.psum cannot accept args with unreduced_kind={kind}; "
+                         "it sums, so the operand must be unreduced for a sum "
+                         f"(got {aval.str_short(True)}); reduce it with jax.lax.pmax/pmin")
+    return state
 
 
 def check_vma_enabled() -> bool:

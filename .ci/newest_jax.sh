@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# The suite's second setup: Python 3.12 with the newest jax herring_jax
+# supports (0.12.x), beside the README's command on python3 (3.11, jax 0.10).
+# Makes its own venv, build/venv-py3.12 (kept between runs: pip then installs
+# only what is missing), installs into it what .ci/install.sh installs for
+# 3.12, builds herring_jax there, and runs the tests below: about 15 min on 2
+# cores shared with other jobs (3 to make the venv and build, 12 of tests),
+# measured with a new venv and pip's cache warm.
+#
+#   bash .ci/newest_jax.sh                       # as .ci/run runs it
+#   bash .ci/newest_jax.sh tests/test_compat.py  # other pytest arguments instead
+#   bash .ci/newest_jax.sh tests                 # the whole suite
+#
+# The interpreter: $PYTHON312 if set, else python3.12 on PATH, else the
+# newest 3.12 that pyenv holds. Neither Debian 12 nor its backports carry
+# 3.12, so a machine without one fails here, saying so.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python312() {
+  local candidate
+  for candidate in ${PYTHON312:-} python3.12 $(ls -d "$HOME"/.pyenv/versions/3.12.*/bin/python3.12 \
+      2>/dev/null | sort -V -r); do
+    # pyenv's shim answers to python3.12 on PATH even where it cannot run it.
+    if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      command -v "$candidate"
+      return 0
+    fi
+  done
+  return 1
+}
+
+if ! py312=$(find_python312); then
+  echo "newest_jax.sh: error: no Python 3.12 found (tried \$PYTHON312, python3.12 on PATH and" \
+    "~/.pyenv/versions/3.12.*); install one (e.g. pyenv install 3.12) or set PYTHON312" >&2
+  exit 1
+fi
+
+venv=build/venv-py3.12
+if [ ! -x "$venv/bin/python3" ]; then
+  echo "== creating $venv with $py312"
+  "$py312" -m venv "$venv"
+fi
+# install.sh and the tests run the venv's python3 (and herring-jax).
+export PATH="$PWD/$venv/bin:$PATH"
+bash .ci/install.sh
+
+# Not the whole suite: a second full run (about 25 min file by file on 2
+# cores shared with other jobs) would take CI past its budget of about 30
+# min. These files exercise what differs between jax versions: every private
+# jax name in jax_compat.py (varying/unreduced types, lax's checks, vmap's
+# named batching, the jit trace's equation order that splits buckets, the
+# lowering contexts, the distributed client), the custom call's lowering for
+# CPU and CUDA, XLA's run ids that identify reductions, errors as they come
+# back through jaxlib, and flax/optax of this jax. Left out, as they reach
+# jax only through the same primitive: the engine, transport, host-stage,
+# peer-failure, launcher, netns, codec, soak, chaos, fuzz, C++ unit, bench
+# and train-bench tests; `bash .ci/newest_jax.sh tests` runs them all here.
+tests=(
+  tests/test_compat.py         # psum/pmean against lax: 3 layouts, vmap, grad, unreduced
+  tests/test_allreduce.py      # every dtype, op and size, bitwise against numpy
+  tests/test_groupings.py      # psums over different axes of one 2-D mesh
+  tests/test_topk.py           # psum over a mesh axis inside a transform
+  tests/test_powersgd.py
+  tests/test_optax.py          # allreduce_gradients against lax.pmean, buckets
+  tests/test_overlap.py        # the first bucket starts before the last gradient exists
+  tests/test_state.py          # broadcast of flax/optax state
+  tests/test_examples.py       # the flax/optax examples learn, with both reducers
+  tests/test_identity.py       # reductions matched by XLA's run ids
+  tests/test_errors.py         # HerringError through jaxlib's runtime errors
+  tests/test_cuda_lowering.py  # jax lowers the CUDA handlers on this CPU machine
+  tests/test_build.py
+  tests/test_install_script.py
+)
+(($# > 0)) && tests=("$@")
+echo "== the suite's Python 3.12 part: $(python3 -c 'import jax, sys; print("Python", sys.version.split()[0], "jax", jax.__version__)')"
+python3 -P -m pytest "${tests[@]}" -q -rfEs --durations=10
