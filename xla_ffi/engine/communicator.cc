@@ -83,8 +83,12 @@ Communicator::~Communicator() {
   for (auto& t : servers_) t.join();
   // Callbacks of cancelled operations run inside Shutdown and may still use
   // transport_ (Fail calls StopWaiting): it must stay set until they are done.
-  transport_->Shutdown();
-  transport_.reset();
+  // Null when Create could not open one (this destructor then runs from
+  // Create's failure path).
+  if (transport_) {
+    transport_->Shutdown();
+    transport_.reset();
+  }
   // Memory that another process may still read is never freed (a freed
   // buffer stays mapped and is reused: the reader would get wrong bytes and
   // succeed): the staging of failed host-stage calls, and of successful ones

@@ -63,6 +63,36 @@ struct InfoDeleter {
 };
 using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 
+// The providers this machine offers with what herring_jax needs (an RDM
+// endpoint with tagged messages), in libfabric's order of preference, for the
+// error that says a requested one is missing: a misspelt name and a provider
+// without its hardware (efa off AWS) look alike to fi_getinfo.
+std::string AvailableProviders() {
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) return "(fi_allocinfo failed)";
+  hints->caps = FI_TAGGED;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  fi_info* raw = nullptr;
+  const int ret = fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &raw);
+  InfoPtr list(raw);
+  if (ret != 0 || raw == nullptr) return std::string("none (") + fi_strerror(-ret) + ")";
+  std::vector<std::string> names;
+  for (const fi_info* i = raw; i != nullptr; i = i->next) {
+    const std::string name = i->fabric_attr->prov_name ? i->fabric_attr->prov_name : "?";
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+  }
+  std::string text;
+  for (const std::string& name : names) text += (text.empty() ? "" : ", ") + name;
+  return text;
+}
+
+std::string MissingProvider(const std::string& errors) {
+  return errors + ". Providers available here: " + AvailableProviders() +
+         ". Set HERRING_FI_PROVIDER to one of them, or leave it empty (efa where the machine "
+         "has it, else tcp;ofi_rxm); `fi_info -l` lists them too.";
+}
+
 bool LooksLikeIpAddress(const std::string& s) {
   unsigned char buf[16];
   return inet_pton(AF_INET, s.c_str(), buf) == 1 || inet_pton(AF_INET6, s.c_str(), buf) == 1;
@@ -165,11 +195,11 @@ class FabricTransport final : public Transport {
       ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
     }
     if (ret != 0 || raw == nullptr) {
+      no_provider_ = true;
       return Status::Error("no libfabric provider '" + options.provider +
                            "' with FI_EP_RDM and FI_TAGGED" +
                            (node ? std::string(" on ") + node : std::string()) + ": " +
-                           fi_strerror(-ret) +
-                           ". Check `fi_info -p <provider>` and HERRING_FI_PROVIDER.");
+                           fi_strerror(-ret));
     }
     info_.reset(raw);
     need_mr_ = force_mr_ || (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
@@ -257,6 +287,8 @@ class FabricTransport final : public Transport {
   }
 
   std::vector<uint8_t> Address() const override { return address_; }
+  // Open failed because fi_getinfo found no such provider.
+  bool no_provider() const { return no_provider_; }
 
   void SetFatalHandler(std::function<void(const std::string&)> handler) override {
     fatal_handler_ = std::move(handler);
@@ -769,6 +801,7 @@ class FabricTransport final : public Transport {
   std::vector<fi_addr_t> peers_;
   std::unique_ptr<std::atomic<bool>[]> unreachable_;  // [rank]
   bool force_mr_ = false;
+  bool no_provider_ = false;
   double post_timeout_s_ = 300.0;
   bool need_mr_ = false;
   bool prov_key_ = false;
@@ -826,20 +859,25 @@ std::unique_ptr<Transport> CreateFabricTransport(const TransportOptions& options
   if (!options.provider.empty()) {
     auto transport = std::make_unique<FabricTransport>();
     *status = transport->Open(options);
-    if (!status->ok()) return nullptr;
+    if (!status->ok()) {
+      if (transport->no_provider()) *status = Status::Error(MissingProvider(status->message()));
+      return nullptr;
+    }
     return transport;
   }
   // Default: EFA where the machine has it, else TCP with the RDM utility layer.
   std::string errors;
+  bool missing = true;
   for (const char* provider : {"efa", "tcp;ofi_rxm"}) {
     TransportOptions attempt = options;
     attempt.provider = provider;
     auto transport = std::make_unique<FabricTransport>();
     *status = transport->Open(attempt);
     if (status->ok()) return transport;
+    missing = missing && transport->no_provider();
     errors += std::string(errors.empty() ? "" : "; ") + status->message();
   }
-  *status = Status::Error(errors);
+  *status = Status::Error(missing ? MissingProvider(errors) : errors);
   return nullptr;
 }
 
