@@ -261,11 +261,20 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   // Rank order, whichever contribution arrived first: the sum is the same
   // bits on every run.
   std::vector<const void*> srcs(n);
-  uint32_t contributors = 0;
+  uint64_t contributors = 0;
+  bool counted = true;
   for (int p = 0; p < n; ++p) {
     srcs[p] = p == me ? static_cast<const void*>(job->InAt(begin))
                       : job->staging[p].data() + c * job->wire_stride;
-    contributors += job->contributors[p].load(std::memory_order_relaxed);
+    counted = counted &&
+              AddContributors(&contributors, job->contributors[p].load(std::memory_order_relaxed));
+  }
+  if (!counted) {
+    Fail(batch, "rank " + std::to_string(config_.rank) + ": the contributions to " +
+                    job->Describe() + " count more than " + std::to_string(kMaxContributors) +
+                    " devices together; a peer's headers are wrong");
+    batch->CompleteTask(1 + (n - 1));
+    return;
   }
   const double divisor = job->req.op == ReduceOp::kMean ? contributors : 1.0;
   char* dst = job->OutAt(begin);
@@ -290,7 +299,7 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
   WireHeader& h = job->out_hdrs[c];
   h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, payload_bytes,
-                 contributors);
+                 static_cast<uint32_t>(contributors));
   size_t unposted = n - 1;
   for (int p = 0; p < n; ++p) {
     if (p == me) continue;

@@ -49,7 +49,8 @@ std::string EntriesMismatch(const Batch& batch, int from, int me,
              "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
              "the same executables";
     }
-    if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
+    if (e.addr == 0 || e.contributors == 0 || e.contributors > kMaxContributors ||
+        e.reserved != 0) {
       return "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
              batch.jobs[k]->Describe();
     }

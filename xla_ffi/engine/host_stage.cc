@@ -256,12 +256,17 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
 
   // 2. reduce-scatter.
   wait(0);
-  std::vector<uint32_t> contributors(num, 0);
+  std::vector<uint64_t> contributors(num, 0);
   if (ok) {
-    for (size_t k = 0; k < num; ++k) {
+    for (size_t k = 0; ok && k < num; ++k) {
       for (int q = 0; q < p; ++q) {
-        contributors[k] +=
-            q == me ? requests[k].contributors : w.in_entries[0 * p + q][k].contributors;
+        if (!AddContributors(&contributors[k], q == me ? requests[k].contributors
+                                                       : w.in_entries[0 * p + q][k].contributors)) {
+          fail(Status::Error("rank " + std::to_string(config_.rank) + ": the processes of this "
+                             "host count more than " + std::to_string(kMaxContributors) +
+                             " devices in " + batch->jobs[k]->Describe()), true);
+          break;
+        }
       }
     }
     PooledBuffer pieces(&pool_, std::max<size_t>(1, (p - 1) * kPieceBytes));
@@ -312,7 +317,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
       slices[k].count = SliceLen(requests[k], p, me);
       slices[k].in = w.staging[k].data();
       slices[k].out = w.staging[k].data();
-      slices[k].contributors = contributors[k];
+      slices[k].contributors = static_cast<uint32_t>(contributors[k]);
     }
     // Its failure has been told to every rank already.
     fail(ReduceFlat(stream, plan.cross, slices, ids), /*tell_peers=*/false);
@@ -323,7 +328,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     for (size_t k = 0; k < num; ++k) {
       HostEntry e = w.out_entries[0][k];
       e.addr = reinterpret_cast<uint64_t>(w.staging[k].data());
-      e.contributors = contributors[k];
+      e.contributors = static_cast<uint32_t>(contributors[k]);
       w.out_entries[1].push_back(e);
     }
     w.out_headers[1] = MakeHeader(first, MsgKind::kHostReady, config_.token, my_rank, me, 0,

@@ -125,6 +125,22 @@ inline uint32_t TagSender(uint64_t tag) {
   return static_cast<uint32_t>((tag >> kSenderShift) & 0x1fff);
 }
 
+// Devices summed into one message's data at most (the `contributors` of a
+// header or host entry): far beyond any job, and small enough that the sum
+// over kMaxRanks processes fits 64 bits many times over and a group's total
+// fits the header's 32 bits. A header above it is malformed; a total above it
+// fails the reduction (AddContributors). Without a cap a peer's header could
+// wrap a 32-bit total to 0, the divisor of a mean.
+constexpr uint32_t kMaxContributors = 1u << 24;
+
+// Adds one message's device count to a running total; false (and the total
+// unchanged) where the total would exceed kMaxContributors.
+inline bool AddContributors(uint64_t* total, uint64_t more) {
+  if (more > kMaxContributors || *total + more > kMaxContributors) return false;
+  *total += more;
+  return true;
+}
+
 constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // Version 2: the header carries the whole identity (run id, slot, instance,
 // occurrence, buffer) instead of version 1's per-slot round. Version 3: the
