@@ -157,3 +157,18 @@ def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slo
     assert all(len(d) == 1 for d in digests.values()), digests
     for s in _extra(run, "stats"):
         assert s["stats"]["host_stage_calls"] == s["stats"]["reductions"] == 4, s
+
+
+def test_the_host_board_is_sealed_against_resizing_and_writers():
+    # A process that takes another's board (pidfd_getfd, as the host's
+    # processes do) can neither shrink it (its owner and readers would die of
+    # SIGBUS at their next access), nor grow it, nor map it writable.
+    run = launch("fault_worker.py", ["seals"], nproc=2)
+    assert run.returncode == 0, run.explain()
+    assert all(r["ok"] for rs in run.results.values() for r in rs), run.explain()
+    [seals] = [r for r in run.results[1] if r["case"] == "seals"]
+    assert seals == {"case": "seals", "ok": True, "shrink": "refused", "grow": "refused",
+                     "map_writable": "refused"}, seals
+    for rank, results in run.results.items():
+        [got] = [r for r in results if r["case"] == "reduce"]
+        assert not got["raised"] and got["exact"], (rank, got)

@@ -1,5 +1,6 @@
 #include "engine/host_board.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -39,7 +40,8 @@ int Home(const BoardKey& key, int postings) {
 }  // namespace
 
 HostBoard::HostBoard() {
-  fd_ = static_cast<int>(syscall(SYS_memfd_create, "herring-host-board", MFD_CLOEXEC));
+  fd_ = static_cast<int>(
+      syscall(SYS_memfd_create, "herring-host-board", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (fd_ < 0) {
     error_ = Errno("memfd_create");
     return;
@@ -54,6 +56,24 @@ HostBoard::HostBoard() {
     return;
   }
   own_ = static_cast<Page*>(m);  // zero-filled: every posting free, version 0
+  // Every process of the host can take this descriptor (pidfd_getfd). Sealed,
+  // no holder can shrink the board under its mappings (which would end the
+  // owner and every reader with SIGBUS at their next access), grow it, or map
+  // it writable from now on (F_SEAL_FUTURE_WRITE, Linux 5.1+; this process's
+  // own writable mapping above stays), and no seal can be taken off again.
+  // Without the seals the board is not offered (error_): the host's steps
+  // then go as transport messages.
+  int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+#ifdef F_SEAL_FUTURE_WRITE
+  if (fcntl(fd_, F_ADD_SEALS, F_SEAL_FUTURE_WRITE) != 0 && errno != EINVAL) {
+    error_ = Errno("sealing the board against writers (F_SEAL_FUTURE_WRITE)");
+    return;
+  }
+#endif
+  if (fcntl(fd_, F_ADD_SEALS, seals) != 0) {
+    error_ = Errno("sealing the board (F_ADD_SEALS)");
+    return;
+  }
 }
 
 HostBoard::~HostBoard() {

@@ -2,9 +2,10 @@
 // each other where their inputs and result slices are, without the transport.
 //
 // Every process owns one board: an anonymous memfd that it alone writes and
-// that the other processes of its host map read-only-in-practice (MAP_SHARED
-// through pidfd_getfd, which needs the same permission as process_vm_readv).
-// Nothing has a name, so nothing is left behind after a SIGKILL.
+// that the other processes of its host map read-only (MAP_SHARED through
+// pidfd_getfd, which needs the same permission as process_vm_readv). The memfd
+// is sealed: no holder can resize it (SIGBUS for its owner and readers) or map
+// it writable. Nothing has a name, so nothing is left behind after a SIGKILL.
 //
 // A board holds postings, one per host-stage call in flight or lingering: the
 // call's identity (stream, run, slot, instance, occurrence), its arrive
