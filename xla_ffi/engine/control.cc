@@ -76,14 +76,17 @@ void Communicator::BroadcastAbort(const std::string& why) {
       if (peer == config_.rank) continue;
       transport::IoVec iov[2] = {{&abort_out_.header, sizeof(WireHeader)},
                                  {abort_out_.text, len}};
-      // Best effort, never queued: a dead peer never completes this, nothing
-      // waits on it, and the peers it does not reach learn of the failure
-      // from their own timeout or peer watch. Failures are logged.
+      // Queued if need be, also after this rank's failure (SendControl): a
+      // peer it never sent to before is not connected yet. Nothing waits on
+      // it: one to a dead peer gives up after its post timeout, and the peers
+      // it does not reach learn of the failure from their own timeout or
+      // peer watch. Failures are logged.
       auto report = [rank = config_.rank, peer](const std::string& error) {
         std::fprintf(stderr, "herring_jax rank %d: could not tell rank %d of the failure: %s\n",
                      rank, peer, error.c_str());
       };
-      Status s = transport_->TrySend(peer, MakeControlTag(config_.rank), iov, len > 0 ? 2 : 1,
+      Status s = transport_->SendControl(peer, MakeControlTag(config_.rank), iov,
+                                         len > 0 ? 2 : 1,
                                      [report](const transport::Completion& c) {
                                        if (!c.ok) report(c.error);
                                      });

@@ -126,13 +126,14 @@ void Communicator::SendHeartbeats() {
     transport::IoVec iov[1] = {{&heartbeat_out_[peer], sizeof(WireHeader)}};
     // TrySend: a peer whose queue is full (dead, or busy with data that
     // proves it alive anyway) must not hold up the heartbeats to the others.
-    // The first heartbeat to a peer may queue (Send): a provider that
-    // connects on the first send (tcp;ofi_rxm) refuses sends until then, and
-    // where no data goes to that peer (the host stage's boards carry a
-    // host's steps) nothing else would ever connect the two.
+    // The first heartbeat to a peer may queue (SendControl, also after a
+    // failure): a provider that connects on the first send (tcp;ofi_rxm)
+    // refuses sends until then, and where no data goes to that peer (the
+    // host stage's boards carry a host's steps) nothing else would ever
+    // connect the two.
     auto done = [this, peer](const transport::Completion&) { heartbeat_busy_[peer] = false; };
     const uint64_t tag = MakeHeartbeatTag(static_cast<uint32_t>(config_.rank));
-    Status s = last_sent_[peer].load() == 0 ? transport_->Send(peer, tag, iov, 1, done)
+    Status s = last_sent_[peer].load() == 0 ? transport_->SendControl(peer, tag, iov, 1, done)
                                             : transport_->TrySend(peer, tag, iov, 1, done);
     if (!s.ok()) {
       heartbeat_busy_[peer] = false;

@@ -122,6 +122,7 @@ struct Op {
   int peer = -1;             // destination rank of a send; -1 for receives
   int64_t deadline_ns = 0;   // a queued send gives up after it
   bool cancel = false;       // a queued receive was cancelled (post_mu_)
+  bool control = false;      // SendControl: queues also after StopWaiting
   std::atomic<bool> posted{false};  // handed to the provider
   std::atomic<bool> live{false};    // between Post and its one completion
 };
@@ -320,6 +321,15 @@ class FabricTransport final : public Transport {
                 /*background=*/false, peer, /*may_queue=*/true);
   }
 
+  Status SendControl(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
+                     Callback done) override {
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
+      return Status::Error("send to unknown rank " + std::to_string(peer));
+    CountSend(iov, iov_count);
+    return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
+                /*background=*/false, peer, /*may_queue=*/true, /*control=*/true);
+  }
+
   Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
                  Callback done) override {
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
@@ -426,16 +436,18 @@ class FabricTransport final : public Transport {
     op->done = nullptr;
     op->mrs.clear();
     op->cancel = false;
+    op->control = false;
     op->posted = false;
     std::lock_guard<std::mutex> lock(ops_mu_);
     free_ops_.push_back(op);
   }
 
   // `peer` is the destination rank of a send (-1 for receives); a send with
-  // `may_queue` false fails at once where it would have to queue.
+  // `may_queue` false fails at once where it would have to queue; a
+  // `control` one queues also after StopWaiting (SendControl).
   Status Post(bool is_recv, fi_addr_t addr, uint64_t tag, uint64_t ignore, const IoVec* iov,
               size_t iov_count, Callback done, bool background = false, int peer = -1,
-              bool may_queue = true) {
+              bool may_queue = true, bool control = false) {
     if (iov_count == 0 || iov_count > kMaxIov || iov_count > info_->tx_attr->iov_limit)
       return Status::Error("bad iov count " + std::to_string(iov_count));
     if (!running_) return Status::Error("the transport is shut down");
@@ -449,6 +461,7 @@ class FabricTransport final : public Transport {
     op->ignore = ignore;
     op->iov_count = iov_count;
     op->peer = peer;
+    op->control = control;
     for (size_t i = 0; i < iov_count; ++i) {
       op->iovs[i].iov_base = iov[i].base;
       op->iovs[i].iov_len = iov[i].len;
@@ -493,10 +506,11 @@ class FabricTransport final : public Transport {
         }
       }
       if (refused.empty()) {
-        if (!is_recv && (!may_queue || stop_waiting_.load() || unreachable_[peer].load())) {
+        const bool stopped = stop_waiting_.load() && !control;
+        if (!is_recv && (!may_queue || stopped || unreachable_[peer].load())) {
           refused = std::string("fi_tsendv is busy (-FI_EAGAIN)") +
-                    (!may_queue              ? std::string()
-                     : stop_waiting_.load() ? " after a failure"
+                    (!may_queue ? std::string()
+                     : stopped  ? " after a failure"
                                             : " and rank " + std::to_string(peer) +
                                                   " is unreachable");
         } else {
@@ -562,7 +576,7 @@ class FabricTransport final : public Transport {
         std::string why;
         if (op->cancel) {
           why = "cancelled";
-        } else if (!op->is_recv && stop_waiting_.load()) {
+        } else if (!op->is_recv && stop_waiting_.load() && !op->control) {
           why = "fi_tsendv is busy (-FI_EAGAIN) after a failure";
         } else if (!op->is_recv && unreachable_[op->peer].load()) {
           why = "fi_tsendv is busy (-FI_EAGAIN) and rank " + std::to_string(op->peer) +

@@ -118,6 +118,16 @@ class Transport {
   virtual Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
                          Callback done) = 0;
 
+  // Like Send, for a few small control messages that must get through after a
+  // failure too (an abort, a withdrawal, the first heartbeat to a peer): it
+  // may wait in the queue also after StopWaiting, since a provider that
+  // connects on the first send (tcp;ofi_rxm) refuses every send to a peer not
+  // yet connected until the connection is up, and a process that failed
+  // before it ever sent to a peer would otherwise never reach it. It gives up
+  // after post_timeout_s, or when its peer is declared unreachable.
+  virtual Status SendControl(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
+                             Callback done) = 0;
+
   // Declares `peer` unreachable: sends to it stop waiting for queue room
   // (including queued sends) and fail instead.
   virtual void SetPeerUnreachable(int peer) = 0;
@@ -125,7 +135,7 @@ class Transport {
   // Sends stop waiting for queue room, to any peer, from now on (including
   // queued ones): after a failure nothing is worth the wait, and a send to a
   // dead peer that no watchdog has named yet must not wait for the post
-  // timeout.
+  // timeout. SendControl's messages still wait.
   virtual void StopWaiting() = 0;
 
   // Posts a receive matching any sender's message whose tag equals `tag` on
