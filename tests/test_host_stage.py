@@ -159,6 +159,40 @@ def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slo
         assert s["stats"]["host_stage_calls"] == s["stats"]["reductions"] == 4, s
 
 
+def _fault_run(args, nproc, env=None):
+    """fault_worker.py's results: rank -> its `reduce` results, and its stats."""
+    run = launch("fault_worker.py", args, nproc=nproc, env={"HERRING_TIMEOUT_S": "60",
+                                                             **(env or {})})
+    assert run.returncode == 0, run.explain()
+    reduces = {r: [x for x in rs if x["case"] == "reduce"] for r, rs in run.results.items()}
+    stats = {r: [x for x in rs if x["case"] == "stats"][0]["stats"]
+             for r, rs in run.results.items()}
+    assert sorted(reduces) == list(range(nproc)), run.explain()
+    return run, reduces, stats
+
+
+@pytest.mark.parametrize("board", ["1", "0"])
+def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(board):
+    # Rank 1 publishes its slice of the result, then fails without telling
+    # anyone (as when another rank's abort reaches it first) and returns; its
+    # inputs are then overwritten, as when XLA reuses their memory. Rank 2
+    # reads rank 1's inputs only after that (it reads slowly). Once, rank 2
+    # went on to publish a slice of overwritten bytes and it and rank 0
+    # returned wrong sums as successes. Rank 1 must withdraw its inputs before
+    # it returns (its board posting marked, or a withdrawal message it waits
+    # on), and whoever read them must find that out before using the slice:
+    # every rank fails, naming the withdrawal, long before the timeout.
+    run, reduces, _ = _fault_run(
+        ["reduce", "--env", "1:HERRING_TEST_FAULT=withdraw-after-ready",
+         "--env", "2:HERRING_TEST_READ_DELAY_MS=500"], 3, env={"HERRING_HOST_BOARD": board})
+    for rank, [got] in reduces.items():
+        assert got["raised"], (rank, got, run.explain())
+        assert got["seconds"] < 30, (rank, got)
+    assert "test fault withdraw-after-ready" in reduces[1][0]["message"], reduces
+    for rank in (0, 2):
+        assert "withdrew" in reduces[rank][0]["message"], reduces
+
+
 def test_the_host_board_is_sealed_against_resizing_and_writers():
     # A process that takes another's board (pidfd_getfd, as the host's
     # processes do) can neither shrink it (its owner and readers would die of

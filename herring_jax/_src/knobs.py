@@ -56,6 +56,17 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+_TEST_FAULTS = ("", "abort-at-start", "no-staging", "no-posting", "withdraw-after-ready",
+                "bad-alloc")
+
+
+def _test_fault(text: str) -> str:
+    value = text.strip()
+    if value not in _TEST_FAULTS:
+        raise ValueError(f"expected one of {', '.join(_TEST_FAULTS[1:])} or empty, got {text!r}")
+    return value
+
+
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in [
@@ -116,6 +127,19 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_GATHER_DELAY_MS", 0, _non_negative_int,
              "Tests only: each host-stage call of this process waits this many ms before "
              "reading the other processes' result slices (a slow reader)."),
+        Knob("HERRING_TEST_READ_DELAY_MS", 0, _non_negative_int,
+             "Tests only: each host-stage call of this process waits this many ms before "
+             "reading the other processes' inputs (a slow reader of inputs)."),
+        Knob("HERRING_TEST_ACTIVATE_DELAY_MS", 0, _non_negative_int,
+             "Tests only: each reduction of this process waits this many ms between its "
+             "check that the communicator is usable and the moment an abort can see it."),
+        Knob("HERRING_TEST_FAULT", "", _test_fault,
+             "Tests only: a fault of this process's first reduction that can have it: "
+             "abort-at-start (fails at once, telling every rank), no-staging or no-posting "
+             "(the host stage finds no memory for its staging, or no free board posting), "
+             "withdraw-after-ready (the host stage fails after publishing its result slice "
+             "without telling anyone, then overwrites its inputs), bad-alloc (std::bad_alloc "
+             "once a reduction over the transport is under way)."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError ends the process at once (status 1) instead of "
              "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "

@@ -220,7 +220,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_STALE_COPIES"),
                 knobs.get("HERRING_TEST_GATHER_DELAY_MS"),
                 knobs.get("HERRING_TEST_EARLY_STRANGERS"),
-                knobs.get("HERRING_PROGRESS_SLICE_US"))
+                knobs.get("HERRING_PROGRESS_SLICE_US"),
+                knobs.get("HERRING_TEST_FAULT"),
+                knobs.get("HERRING_TEST_READ_DELAY_MS"),
+                knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(
@@ -295,7 +298,8 @@ def stats() -> dict:
     heartbeats received and sent, peers declared dead, occurrence counters held
     (bounded: idle ones are pruned), failed batches kept because their
     operations never drained, calls reduced through the host stage and the
-    bytes read from other processes' memory there, posts that waited in the
+    bytes read from other processes' memory there, batches in flight
+    (visible to aborts; 0 between calls), posts that waited in the
     transport's queue, duplicate completions ignored and completion-queue
     errors without an operation."""
     return dict(_ext.stats(state().handle))

@@ -1,14 +1,16 @@
 // The communicator's set-up and the AllReduce call: a batch's identities and
 // geometry, waiting for it, and cleaning up after it. The rest lives in rooms
-// of their own: data_path.cc; host_stage.cc, host_messages.cc and
-// host_linger.cc; liveness.cc, control.cc, diagnostics.cc, and test_faults.cc
+// of their own: data_path.cc; host_stage.cc, host_messages.cc, host_posting.cc
+// and host_linger.cc; liveness.cc, control.cc, diagnostics.cc, and test_faults.cc
 // (fault injection for tests).
 #include "engine/communicator.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <new>
 #include <string>
+#include <thread>
 
 #include "engine/batch.h"
 #include "engine/reduce_kernels.h"
@@ -237,6 +239,12 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   reductions_ += requests.size();
 
   const int n = static_cast<int>(group.size());
+  if (n > 1 && TestFault("abort-at-start")) {
+    const std::string why = "rank " + std::to_string(config_.rank) +
+                            ": test fault abort-at-start (HERRING_TEST_FAULT)";
+    FailAll(why, /*tell_peers=*/true);
+    return Status::Error(why);
+  }
   // Only groups that reach the wire need a stream id that fits in the tag; a
   // group of this process alone (any number of them) never does.
   if (n > 1 && stream >= kControlStream) return Status::Error("stream id out of range");
@@ -325,17 +333,26 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
   if (batch->remaining == 0) return Status::Ok();  // only empty parts
   // Active (visible to aborts and the peer watch) once `jobs` is complete:
   // from here on only the jobs' own atomics change under other threads.
-  Activate(batch.get());
+  if (!Activate(batch.get())) return EndFailed(std::move(batch), /*timed_out=*/false);
 
   Status status;
-  for (auto& job : batch->jobs) {
-    status = StartJob(batch.get(), job.get());
-    if (!status.ok()) {
-      Fail(batch.get(), status.message());
-      break;
+  try {
+    if (TestFault("bad-alloc")) throw std::bad_alloc();
+    for (auto& job : batch->jobs) {
+      status = StartJob(batch.get(), job.get());
+      if (!status.ok()) break;
     }
+  } catch (const std::bad_alloc&) {
+    // Receives may be posted into the batch, which is active: it must end as
+    // every failed batch does, never be freed by the unwinding.
+    status = Status::Error("rank " + std::to_string(config_.rank) +
+                           " ran out of memory starting " + batch->jobs.front()->Describe());
   }
-  if (status.ok()) batch->started = true;
+  if (status.ok()) {
+    batch->started = true;
+  } else {
+    Fail(batch.get(), status.message());
+  }
 
   std::unique_lock<std::mutex> lock(batch->mu);
   // Success needs every operation drained too, not only the work done: a
@@ -359,9 +376,26 @@ std::chrono::steady_clock::time_point Communicator::Deadline() const {
              std::chrono::duration<double>(config_.timeout_s));
 }
 
-void Communicator::Activate(Batch* batch) {
+bool Communicator::Activate(Batch* batch) {
+  if (config_.test_activate_delay_ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(config_.test_activate_delay_ms));
+  }
   std::lock_guard<std::mutex> lock(active_mu_);
   active_.insert(batch);
+  // FailAll sets broken_ before it sweeps active_ (under active_mu_): either
+  // it is set by now, or the sweep comes after this insertion and fails it.
+  std::string broken;
+  {
+    std::lock_guard<std::mutex> broken_lock(broken_mu_);
+    broken = broken_;
+  }
+  if (broken.empty()) return true;
+  Fail(batch, "communicator unusable after an earlier failure: " + broken, /*tell_peers=*/false);
+  return false;
+}
+
+bool Communicator::TestFault(const char* name) {
+  return config_.test_fault == name && !fault_fired_.exchange(true);
 }
 
 void Communicator::Deactivate(Batch* batch) {
@@ -369,15 +403,19 @@ void Communicator::Deactivate(Batch* batch) {
   active_.erase(batch);
 }
 
+void Communicator::FailTimedOut(Batch* batch) {
+  Fail(batch, "herring allreduce timed out after " +
+                  std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
+                  std::to_string(config_.rank) + ": " + MissingReport(*batch) +
+                  " A process may have died or hung, or the processes issued "
+                  "different reductions (different executables or shapes, or "
+                  "launches of a reducing executable a different number of times). "
+                  "HERRING_TIMEOUT_S sets the limit.");
+}
+
 Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
   if (timed_out) {
-    Fail(batch.get(), "herring allreduce timed out after " +
-                          std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
-                          std::to_string(config_.rank) + ": " + MissingReport(*batch) +
-                          " A process may have died or hung, or the processes issued "
-                          "different reductions (different executables or shapes, or "
-                          "launches of a reducing executable a different number of times). "
-                          "HERRING_TIMEOUT_S sets the limit.");
+    FailTimedOut(batch.get());
   } else {
     // Failed by a peer's abort, a mismatch or the peer watch: the error
     // names the cause; this rank's own view goes to the log.

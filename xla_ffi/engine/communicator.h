@@ -59,6 +59,21 @@ struct CommConfig {
   // bytes landing anywhere the job reads (with in == out, the contribution
   // not sent yet: Job::results_staged).
   bool test_early_strangers = false;
+  // Tests only: a fault this process's first reduction that can have it
+  // meets (HERRING_TEST_FAULT): "abort-at-start" (fails at once and tells
+  // every rank), "no-staging" (the host stage finds no memory for its
+  // staging), "no-posting" (nor a free board posting), "withdraw-after-ready"
+  // (the host stage fails after publishing its result slice without telling
+  // anyone, and overwrites its inputs before returning, as XLA reusing them
+  // would), "bad-alloc" (std::bad_alloc on the flat path once its batch is
+  // active). Empty: none.
+  std::string test_fault;
+  // Tests only: each host-stage call sleeps this long before it reads the
+  // other processes' inputs (a slow reader of inputs).
+  int test_read_delay_ms = 0;
+  // Tests only: each reduction sleeps this long between its check of the
+  // communicator's state and the moment its batch becomes visible to aborts.
+  int test_activate_delay_ms = 0;
 };
 
 // One buffer to reduce. `in` holds this process's contribution (already summed
@@ -94,6 +109,7 @@ struct CommStats {
   uint64_t failed_batches_kept = 0;  // failed batches whose operations never drained
   uint64_t host_stage_calls = 0;     // calls reduced through the host stage
   uint64_t host_bytes_read = 0;      // bytes read from other processes' memory
+  uint64_t batches_in_flight = 0;    // batches visible to aborts now (0 between calls)
   transport::TransportStats transport;
 };
 
@@ -154,6 +170,26 @@ class Communicator {
   Status ReduceInHosts(uint32_t stream, const GroupPlan& plan,
                        const std::vector<ReduceRequest>& requests,
                        const std::vector<Identity>& ids);
+  // Its steps after the arrive (2-5); false once the call failed (timed_out:
+  // by its deadline).
+  bool RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& plan,
+                    const std::vector<ReduceRequest>& requests, const std::vector<Identity>& ids,
+                    bool* timed_out);
+  // Where a call's inputs are published and withdrawn (host_posting.cc): its
+  // staging, arrive entries and board posting; whether every input this
+  // process read is still its owner's (an error naming the one withdrawn);
+  // and a failed call's end: withdraws its inputs (WithdrawHost), keeps its
+  // staging, EndFailed.
+  Status PrepareHostCall(Batch* batch, const GroupPlan& plan,
+                         const std::vector<ReduceRequest>& requests,
+                         const std::vector<size_t>& slice_bytes);
+  Status CheckInputsStillPosted(Batch* batch);
+  Status EndHostCall(std::unique_ptr<Batch> batch, const std::vector<ReduceRequest>& requests,
+                     bool timed_out);
+  // Before a failed call returns (and XLA frees its inputs): on the boards,
+  // marks its posting withdrawn; as messages, sends every local peer a
+  // withdrawal and waits until each has said it is done reading or has exited.
+  void WithdrawHost(Batch* batch);
   // Host-stage messages (host_stage.cc).
   void PostHostRecv(Batch* batch, int step, int peer);
   void OnHostMessage(Batch* batch, int step, int peer, const transport::Completion& c);
@@ -200,12 +236,23 @@ class Communicator {
   size_t DrainLingering();
   std::chrono::steady_clock::time_point Deadline() const;  // now + timeout_s
   // Batches in flight are visible to aborts, the peer watch and heartbeats.
-  void Activate(Batch* batch);
+  // Activate fails the batch (false) where the communicator broke after the
+  // caller's own check: an abort's sweep (FailAll) may have run before the
+  // batch was there to fail.
+  bool Activate(Batch* batch);
   void Deactivate(Batch* batch);
   // After a batch failed (or `timed_out`): reports, cancels receives, waits
   // until nothing references the batch, frees it (or keeps it when its
   // operations never drain); returns its error.
   Status EndFailed(std::unique_ptr<Batch> batch, bool timed_out);
+  // Fails `batch` with the timeout's error: what it waits for, and from whom.
+  void FailTimedOut(Batch* batch);
+  // Tests: whether CommConfig::test_fault is `name` and has not fired yet
+  // (then it fires: once per communicator).
+  bool TestFault(const char* name);
+  bool FaultFired(const char* name) const {
+    return fault_fired_.load() && config_.test_fault == name;
+  }
 
   Status StartJob(Batch* batch, Job* job);
   // Control plane: a failing rank tells every other rank at once, so that
@@ -302,7 +349,7 @@ class Communicator {
   std::string broken_;
 
   // Batches in flight, failed all at once when a peer aborts.
-  std::mutex active_mu_;
+  mutable std::mutex active_mu_;
   std::set<Batch*> active_;
 
   static constexpr size_t kControlRecvs = 2;
@@ -353,6 +400,7 @@ class Communicator {
   std::atomic<uint64_t> kept_batches_{0};
   std::atomic<uint64_t> host_calls_{0};
   std::atomic<uint64_t> host_bytes_read_{0};
+  std::atomic<bool> fault_fired_{false};
 };
 
 }  // namespace herring::engine

@@ -152,6 +152,19 @@ void HostBoard::Release(int k) {
   free_[k] = true;
 }
 
+void HostBoard::Withdraw(int k) {
+  own_->postings[k].steps.fetch_or(kWithdrawnBit, std::memory_order_seq_cst);
+  Bump();  // wakes the readers that wait for this posting's next step
+}
+
+bool HostBoard::StillPosted(int index, int k, uint32_t version) const {
+  const Posting& p = peers_[index]->postings[k];
+  // seq_cst, after the reads (system calls that have returned): a withdrawal
+  // not seen here was made after them.
+  return !(p.steps.load(std::memory_order_seq_cst) & kWithdrawnBit) &&
+         p.version.load(std::memory_order_seq_cst) == version;
+}
+
 void HostBoard::Bump() {
   own_->generation.fetch_add(1, std::memory_order_acq_rel);
   syscall(SYS_futex, Word(own_->generation), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
@@ -166,8 +179,15 @@ int HostBoard::Find(int index, const BoardKey& key, int step, std::vector<HostEn
     const Posting& p = page->postings[k];
     const uint32_t v = p.version.load(std::memory_order_acquire);
     if (v & 1u) continue;
-    if (!(p.steps.load(std::memory_order_acquire) & (1u << step))) continue;
+    const uint32_t steps = p.steps.load(std::memory_order_acquire);
+    if (!(steps & ((1u << step) | kWithdrawnBit))) continue;
     if (p.key.stream != key.stream || p.key.id != key.id) continue;
+    if (steps & kWithdrawnBit) {
+      // The key was read while the version was stable: this call's posting.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (p.version.load(std::memory_order_relaxed) == v) return kWithdrawnPosting;
+      continue;
+    }
     const size_t num = std::min<size_t>(p.num, kEntries);
     out->assign(p.entries[step], p.entries[step] + num);
     std::atomic_thread_fence(std::memory_order_acquire);

@@ -21,8 +21,14 @@ enum class MsgKind : uint8_t {
   // data moves through memory; payload: one HostEntry per buffer of the call.
   kHostArrive = 5,    // here are my inputs (addresses in my process)
   kHostReady = 6,     // my slice of the result is ready (in my staging buffer)
-  kHostDone = 7,      // I have read your slice: you may let go of it (no payload)
+  kHostDone = 7,      // I have read your slice: you may let go of it (no payload);
+                      // with contributors == kHostWithdrawn: my call failed, I
+                      // read nothing of yours any more and my inputs are gone
 };
+
+// The `contributors` of a kHostDone that withdraws (host_posting.cc); a
+// plain kHostDone says 1.
+constexpr uint32_t kHostWithdrawn = 2;
 
 inline bool IsHostKind(MsgKind kind) {
   return kind == MsgKind::kHostArrive || kind == MsgKind::kHostReady ||
@@ -146,7 +152,9 @@ constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // occurrence, buffer) instead of version 1's per-slot round. Version 3: the
 // host stage's kinds, and a 2-bit kind in the tag (13-bit chunk index).
 // Version 4: the codec byte (codec.h); payloads of data messages are encoded.
-constexpr uint16_t kWireVersion = 4;
+// Version 5: a kHostDone may withdraw (kHostWithdrawn); at most
+// kMaxContributors devices per message.
+constexpr uint16_t kWireVersion = 5;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.
