@@ -113,7 +113,7 @@ NB_MODULE(_herring_ffi, m) {
          double timeout_s, double heartbeat_s, double peer_timeout_s, size_t max_posted,
          bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
          int progress_slice_us, const std::string& test_fault, int test_read_delay_ms,
-         int test_activate_delay_ms) {
+         int test_activate_delay_ms, int test_forge_as) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -134,6 +134,7 @@ NB_MODULE(_herring_ffi, m) {
         config.test_fault = test_fault;
         config.test_read_delay_ms = test_read_delay_ms;
         config.test_activate_delay_ms = test_activate_delay_ms;
+        config.test_forge_as = test_forge_as;
         engine::Status status;
         std::unique_ptr<engine::Communicator> comm;
         {
@@ -150,7 +151,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("test_stale_copies") = false, nb::arg("test_gather_delay_ms") = 0,
       nb::arg("test_early_strangers") = false, nb::arg("progress_slice_us") = 0,
       nb::arg("test_fault") = "", nb::arg("test_read_delay_ms") = 0,
-      nb::arg("test_activate_delay_ms") = 0,
+      nb::arg("test_activate_delay_ms") = 0, nb::arg("test_forge_as") = -1,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {

@@ -140,6 +140,11 @@ KNOBS: dict[str, Knob] = {
              "withdraw-after-ready (the host stage fails after publishing its result slice "
              "without telling anyone, then overwrites its inputs), bad-alloc (std::bad_alloc "
              "once a reduction over the transport is under way)."),
+        Knob("HERRING_TEST_FORGE_AS", None, _non_negative_int,
+             "Tests only: this process's first host-stage call sends every other rank an "
+             "abort, and every other process of its host an arrive, forged to come from this "
+             "rank; receivers must drop them (source checks) or never match them (directed "
+             "receives)."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError ends the process at once (status 1) instead of "
              "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "

@@ -223,7 +223,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_PROGRESS_SLICE_US"),
                 knobs.get("HERRING_TEST_FAULT"),
                 knobs.get("HERRING_TEST_READ_DELAY_MS"),
-                knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"))
+                knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
+                _or(knobs.get("HERRING_TEST_FORGE_AS"), -1))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(

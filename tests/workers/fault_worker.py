@@ -127,7 +127,7 @@ def main() -> int:
                 time.sleep(float(seconds))
         for salt in range(args.rounds):
             _reduce_once(rank, nproc, args.count, salt)
-    common.report("stats", True, stats=herring_jax.stats())
+    common.report("stats", True, stats=herring_jax.stats(), describe=herring_jax.describe())
     # Every rank stays (its heartbeats and aborts go on) until all have
     # reported; rank 0, which hosts jax.distributed's coordinator, leaves last
     # (the job may be broken: no shutdown barrier).

@@ -74,6 +74,12 @@ struct CommConfig {
   // Tests only: each reduction sleeps this long between its check of the
   // communicator's state and the moment its batch becomes visible to aborts.
   int test_activate_delay_ms = 0;
+  // Tests only: this process's first host-stage call sends every other rank
+  // an abort, and every other process of its host an arrive (its own
+  // entries), forged to come from this rank (tag and header); -1: none.
+  // Receivers must drop or never match them (directed receives, source
+  // checks).
+  int test_forge_as = -1;
 };
 
 // One buffer to reduce. `in` holds this process's contribution (already summed
@@ -260,6 +266,9 @@ class Communicator {
   void PostControlRecv(size_t slot);
   void OnControl(size_t slot, const transport::Completion& c);
   void BroadcastAbort(const std::string& why);
+  // Whether a control message whose tag and header name `sender` came from
+  // that rank's address (or the provider does not say); `why` if not.
+  static bool FromSender(const transport::Completion& c, uint32_t sender, std::string* why);
   // A message that failed its header check: counted, logged (the first 10),
   // and its receive posted again.
   void CountDropped(const std::string& why);
@@ -277,6 +286,11 @@ class Communicator {
   // Tests (CommConfig::test_early_strangers): sends peer p a stranger for each
   // result chunk of this process's part.
   void SendEarlyStrangers(Job* job, int p);
+  // Tests (CommConfig::test_forge_as): the forged abort and arrives of a
+  // host-stage call set up (PrepareHostCall) and not yet published.
+  void SendForgeries(Batch* batch);
+  void SendForged(Batch* batch, int to_rank, uint64_t tag, const WireHeader& header,
+                  const void* payload);
   // Liveness (see CommConfig::heartbeat_s).
   void PostHeartbeatRecv(size_t slot);
   void OnHeartbeat(size_t slot, const transport::Completion& c);
@@ -401,6 +415,7 @@ class Communicator {
   std::atomic<uint64_t> host_calls_{0};
   std::atomic<uint64_t> host_bytes_read_{0};
   std::atomic<bool> fault_fired_{false};
+  std::atomic<bool> forged_{false};
 };
 
 }  // namespace herring::engine

@@ -15,7 +15,8 @@ namespace herring::engine {
 void Communicator::PostControlRecv(size_t slot) {
   ControlBuffer& b = control_[slot];
   transport::IoVec iov[2] = {{&b.header, sizeof(b.header)}, {b.text, sizeof(b.text)}};
-  // Any sender: the sender bits of the tag are ignored.
+  // Any sender: the sender bits of the tag are ignored, and OnControl checks
+  // them against the address the message came from.
   Status s = transport_->Recv(
       MakeControlTag(0), kSenderBits, iov, 2,
       [this, slot](const transport::Completion& c) { OnControl(slot, c); },
@@ -42,7 +43,8 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
     return;
   }
   if (!CheckControlHeader(b.header, c.len, MsgKind::kAbort, config_.token, sender,
-                          static_cast<uint32_t>(config_.size), &why)) {
+                          static_cast<uint32_t>(config_.size), &why) ||
+      !FromSender(c, sender, &why)) {
     CountDropped(why);
     Enqueue([this, slot] { PostControlRecv(slot); });
     return;
@@ -55,6 +57,20 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
                                             : " [rank " + std::to_string(config_.rank) +
                                                   " was waiting in " + mine + "]");
   FailAll(message, /*tell_peers=*/false);
+}
+
+bool Communicator::FromSender(const transport::Completion& c, uint32_t sender,
+                              std::string* why) {
+  // The job token is no proof of who sent a message (README, "Security"):
+  // where the provider names the sending address, it must be the rank's.
+  if (c.source == transport::kSourceUnchecked || c.source == static_cast<int>(sender)) {
+    return true;
+  }
+  *why = "a control message that claims to come from rank " + std::to_string(sender) +
+         " came from " + (c.source == transport::kSourceUnknown
+                              ? std::string("an address of no rank of this job")
+                              : "rank " + std::to_string(c.source) + "'s address");
+  return false;
 }
 
 void Communicator::CountDropped(const std::string& why) {

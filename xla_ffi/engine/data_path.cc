@@ -155,10 +155,9 @@ void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
   batch->AddInflight(1);
   Status s = transport_->Recv(
       MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->tag_bits, c), 0,
-      iov,
-      2, [this, job, p, c](const transport::Completion& done) {
-        OnContribution(job, p, c, done);
-      });
+      iov, 2,
+      [this, job, p, c](const transport::Completion& done) { OnContribution(job, p, c, done); },
+      /*background=*/false, /*from=*/batch->group[p]);
   if (!s.ok()) {
     Fail(batch, "posting a receive: " + s.message());
     batch->Complete(1, 1);
@@ -174,7 +173,8 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   batch->AddInflight(1);
   Status s = transport_->Recv(
       MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->tag_bits, c), 0, iov, 2,
-      [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); });
+      [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); },
+      /*background=*/false, /*from=*/batch->group[i]);
   if (!s.ok()) {
     Fail(batch, "posting a receive: " + s.message());
     batch->Complete(1, 1);

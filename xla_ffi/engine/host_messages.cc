@@ -78,7 +78,8 @@ void Communicator::PostHostRecv(Batch* batch, int step, int q) {
       0, iov, entries.empty() ? 1 : 2,
       [this, batch, step, q](const transport::Completion& c) {
         OnHostMessage(batch, step, q, c);
-      });
+      },
+      /*background=*/false, /*from=*/w.local[q]);
   if (!s.ok()) {
     Fail(batch, "posting a receive: " + s.message());
     batch->Complete(1, 1);

@@ -181,6 +181,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     Fail(batch.get(), prepared.message());
     return prepared;
   }
+  if (config_.test_forge_as >= 0) SendForgeries(batch.get());
   // Each step: a receive from and a send to every other process (none
   // through the boards).
   batch->remaining = w.board ? 0 : 2 * HostWait::kSteps * (p - 1);

@@ -25,7 +25,7 @@ void Communicator::PostHeartbeatRecv(size_t slot) {
   Status s = transport_->Recv(
       MakeHeartbeatTag(static_cast<uint32_t>(slot)), 0, iov, 1,
       [this, slot](const transport::Completion& c) { OnHeartbeat(slot, c); },
-      /*background=*/true);
+      /*background=*/true, /*from=*/static_cast<int>(slot));
   // Without it rank `slot` would look dead to this rank's peer watch: no
   // silent degradation, break now.
   if (!s.ok() && !ShuttingDown()) {
@@ -46,7 +46,8 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
     std::string why;
     const WireHeader& h = heartbeat_in_[slot];
     if (CheckControlHeader(h, c.len, MsgKind::kHeartbeat, config_.token, sender,
-                           static_cast<uint32_t>(config_.size), &why)) {
+                           static_cast<uint32_t>(config_.size), &why) &&
+        FromSender(c, sender, &why)) {
       heartbeats_.fetch_add(1);
       Heard(sender);
       // A heartbeat also says what its sender waits for (contributors = 1):

@@ -189,11 +189,22 @@ class FabricTransport final : public Transport {
       std::fprintf(stderr, "herring_jax: FI_OFI_RXM_EAGER_LIMIT is unset; ofi_rxm will send "
                    "chunks by rendezvous (half the rate on a link busy both ways)\n");
     }
+    // Directed receives (a receive posted for one peer's address matches only
+    // that peer's messages, whatever the tag's sender bits claim) and source
+    // addresses in completions (who really sent a control message, whose
+    // receive takes any sender): first with them, then, for a provider that
+    // lacks them, without.
     fi_info* raw = nullptr;
-    int ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
-    if ((ret != 0 || raw == nullptr) && !force_mr_) {
-      hints->domain_attr->mr_mode = mr_mode | FI_MR_LOCAL;
+    int ret = -FI_ENODATA;
+    for (const uint64_t checks : {uint64_t{FI_DIRECTED_RECV | FI_SOURCE}, uint64_t{0}}) {
+      hints->caps = FI_TAGGED | checks;
+      hints->domain_attr->mr_mode = force_mr_ ? mr_mode | FI_MR_LOCAL : mr_mode;
       ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
+      if ((ret != 0 || raw == nullptr) && !force_mr_) {
+        hints->domain_attr->mr_mode = mr_mode | FI_MR_LOCAL;
+        ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
+      }
+      if (ret == 0 && raw != nullptr) break;
     }
     if (ret != 0 || raw == nullptr) {
       no_provider_ = true;
@@ -203,6 +214,8 @@ class FabricTransport final : public Transport {
                            fi_strerror(-ret));
     }
     info_.reset(raw);
+    directed_ = (info_->caps & FI_DIRECTED_RECV) != 0;
+    sources_ = (info_->caps & FI_SOURCE) != 0;
     need_mr_ = force_mr_ || (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
     prov_key_ = (info_->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
     if (info_->tx_attr->iov_limit < 2 || info_->rx_attr->iov_limit < 2) {
@@ -350,8 +363,11 @@ class FabricTransport final : public Transport {
   }
 
   Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov, size_t iov_count,
-              Callback done, bool background) override {
-    return Post(/*is_recv=*/true, FI_ADDR_UNSPEC, tag, ignore, iov, iov_count, std::move(done),
+              Callback done, bool background, int from) override {
+    if (from >= static_cast<int>(peers_.size()))
+      return Status::Error("receive from unknown rank " + std::to_string(from));
+    const fi_addr_t addr = directed_ && from >= 0 ? peers_[from] : FI_ADDR_UNSPEC;
+    return Post(/*is_recv=*/true, addr, tag, ignore, iov, iov_count, std::move(done),
                 background);
   }
 
@@ -410,6 +426,7 @@ class FabricTransport final : public Transport {
     return std::string(info_->fabric_attr->prov_name) + " (fabric " +
            info_->fabric_attr->name + ", domain " + info_->domain_attr->name +
            (need_mr_ ? ", registered buffers" : "") +
+           (directed_ ? ", directed receives" : "") + (sources_ ? ", sources checked" : "") +
            (can_wait_ ? ", blocking progress" : ", polled progress") + ")";
   }
 
@@ -614,6 +631,17 @@ class FabricTransport final : public Transport {
     }
   }
 
+  // The rank whose address `addr` is (FI_AV_TABLE numbers them in insertion
+  // order, i.e. by rank), or kSourceUnknown: no peer of this job.
+  int RankOf(fi_addr_t addr) const {
+    if (addr == FI_ADDR_NOTAVAIL || addr == FI_ADDR_UNSPEC) return kSourceUnknown;
+    if (addr < peers_.size() && peers_[addr] == addr) return static_cast<int>(addr);
+    for (size_t r = 0; r < peers_.size(); ++r) {
+      if (peers_[r] == addr) return static_cast<int>(r);
+    }
+    return kSourceUnknown;
+  }
+
   size_t LiveOps() {
     std::lock_guard<std::mutex> lock(live_mu_);
     return live_.size();
@@ -665,14 +693,19 @@ class FabricTransport final : public Transport {
   // wait object, blocks up to that long for the first completion.
   int PollOnce(int wait_ms = 0) {
     fi_cq_tagged_entry entries[kCqBatch];
-    ssize_t n = wait_ms > 0 && can_wait_
-                    ? fi_cq_sread(cq_.get(), entries, kCqBatch, nullptr, wait_ms)
-                    : fi_cq_read(cq_.get(), entries, kCqBatch);
+    fi_addr_t from[kCqBatch];
+    const bool wait = wait_ms > 0 && can_wait_;
+    ssize_t n = sources_ ? (wait ? fi_cq_sreadfrom(cq_.get(), entries, kCqBatch, from, nullptr,
+                                                   wait_ms)
+                                 : fi_cq_readfrom(cq_.get(), entries, kCqBatch, from))
+                         : (wait ? fi_cq_sread(cq_.get(), entries, kCqBatch, nullptr, wait_ms)
+                                 : fi_cq_read(cq_.get(), entries, kCqBatch));
     if (n > 0) {
       for (ssize_t i = 0; i < n; ++i) {
         Completion c;
         c.len = entries[i].len;
         c.tag = entries[i].tag;
+        c.source = sources_ ? RankOf(from[i]) : kSourceUnchecked;
         Finish(static_cast<Op*>(entries[i].op_context), c);
       }
       return static_cast<int>(n);
@@ -816,6 +849,8 @@ class FabricTransport final : public Transport {
   std::unique_ptr<std::atomic<bool>[]> unreachable_;  // [rank]
   bool force_mr_ = false;
   bool no_provider_ = false;
+  bool directed_ = false;  // FI_DIRECTED_RECV: receives from one peer's address
+  bool sources_ = false;   // FI_SOURCE: completions name their sender
   double post_timeout_s_ = 300.0;
   bool need_mr_ = false;
   bool prov_key_ = false;
