@@ -206,3 +206,66 @@ def test_the_host_board_is_sealed_against_resizing_and_writers():
     for rank, results in run.results.items():
         [got] = [r for r in results if r["case"] == "reduce"]
         assert not got["raised"] and got["exact"], (rank, got)
+
+
+def _ptrace_run(extra_env_args=()):
+    run = launch("fault_worker.py", ["ptrace", *extra_env_args], nproc=3,
+                 env={"HERRING_TEST_PTRACE_SCOPE": "1"})
+    assert run.returncode == 0, run.explain()
+    found = {}
+    for rank, results in run.results.items():
+        by_case = {r["case"]: r for r in results}
+        assert not by_case["reduce"]["raised"] and by_case["reduce"]["exact"], by_case
+        found[rank] = by_case
+    assert sorted(found) == [0, 1, 2], run.explain()
+    return found
+
+
+def test_under_ptrace_scope_1_a_process_lets_only_its_hosts_common_ancestor_read_it():
+    # Yama's scope 1 (Ubuntu's default) lets only ancestors read a process's
+    # memory unless it declares a tracer. Once, every process declared any
+    # process of the user (PR_SET_PTRACER_ANY) for its whole life. Now it
+    # declares the nearest common ancestor of its host's processes (here the
+    # launcher, their parent), which admits that process and its descendants,
+    # says so in describe(), and takes it back at shutdown(). (This kernel has
+    # no Yama: HERRING_TEST_PTRACE_SCOPE=1 records what would be declared.)
+    found = _ptrace_run()
+    parents = {r: f["ptrace"]["parent"] for r, f in found.items()}
+    assert len(set(parents.values())) == 1 and 1 not in parents.values(), parents
+    for rank, f in found.items():
+        assert f["ptrace"]["declared"] == parents[rank], f
+        assert (f"memory readable by pid {parents[rank]} and its descendants (the nearest "
+                "common ancestor of this host's processes") in f["ptrace"]["describe"], f
+        assert f["after-shutdown"]["declared"] is None, f
+
+
+def test_a_process_that_allows_no_memory_reads_declares_nothing_and_turns_its_host_stage_off():
+    found = _ptrace_run(["--env", "1:HERRING_ALLOW_MEMORY_READS=0"])
+    for rank, f in found.items():
+        # Nobody reads on this host, so nobody keeps a declaration either.
+        assert f["ptrace"]["declared"] is None, f
+        assert ("host stage off: rank 1 lets no other process read its memory "
+                "(HERRING_ALLOW_MEMORY_READS=0)") in f["ptrace"]["describe"], f
+        assert "memory readable" not in f["ptrace"]["describe"], f
+
+
+def test_processes_with_no_common_ancestor_but_init_let_any_process_of_the_user_read(
+        monkeypatch):
+    # Started apart (each under init), a host's processes have no narrower
+    # tracer to declare: PR_SET_PTRACER_ANY, said in what describe() shows.
+    from herring_jax._src import topology
+
+    assert topology.nearest_common_ancestor([[30, 20, 10, 1], [31, 21, 10, 1]]) == 10
+    assert topology.nearest_common_ancestor([[30, 20, 1], [20, 1]]) == 20  # parent and child
+    assert topology.nearest_common_ancestor([[30, 1], [31, 1]]) == 1
+    assert topology.ancestors()[-1] == 1 and topology.ancestors()[0] == os.getpid()
+    monkeypatch.setenv("HERRING_TEST_PTRACE_SCOPE", "1")
+    records = [{"ancestors": [30, 1]}, {"ancestors": [31, 1]}]
+    whom, why = topology._let_host_read(None, records, [0, 1], 0)
+    try:
+        assert why == "" and topology.declared_ptracer() == -1, (whom, why)
+        assert whom.startswith("any process of this user (PR_SET_PTRACER_ANY: this host's "
+                               "processes share no ancestor but init"), whom
+    finally:
+        topology.take_back_ptracer(None)
+    assert topology.declared_ptracer() is None

@@ -216,8 +216,9 @@ NB_MODULE(_herring_ffi, m) {
       },
       nb::arg("pid"), nb::arg("address"),
       "Reads another process's probe word (process_vm_readv); raises with the reason.");
-  m.def("allow_peers_to_read", &engine::AllowPeersToRead,
-        "Under Yama's ptrace_scope 1, lets this user's processes read this one's memory.");
+  m.def("set_ptracer", &engine::SetPtracer, nb::arg("tracer"),
+        "Under Yama's ptrace_scope 1: lets process `tracer` and its descendants (> 0), any "
+        "process of this user (-1) or nobody (0) read this one's memory; \"\" or the error.");
 
   m.def("describe", [](int64_t handle) { return Find(handle)->Describe(); });
 

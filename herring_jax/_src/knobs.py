@@ -111,6 +111,12 @@ KNOBS: dict[str, Knob] = {
              "1: the host stage's steps (where inputs and result slices are) go through a "
              "shared-memory board per process with futex waits; 0: through transport "
              "messages. Rank 0's value holds for the whole job."),
+        Knob("HERRING_ALLOW_MEMORY_READS", True, _bool,
+             "1: under Yama's kernel.yama.ptrace_scope 1, this process lets the other processes "
+             "of its host read its memory for the host stage, by declaring their nearest "
+             "common ancestor its tracer (any process of the user only where they share no "
+             "ancestor but init; describe() says which), until shutdown(). 0: it declares "
+             "nothing, and its host reduces over the transport."),
         Knob("HERRING_TEST_DENY_BOARDS", False, _bool,
              "Tests only: this process reports that it cannot map the other processes' "
              "host boards, so its host's steps go as messages."),
@@ -145,6 +151,9 @@ KNOBS: dict[str, Knob] = {
              "abort, and every other process of its host an arrive, forged to come from this "
              "rank; receivers must drop them (source checks) or never match them (directed "
              "receives)."),
+        Knob("HERRING_TEST_PTRACE_SCOPE", None, int,
+             "Tests only: behave as if kernel.yama.ptrace_scope had this value, recording the "
+             "tracer declarations instead of making them (for kernels without Yama)."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError ends the process at once (status 1) instead of "
              "running exit handlers, which would wait ~100 s in jax.distributed's shutdown "

@@ -231,7 +231,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     client, prefix, rank, size, timeout_ms, _ext, host_stage,
                     deny_reads=knobs.get("HERRING_TEST_DENY_MEMORY_READS"),
                     handle=handle, boards=host_board,
-                    deny_boards=knobs.get("HERRING_TEST_DENY_BOARDS"))
+                    deny_boards=knobs.get("HERRING_TEST_DENY_BOARDS"),
+                    refuse_reads=not knobs.get("HERRING_ALLOW_MEMORY_READS"))
                 _ext.set_topology(handle, topology.host_of, topology.pid_of,
                                   topology.memory_shared, topology.board_shared)
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
@@ -239,6 +240,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 _ext.connect(handle, addrs)
             except BaseException:
                 _ext.destroy(handle)
+                topology_lib.take_back_ptracer(_ext)
                 raise
         except HerringError:
             raise
@@ -262,7 +264,9 @@ def _or(value, default):
 
 
 def shutdown() -> None:
-    """Stops the server threads and closes the endpoint. Safe to call twice.
+    """Stops the server threads and closes the endpoint, and takes back the
+    permission to read this process's memory that initialize() gave the
+    other processes of its host (Yama's ptrace scope 1). Safe to call twice.
 
     Compiled functions that reduce through herring_jax are dropped from jax's
     caches, since they refer to the closed communicator.
@@ -272,6 +276,9 @@ def shutdown() -> None:
         if _state is None:
             return
         _ext.destroy(_state.handle)
+        # Nobody reads this process's memory any more (the communicator's
+        # destructor waited for the last readers of its slices).
+        topology_lib.take_back_ptracer(_ext)
         _state = None
     jax.clear_caches()
 

@@ -6,6 +6,7 @@ Usage (under the launcher):
   python tests/workers/fault_worker.py reduce [--count N] [--rounds K] \
       [--env RANK:NAME=VALUE ...] [--stagger RANK:SECONDS ...]
   python tests/workers/fault_worker.py seals
+  python tests/workers/fault_worker.py ptrace [--env RANK:NAME=VALUE ...]
 
   reduce: every rank reduces float32[N] (sum) K times, each through
     herring_jax.allreduce; per round a `reduce` result: raised (HerringError)
@@ -15,6 +16,10 @@ Usage (under the launcher):
   seals: rank 1 takes rank 0's host board (pidfd_getfd) and tries to resize it
     and to map it writable; each must be refused (EPERM). Then every rank
     reduces once, exactly.
+  ptrace: every rank reports its parent's pid, describe() and the tracer it
+    declared (topology.declared_ptracer(); run with HERRING_TEST_PTRACE_SCOPE
+    on a kernel without Yama), reduces once, shuts down and reports the
+    declaration again.
 """
 
 from __future__ import annotations
@@ -107,7 +112,7 @@ def _seals(rank: int, client) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["reduce", "seals"])
+    parser.add_argument("case", choices=["reduce", "seals", "ptrace"])
     parser.add_argument("--count", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--env", action="append", default=[])
@@ -117,6 +122,16 @@ def main() -> int:
     herring_jax.initialize()
     rank, nproc = herring_jax.process_index(), herring_jax.process_count()
     client = jax_compat.distributed_client()
+    if args.case == "ptrace":
+        from herring_jax._src import topology
+        common.report("ptrace", True, parent=os.getppid(), describe=herring_jax.describe(),
+                      declared=topology.declared_ptracer())
+        _reduce_once(rank, nproc, 4097, 0)
+        client.wait_at_barrier("fault_worker/reduced", 120_000)
+        herring_jax.shutdown()
+        common.report("after-shutdown", True, declared=topology.declared_ptracer())
+        sys.stdout.flush()
+        return 0
     if args.case == "seals":
         _seals(rank, client)
     else:
