@@ -151,3 +151,22 @@ def test_out_of_memory_once_a_reduction_is_under_way_fails_it_and_leaves_no_batc
     assert stats[1]["batches_in_flight"] == 0 and stats[0]["batches_in_flight"] == 0, stats
     assert reduces[0][0]["raised"] and "rank 1 failed" in reduces[0][0]["message"], reduces
     assert reduces[0][0]["seconds"] < 30, reduces
+
+
+def test_a_process_stopped_longer_than_the_peer_timeout_is_heard_again_when_it_resumes():
+    # Rank 0 stops rank 1 (SIGSTOP) for 6 s, three times the peer timeout,
+    # then reduces; rank 1, resumed, joins 4 s later (twice the timeout).
+    # Suspected: the peers of a rank silent past the limit stop writing to it
+    # for good, and it, having heard nobody, writes to none of them, so that
+    # rank 0 declares the live rank 1 dead. It does not happen: the
+    # heartbeats rank 0 sent in the first peer timeout of the stop wait for
+    # rank 1 and reach it when it resumes, and both go on (this passes also
+    # without liveness.cc's heartbeats to silent ranks, which only shorten the
+    # moment after the resume in which rank 1 wrote to nobody).
+    run, reduces, stats = _fault_run(["freeze", "--freeze-s", "6", "--late-s", "4"], 2,
+                                     env={"HERRING_PEER_TIMEOUT_S": "2",
+                                          "HERRING_HOST_STAGE": "0"})
+    for rank, [got] in reduces.items():
+        assert not got["raised"] and got["exact"], (rank, got)
+    assert reduces[0][0]["seconds"] > 2, reduces  # rank 0 really waited for rank 1
+    assert stats[0]["peers_declared_dead"] == 0, stats

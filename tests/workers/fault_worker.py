@@ -7,6 +7,7 @@ Usage (under the launcher):
       [--env RANK:NAME=VALUE ...] [--stagger RANK:SECONDS ...]
   python tests/workers/fault_worker.py seals
   python tests/workers/fault_worker.py ptrace [--env RANK:NAME=VALUE ...]
+  python tests/workers/fault_worker.py freeze --freeze-s F --late-s L
 
   reduce: every rank reduces float32[N] (sum) K times, each through
     herring_jax.allreduce; per round a `reduce` result: raised (HerringError)
@@ -20,6 +21,9 @@ Usage (under the launcher):
     declared (topology.declared_ptracer(); run with HERRING_TEST_PTRACE_SCOPE
     on a kernel without Yama), reduces once, shuts down and reports the
     declaration again.
+  freeze: after a first reduction, rank 0 stops rank 1 (SIGSTOP) for F
+    seconds, then both reduce again, rank 1 L seconds after it was thawed, so
+    that rank 0 waits for it: a `reduce` result each (the second round).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import errno
 import json
 import mmap
 import os
+import signal
 import sys
 import time
 
@@ -112,7 +117,9 @@ def _seals(rank: int, client) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("case", choices=["reduce", "seals", "ptrace"])
+    parser.add_argument("case", choices=["reduce", "seals", "ptrace", "freeze"])
+    parser.add_argument("--freeze-s", type=float, default=6.0)
+    parser.add_argument("--late-s", type=float, default=4.0)
     parser.add_argument("--count", type=int, default=65536)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--env", action="append", default=[])
@@ -132,7 +139,23 @@ def main() -> int:
         common.report("after-shutdown", True, declared=topology.declared_ptracer())
         sys.stdout.flush()
         return 0
-    if args.case == "seals":
+    if args.case == "freeze":
+        herring_jax.allreduce(np.ones(16, np.float32))
+        client.wait_at_barrier("fault_worker/warm", 120_000)
+        if rank == 0:
+            record = json.loads(client.blocking_key_value_get("herring_jax/1/host/1", 60_000))
+            os.kill(record["pid"], signal.SIGSTOP)
+            time.sleep(args.freeze_s)
+            os.kill(record["pid"], signal.SIGCONT)
+            client.key_value_set("fault_worker/thawed", "1")
+            # Time for rank 1's threads to run again (a tick of its
+            # heartbeats) before this reduction's peer watch looks at it.
+            time.sleep(1.5)
+        else:
+            client.blocking_key_value_get("fault_worker/thawed", 120_000)
+            time.sleep(args.late_s)
+        _reduce_once(rank, nproc, 4097, 1)
+    elif args.case == "seals":
         _seals(rank, client)
     else:
         client.wait_at_barrier("fault_worker/start", 120_000)

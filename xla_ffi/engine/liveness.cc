@@ -114,13 +114,19 @@ void Communicator::SendHeartbeats() {
   // 0.9: the loop ticks every heartbeat_s, a little late each time.
   const int64_t full_ns = static_cast<int64_t>(0.9e9 * config_.heartbeat_s);
   const int64_t slow_ns = std::max(full_ns, static_cast<int64_t>(1e9 * limit / 4));
+  const int64_t silent_ns = std::max(slow_ns, static_cast<int64_t>(1e9 * limit));
   for (int peer = 0; peer < config_.size; ++peer) {
-    // A peer silent past the limit is presumed dead: a post to it can stall
-    // in the provider's connection attempts and delay the heartbeats to the
-    // live ones.
-    if (peer == config_.rank || (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
-    const bool full = busy_with[peer] || waiter_until_[peer].load() > now;
-    if (now - last_sent_[peer].load() < (full ? full_ns : slow_ns)) continue;
+    if (peer == config_.rank) continue;
+    // A peer silent past the limit is presumed dead, yet it gets one every
+    // `limit`: never again, and a process stopped (SIGSTOP, a debugger) for
+    // longer than the limit found on its return that every peer had stopped
+    // writing to it while it, hearing nobody, wrote to none of them, for
+    // good, so that its next reduction was declared dead. Only one every
+    // `limit`: a post to a dead peer can stall in the provider's connection
+    // attempts and delay the heartbeats to the live ones.
+    const bool silent = (now - last_heard_[peer].load()) * 1e-9 > limit;
+    const bool full = !silent && (busy_with[peer] || waiter_until_[peer].load() > now);
+    if (now - last_sent_[peer].load() < (silent ? silent_ns : full ? full_ns : slow_ns)) continue;
     if (heartbeat_busy_[peer].exchange(true)) continue;
     // Only now, with no heartbeat to `peer` in flight, may its buffer change.
     heartbeat_out_[peer] = base;
@@ -138,6 +144,7 @@ void Communicator::SendHeartbeats() {
                                             : transport_->TrySend(peer, tag, iov, 1, done);
     if (!s.ok()) {
       heartbeat_busy_[peer] = false;
+      if (silent) last_sent_[peer] = now;  // the next try one `limit` later
     } else {
       last_sent_[peer] = now;
       heartbeats_sent_.fetch_add(1);
