@@ -37,6 +37,9 @@ struct Batch {
   size_t remaining = 0;
   size_t inflight = 0;
   size_t tasks = 0;  // server tasks among `inflight` (AddTask)
+  // Receives among `inflight` posted straight into the caller's output (a
+  // flat call's results without a codec, input and output apart).
+  std::atomic<size_t> output_recvs{0};
   bool failed = false;
   std::string error;
   uint32_t stream = 0;

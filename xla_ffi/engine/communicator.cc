@@ -433,8 +433,22 @@ Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
   // which XLA frees once this returns, and they cannot block (posting never
   // waits), so only a stalled thread (a debugger, SIGSTOP) makes this wait.
   batch->cv.wait(lock, [&] { return batch->tasks == 0; });
-  const bool drained =
+  bool drained =
       batch->cv.wait_for(lock, std::chrono::seconds(5), [&] { return batch->inflight == 0; });
+  // A receive into XLA's output that the provider did not cancel (one it has
+  // matched and is still filling: a streaming provider whose sender stopped
+  // mid-message) would write there after XLA reused the memory: never
+  // return while one is posted, however long that takes. The sends that may
+  // never complete (to a dead peer) only read.
+  for (int waited_s = 5; !drained && batch->output_recvs.load() > 0; ++waited_s) {
+    if (waited_s == 5) {
+      std::fprintf(stderr, "herring_jax rank %d: the failed reduction waits for %zu receives "
+                   "into its output that the provider could not cancel (a peer stopped in "
+                   "the middle of a message?)\n", config_.rank, batch->output_recvs.load());
+    }
+    drained = batch->cv.wait_for(lock, std::chrono::seconds(1),
+                                 [&] { return batch->inflight == 0; });
+  }
   const size_t left = batch->inflight;
   lock.unlock();
   Deactivate(batch.get());

@@ -171,11 +171,13 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   char* into = job->ResultsApart() ? job->WireOut(i, c) : job->OutAt(job->ChunkBegin(i, c));
   transport::IoVec iov[2] = {{h, sizeof(*h)}, {into, len}};
   batch->AddInflight(1);
+  if (!job->ResultsApart()) batch->output_recvs.fetch_add(1);
   Status s = transport_->Recv(
       MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->tag_bits, c), 0, iov, 2,
       [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); },
       /*background=*/false, /*from=*/batch->group[i]);
   if (!s.ok()) {
+    if (!job->ResultsApart()) batch->output_recvs.fetch_sub(1);
     Fail(batch, "posting a receive: " + s.message());
     batch->Complete(1, 1);
   }
@@ -322,6 +324,8 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
 
 void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completion& done) {
   Batch* batch = job->batch;
+  // The provider is done with the output (EndFailed may wait for this).
+  if (!job->ResultsApart()) batch->output_recvs.fetch_sub(1);
   const int from = batch->group[i];
   std::string why;
   const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
