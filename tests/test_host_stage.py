@@ -190,7 +190,10 @@ def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(b
         assert got["seconds"] < 30, (rank, got)
     assert "test fault withdraw-after-ready" in reduces[1][0]["message"], reduces
     for rank in (0, 2):
-        assert "withdrew" in reduces[rank][0]["message"], reduces
+        # The withdrawal, or a read of the inputs that XLA has already freed
+        # (EFAULT; seen under ThreadSanitizer), which fails as well.
+        message = reduces[rank][0]["message"]
+        assert "withdrew" in message or "cannot read rank 1's input" in message, reduces
 
 
 def test_the_host_board_is_sealed_against_resizing_and_writers():
