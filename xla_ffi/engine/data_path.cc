@@ -87,6 +87,16 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
              job->ChunkLen(me, c), job->WireIn(me, c));
     }
   }
+  if (config_.test_early_strangers) {
+    // Strangers that reach the peers' result receives before the peers have
+    // sent their contributions (they wait too, below). Before this process
+    // posts its own receives: a peer's contributions already here would
+    // complete them at once, and a server task would send this part's
+    // results, ahead of the strangers on the same lane, before they left.
+    for (int p = 0; p < n; ++p) {
+      if (p != me) SendEarlyStrangers(job, p);
+    }
+  }
   // Receives before sends, so that peers' messages find posted buffers.
   if (chunks_me > 0) {
     for (int p = 0; p < n; ++p) {
@@ -100,14 +110,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
     if (i == me) continue;
     for (size_t c = 0; c < job->Chunks(i); ++c) PostResultRecv(job, i, c);
   }
-  if (config_.test_early_strangers) {
-    // Strangers that reach the peers' result receives before the peers have
-    // sent their contributions (they wait too).
-    for (int p = 0; p < n; ++p) {
-      if (p != me) SendEarlyStrangers(job, p);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  if (config_.test_early_strangers) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   // Contributions, chunk-major and starting at the next server, so that the
   // processes do not all send to the same server at the same moment.
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
