@@ -1,7 +1,7 @@
 // The communicator's set-up and the AllReduce call: a batch's identities and
-// geometry, waiting for it, and cleaning up after it. The rest lives in rooms
-// of their own: data_path.cc; host_stage.cc, host_messages.cc, host_posting.cc
-// and host_linger.cc; liveness.cc, control.cc, diagnostics.cc, and test_faults.cc
+// geometry, and waiting for it. The rest lives in rooms of their own:
+// data_path.cc; host_stage.cc, host_messages.cc, host_posting.cc and
+// host_linger.cc; liveness.cc, control.cc, diagnostics.cc, and test_faults.cc
 // (fault injection for tests).
 #include "engine/communicator.h"
 
@@ -10,7 +10,6 @@
 #include <cstdio>
 #include <new>
 #include <string>
-#include <thread>
 
 #include "engine/batch.h"
 #include "engine/reduce_kernels.h"
@@ -374,95 +373,6 @@ std::chrono::steady_clock::time_point Communicator::Deadline() const {
   return std::chrono::steady_clock::now() +
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
              std::chrono::duration<double>(config_.timeout_s));
-}
-
-bool Communicator::Activate(Batch* batch) {
-  if (config_.test_activate_delay_ms > 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(config_.test_activate_delay_ms));
-  }
-  std::lock_guard<std::mutex> lock(active_mu_);
-  active_.insert(batch);
-  // FailAll sets broken_ before it sweeps active_ (under active_mu_): either
-  // it is set by now, or the sweep comes after this insertion and fails it.
-  std::string broken;
-  {
-    std::lock_guard<std::mutex> broken_lock(broken_mu_);
-    broken = broken_;
-  }
-  if (broken.empty()) return true;
-  Fail(batch, "communicator unusable after an earlier failure: " + broken, /*tell_peers=*/false);
-  return false;
-}
-
-bool Communicator::TestFault(const char* name) {
-  return config_.test_fault == name && !fault_fired_.exchange(true);
-}
-
-void Communicator::Deactivate(Batch* batch) {
-  std::lock_guard<std::mutex> lock(active_mu_);
-  active_.erase(batch);
-}
-
-void Communicator::FailTimedOut(Batch* batch) {
-  Fail(batch, "herring allreduce timed out after " +
-                  std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
-                  std::to_string(config_.rank) + ": " + MissingReport(*batch) +
-                  " A process may have died or hung, or the processes issued "
-                  "different reductions (different executables or shapes, or "
-                  "launches of a reducing executable a different number of times). "
-                  "HERRING_TIMEOUT_S sets the limit.");
-}
-
-Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
-  if (timed_out) {
-    FailTimedOut(batch.get());
-  } else {
-    // Failed by a peer's abort, a mismatch or the peer watch: the error
-    // names the cause; this rank's own view goes to the log.
-    std::fprintf(stderr, "herring_jax rank %d: state of the failed reduction: %s\n",
-                 config_.rank, MissingReport(*batch).c_str());
-  }
-  std::unique_lock<std::mutex> lock(batch->mu);
-  std::string error = batch->error;
-  lock.unlock();
-  // Receives may still point into XLA's buffers: cancel them and wait until
-  // the transport has let go of every buffer before returning.
-  transport_->CancelAll();
-  lock.lock();
-  // Sums and re-posts first, however long: they write into XLA's buffers,
-  // which XLA frees once this returns, and they cannot block (posting never
-  // waits), so only a stalled thread (a debugger, SIGSTOP) makes this wait.
-  batch->cv.wait(lock, [&] { return batch->tasks == 0; });
-  bool drained =
-      batch->cv.wait_for(lock, std::chrono::seconds(5), [&] { return batch->inflight == 0; });
-  // A receive into XLA's output that the provider did not cancel (one it has
-  // matched and is still filling: a streaming provider whose sender stopped
-  // mid-message) would write there after XLA reused the memory: never
-  // return while one is posted, however long that takes. The sends that may
-  // never complete (to a dead peer) only read.
-  for (int waited_s = 5; !drained && batch->output_recvs.load() > 0; ++waited_s) {
-    if (waited_s == 5) {
-      std::fprintf(stderr, "herring_jax rank %d: the failed reduction waits for %zu receives "
-                   "into its output that the provider could not cancel (a peer stopped in "
-                   "the middle of a message?)\n", config_.rank, batch->output_recvs.load());
-    }
-    drained = batch->cv.wait_for(lock, std::chrono::seconds(1),
-                                 [&] { return batch->inflight == 0; });
-  }
-  const size_t left = batch->inflight;
-  lock.unlock();
-  Deactivate(batch.get());
-  if (!drained) {
-    // Sends to a dead peer may never complete, and their callbacks reference
-    // the batch: it is kept (the communicator is unusable from here on, so
-    // this happens at most once per communicator; counted in the stats).
-    kept_batches_.fetch_add(1);
-    std::fprintf(stderr, "herring_jax rank %d: %s operations of the failed reduction did "
-                 "not finish within 5 s; its state is kept\n", config_.rank,
-                 std::to_string(left).c_str());
-    batch.release();
-  }
-  return Status::Error(error);
 }
 
 }  // namespace herring::engine

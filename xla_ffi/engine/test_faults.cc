@@ -107,4 +107,8 @@ void Communicator::SendForged(Batch* batch, int to_rank, uint64_t tag, const Wir
   }
 }
 
+bool Communicator::TestFault(const char* name) {
+  return config_.test_fault == name && !fault_fired_.exchange(true);
+}
+
 }  // namespace herring::engine
