@@ -120,3 +120,30 @@ def test_the_progress_thread_asks_for_a_short_time_slice(slice_us):
             assert short == [], f"rank {rank}: slices {sorted(found)}"
         else:
             assert short == [want], f"rank {rank}: slices {sorted(found)}, want one {want}"
+
+
+def test_messages_forged_to_come_from_another_rank_are_never_taken_for_its_own():
+    # Rank 2 knows the job token (every process does: it comes from the
+    # coordinator in plain text) and sends, at the start of its first
+    # reduction, an abort to rank 0 and a host-stage arrive to rank 0, both
+    # claiming (tag and header) to come from rank 1, whose own arrive comes
+    # 1 s late. Once, rank 0 took the abort for rank 1's failure, and the
+    # arrive (rank 2's input addresses) for rank 1's inputs. Receives from a
+    # peer are now posted for that peer's address (FI_DIRECTED_RECV), and a
+    # control message's source address must be its claimed sender's: the
+    # forged arrive never matches, the forged abort is dropped, and every sum
+    # is exact.
+    run = launch("fault_worker.py",
+                 ["reduce", "--env", "2:HERRING_TEST_FORGE_AS=1",
+                  "--env", "1:HERRING_TEST_ACTIVATE_DELAY_MS=1000"],
+                 nproc=3, env={"HERRING_HOST_BOARD": "0", "HERRING_TIMEOUT_S": "60"})
+    assert run.returncode == 0, run.explain()
+    for rank, results in run.results.items():
+        [got] = [r for r in results if r["case"] == "reduce"]
+        assert not got["raised"] and got["exact"], (rank, got, run.explain())
+        [stats] = [r for r in results if r["case"] == "stats"]
+        assert "directed receives, sources checked" in stats["describe"], stats
+    [stats0] = [r["stats"] for r in run.results[0] if r["case"] == "stats"]
+    assert stats0["messages_dropped"] >= 1, stats0
+    assert "claims to come from rank 1 came from rank 2's address" in run.stdout + run.stderr, \
+        run.explain()

@@ -43,3 +43,35 @@ def test_herring_errors_translates_only_herring_failures():
     with pytest.raises(ValueError) as info:
         other()
     assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("provider", ["efa", "tpc;ofi_rxm"])
+def test_an_unavailable_or_misspelt_provider_is_a_herring_error_naming_the_others(provider):
+    # As a new user tries it: `herring-jax launch -n 1` with HERRING_FI_PROVIDER
+    # set to a provider this machine lacks (efa off AWS) or a misspelt one.
+    # Once, the communicator whose transport could not open shut that null
+    # transport down: signal 11 instead of an error.
+    import os
+    import subprocess
+    import sys
+
+    program = ("import herring_jax\n"
+               "try:\n"
+               "    herring_jax.initialize()\n"
+               "except herring_jax.HerringError as e:\n"
+               "    print('HERRING_ERROR', e, flush=True)\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax.launch", "-n", "1", "--", sys.executable, "-c",
+         program],
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "HERRING_FI_PROVIDER": provider},
+        cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+        timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "signal" not in output, output
+    [line] = [x for x in proc.stdout.splitlines() if "HERRING_ERROR" in x]
+    assert f"no libfabric provider '{provider}'" in line, line
+    # The providers this machine has, by name; tcp;ofi_rxm is everywhere.
+    assert "Providers available here: " in line and "tcp;ofi_rxm" in line, line
+    available = line.split("Providers available here: ")[1].split(". ")[0].split(", ")
+    assert provider not in available, line

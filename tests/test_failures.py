@@ -1,6 +1,8 @@
 """Failing peers and mismatched reductions give HerringError on every
 surviving rank, fast, with the reason; never a hang or a wrong result."""
 
+import pytest
+
 from multiproc import assert_all_ok, launch
 
 
@@ -90,3 +92,81 @@ def test_uncaught_failure_inside_jit_prints_herring_error_and_fails_the_job():
     assert not run.results.get(0), run.explain()  # rank 0 died before reporting
     assert "herring_jax.HerringError: " in run.stderr + run.stdout, run.explain()
     assert "rank 1 has sent nothing" in run.stderr + run.stdout, run.explain()
+
+
+def _fault_run(args, nproc, env=None):
+    """tests/workers/fault_worker.py's results: rank -> its `reduce` results,
+    and rank -> its stats after them."""
+    run = launch("fault_worker.py", args, nproc=nproc, env={"HERRING_TIMEOUT_S": "60",
+                                                             **(env or {})})
+    assert run.returncode == 0, run.explain()
+    reduces = {r: [x for x in rs if x["case"] == "reduce"] for r, rs in run.results.items()}
+    stats = {r: [x for x in rs if x["case"] == "stats"][0]["stats"]
+             for r, rs in run.results.items()}
+    assert sorted(reduces) == list(range(nproc)), run.explain()
+    return run, reduces, stats
+
+
+def test_an_abort_that_arrives_before_a_reduction_is_visible_still_fails_it_at_once():
+    # Rank 0 checks that its communicator is usable, then (slowed by 3 s)
+    # makes its reduction visible to aborts; rank 1's abort arrives in
+    # between, so the abort's sweep finds nothing to fail. The reduction must
+    # fail at once when it becomes visible, not wait for HERRING_TIMEOUT_S.
+    run, reduces, _ = _fault_run(
+        ["reduce", "--env", "1:HERRING_TEST_FAULT=abort-at-start",
+         "--env", "0:HERRING_TEST_ACTIVATE_DELAY_MS=3000", "--stagger", "1:0.5"], 2,
+        env={"HERRING_HOST_STAGE": "0"})
+    [got] = reduces[0]
+    assert got["raised"] and got["seconds"] < 30, got
+    assert "rank 1 failed: rank 1: test fault abort-at-start" in got["message"], got
+
+
+@pytest.mark.parametrize("fault", ["no-staging", "no-posting"])
+def test_a_host_stage_call_that_cannot_start_tells_the_others_at_once(fault):
+    # Rank 1's host-stage call finds no memory for its staging, or (after its
+    # own 3 s timeout) no free board posting, before it publishes anything.
+    # Once it returned without telling anyone: rank 0 waited for its inputs
+    # until its own HERRING_TIMEOUT_S (60 s).
+    run, reduces, _ = _fault_run(
+        ["reduce", "--env", f"1:HERRING_TEST_FAULT={fault}", "--env", "1:HERRING_TIMEOUT_S=3"],
+        2)
+    assert all(rs[0]["raised"] for rs in reduces.values()), reduces
+    want = {"no-staging": "out of memory for the host stage",
+            "no-posting": "host-stage reductions were in flight"}[fault]
+    assert want in reduces[1][0]["message"], reduces
+    assert "rank 1 failed" in reduces[0][0]["message"], reduces
+    assert reduces[0][0]["seconds"] < 30, reduces
+
+
+def test_out_of_memory_once_a_reduction_is_under_way_fails_it_and_leaves_no_batch_behind():
+    # std::bad_alloc after rank 1's batch became visible to aborts, the peer
+    # watch and the heartbeats: once it unwound through the reduction and freed
+    # the batch while the communicator still listed it (the heartbeat thread
+    # read it after it was freed), and rank 0 was never told. Rank 1 must
+    # fail the reduction like any other failure: its error, no batch left
+    # listed, and rank 0 told at once.
+    run, reduces, stats = _fault_run(["reduce", "--env", "1:HERRING_TEST_FAULT=bad-alloc"], 2,
+                                     env={"HERRING_HOST_STAGE": "0"})
+    assert "ran out of memory" in reduces[1][0]["message"], reduces
+    assert stats[1]["batches_in_flight"] == 0 and stats[0]["batches_in_flight"] == 0, stats
+    assert reduces[0][0]["raised"] and "rank 1 failed" in reduces[0][0]["message"], reduces
+    assert reduces[0][0]["seconds"] < 30, reduces
+
+
+def test_a_process_stopped_longer_than_the_peer_timeout_is_heard_again_when_it_resumes():
+    # Rank 0 stops rank 1 (SIGSTOP) for 6 s, three times the peer timeout,
+    # then reduces; rank 1, resumed, joins 4 s later (twice the timeout).
+    # Suspected: the peers of a rank silent past the limit stop writing to it
+    # for good, and it, having heard nobody, writes to none of them, so that
+    # rank 0 declares the live rank 1 dead. It does not happen: the
+    # heartbeats rank 0 sent in the first peer timeout of the stop wait for
+    # rank 1 and reach it when it resumes, and both go on (this passes also
+    # without liveness.cc's heartbeats to silent ranks, which only shorten the
+    # moment after the resume in which rank 1 wrote to nobody).
+    run, reduces, stats = _fault_run(["freeze", "--freeze-s", "6", "--late-s", "4"], 2,
+                                     env={"HERRING_PEER_TIMEOUT_S": "2",
+                                          "HERRING_HOST_STAGE": "0"})
+    for rank, [got] in reduces.items():
+        assert not got["raised"] and got["exact"], (rank, got)
+    assert reduces[0][0]["seconds"] > 2, reduces  # rank 0 really waited for rank 1
+    assert stats[0]["peers_declared_dead"] == 0, stats

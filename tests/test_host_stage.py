@@ -157,3 +157,118 @@ def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slo
     assert all(len(d) == 1 for d in digests.values()), digests
     for s in _extra(run, "stats"):
         assert s["stats"]["host_stage_calls"] == s["stats"]["reductions"] == 4, s
+
+
+def _fault_run(args, nproc, env=None):
+    """fault_worker.py's results: rank -> its `reduce` results, and its stats."""
+    run = launch("fault_worker.py", args, nproc=nproc, env={"HERRING_TIMEOUT_S": "60",
+                                                             **(env or {})})
+    assert run.returncode == 0, run.explain()
+    reduces = {r: [x for x in rs if x["case"] == "reduce"] for r, rs in run.results.items()}
+    stats = {r: [x for x in rs if x["case"] == "stats"][0]["stats"]
+             for r, rs in run.results.items()}
+    assert sorted(reduces) == list(range(nproc)), run.explain()
+    return run, reduces, stats
+
+
+@pytest.mark.parametrize("board", ["1", "0"])
+def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(board):
+    # Rank 1 publishes its slice of the result, then fails without telling
+    # anyone (as when another rank's abort reaches it first) and returns; its
+    # inputs are then overwritten, as when XLA reuses their memory. Rank 2
+    # reads rank 1's inputs only after that (it reads slowly). Once, rank 2
+    # went on to publish a slice of overwritten bytes and it and rank 0
+    # returned wrong sums as successes. Rank 1 must withdraw its inputs before
+    # it returns (its board posting marked, or a withdrawal message it waits
+    # on), and whoever read them must find that out before using the slice:
+    # every rank fails, naming the withdrawal, long before the timeout.
+    run, reduces, _ = _fault_run(
+        ["reduce", "--env", "1:HERRING_TEST_FAULT=withdraw-after-ready",
+         "--env", "2:HERRING_TEST_READ_DELAY_MS=500"], 3, env={"HERRING_HOST_BOARD": board})
+    for rank, [got] in reduces.items():
+        assert got["raised"], (rank, got, run.explain())
+        assert got["seconds"] < 30, (rank, got)
+    assert "test fault withdraw-after-ready" in reduces[1][0]["message"], reduces
+    for rank in (0, 2):
+        # The withdrawal, or a read of the inputs that XLA has already freed
+        # (EFAULT; seen under ThreadSanitizer), which fails as well.
+        message = reduces[rank][0]["message"]
+        assert "withdrew" in message or "cannot read rank 1's input" in message, reduces
+
+
+def test_the_host_board_is_sealed_against_resizing_and_writers():
+    # A process that takes another's board (pidfd_getfd, as the host's
+    # processes do) can neither shrink it (its owner and readers would die of
+    # SIGBUS at their next access), nor grow it, nor map it writable.
+    run = launch("fault_worker.py", ["seals"], nproc=2)
+    assert run.returncode == 0, run.explain()
+    assert all(r["ok"] for rs in run.results.values() for r in rs), run.explain()
+    [seals] = [r for r in run.results[1] if r["case"] == "seals"]
+    assert seals == {"case": "seals", "ok": True, "shrink": "refused", "grow": "refused",
+                     "map_writable": "refused"}, seals
+    for rank, results in run.results.items():
+        [got] = [r for r in results if r["case"] == "reduce"]
+        assert not got["raised"] and got["exact"], (rank, got)
+
+
+def _ptrace_run(extra_env_args=()):
+    run = launch("fault_worker.py", ["ptrace", *extra_env_args], nproc=3,
+                 env={"HERRING_TEST_PTRACE_SCOPE": "1"})
+    assert run.returncode == 0, run.explain()
+    found = {}
+    for rank, results in run.results.items():
+        by_case = {r["case"]: r for r in results}
+        assert not by_case["reduce"]["raised"] and by_case["reduce"]["exact"], by_case
+        found[rank] = by_case
+    assert sorted(found) == [0, 1, 2], run.explain()
+    return found
+
+
+def test_under_ptrace_scope_1_a_process_lets_only_its_hosts_common_ancestor_read_it():
+    # Yama's scope 1 (Ubuntu's default) lets only ancestors read a process's
+    # memory unless it declares a tracer. Once, every process declared any
+    # process of the user (PR_SET_PTRACER_ANY) for its whole life. Now it
+    # declares the nearest common ancestor of its host's processes (here the
+    # launcher, their parent), which admits that process and its descendants,
+    # says so in describe(), and takes it back at shutdown(). (This kernel has
+    # no Yama: HERRING_TEST_PTRACE_SCOPE=1 records what would be declared.)
+    found = _ptrace_run()
+    parents = {r: f["ptrace"]["parent"] for r, f in found.items()}
+    assert len(set(parents.values())) == 1 and 1 not in parents.values(), parents
+    for rank, f in found.items():
+        assert f["ptrace"]["declared"] == parents[rank], f
+        assert (f"memory readable by pid {parents[rank]} and its descendants (the nearest "
+                "common ancestor of this host's processes") in f["ptrace"]["describe"], f
+        assert f["after-shutdown"]["declared"] is None, f
+
+
+def test_a_process_that_allows_no_memory_reads_declares_nothing_and_turns_its_host_stage_off():
+    found = _ptrace_run(["--env", "1:HERRING_ALLOW_MEMORY_READS=0"])
+    for rank, f in found.items():
+        # Nobody reads on this host, so nobody keeps a declaration either.
+        assert f["ptrace"]["declared"] is None, f
+        assert ("host stage off: rank 1 lets no other process read its memory "
+                "(HERRING_ALLOW_MEMORY_READS=0)") in f["ptrace"]["describe"], f
+        assert "memory readable" not in f["ptrace"]["describe"], f
+
+
+def test_processes_with_no_common_ancestor_but_init_let_any_process_of_the_user_read(
+        monkeypatch):
+    # Started apart (each under init), a host's processes have no narrower
+    # tracer to declare: PR_SET_PTRACER_ANY, said in what describe() shows.
+    from herring_jax._src import topology
+
+    assert topology.nearest_common_ancestor([[30, 20, 10, 1], [31, 21, 10, 1]]) == 10
+    assert topology.nearest_common_ancestor([[30, 20, 1], [20, 1]]) == 20  # parent and child
+    assert topology.nearest_common_ancestor([[30, 1], [31, 1]]) == 1
+    assert topology.ancestors()[-1] == 1 and topology.ancestors()[0] == os.getpid()
+    monkeypatch.setenv("HERRING_TEST_PTRACE_SCOPE", "1")
+    records = [{"ancestors": [30, 1]}, {"ancestors": [31, 1]}]
+    whom, why = topology._let_host_read(None, records, [0, 1], 0)
+    try:
+        assert why == "" and topology.declared_ptracer() == -1, (whom, why)
+        assert whom.startswith("any process of this user (PR_SET_PTRACER_ANY: this host's "
+                               "processes share no ancestor but init"), whom
+    finally:
+        topology.take_back_ptracer(None)
+    assert topology.declared_ptracer() is None

@@ -112,7 +112,9 @@ NB_MODULE(_herring_ffi, m) {
          const std::string& interface, bool force_mr, size_t chunk_bytes, int server_threads,
          double timeout_s, double heartbeat_s, double peer_timeout_s, size_t max_posted,
          bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
-         int progress_slice_us, double stall_s, double done_grace_s) {
+         int progress_slice_us, double stall_s, double done_grace_s,
+         const std::string& test_fault, int test_read_delay_ms, int test_activate_delay_ms,
+         int test_forge_as) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -132,6 +134,10 @@ NB_MODULE(_herring_ffi, m) {
         config.test_stale_copies = test_stale_copies;
         config.test_gather_delay_ms = test_gather_delay_ms;
         config.test_early_strangers = test_early_strangers;
+        config.test_fault = test_fault;
+        config.test_read_delay_ms = test_read_delay_ms;
+        config.test_activate_delay_ms = test_activate_delay_ms;
+        config.test_forge_as = test_forge_as;
         engine::Status status;
         std::unique_ptr<engine::Communicator> comm;
         {
@@ -148,6 +154,8 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("test_stale_copies") = false, nb::arg("test_gather_delay_ms") = 0,
       nb::arg("test_early_strangers") = false, nb::arg("progress_slice_us") = 0,
       nb::arg("stall_s") = 60.0, nb::arg("done_grace_s") = 300.0,
+      nb::arg("test_fault") = "", nb::arg("test_read_delay_ms") = 0,
+      nb::arg("test_activate_delay_ms") = 0, nb::arg("test_forge_as") = -1,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {
@@ -212,8 +220,9 @@ NB_MODULE(_herring_ffi, m) {
       },
       nb::arg("pid"), nb::arg("address"),
       "Reads another process's probe word (process_vm_readv); raises with the reason.");
-  m.def("allow_peers_to_read", &engine::AllowPeersToRead,
-        "Under Yama's ptrace_scope 1, lets this user's processes read this one's memory.");
+  m.def("set_ptracer", &engine::SetPtracer, nb::arg("tracer"),
+        "Under Yama's ptrace_scope 1: lets process `tracer` and its descendants (> 0), any "
+        "process of this user (-1) or nobody (0) read this one's memory; \"\" or the error.");
 
   m.def("describe", [](int64_t handle) { return Find(handle)->Describe(); });
 
@@ -230,6 +239,7 @@ NB_MODULE(_herring_ffi, m) {
     d["failed_batches_kept"] = s.failed_batches_kept;
     d["host_stage_calls"] = s.host_stage_calls;
     d["host_bytes_read"] = s.host_bytes_read;
+    d["batches_in_flight"] = s.batches_in_flight;
     d["posts_queued"] = s.transport.posts_queued;
     d["duplicate_completions"] = s.transport.duplicate_completions;
     d["queue_errors"] = s.transport.queue_errors;

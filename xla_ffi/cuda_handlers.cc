@@ -141,7 +141,12 @@ void ReduceStarted(const std::shared_ptr<CudaStart>& task) {
   task->event.ended_ns = engine::Timeline::NowNs();
   task->event.ok = !done.failure();
   engine::Timeline::Get().Record(task->event);
-  task->zeros.clear();
+  // Drop the task's hold on the communicator (its pooled zeros first) before
+  // the done may go on, as handlers.cc does: once it has, the program can
+  // call herring_jax.shutdown(), which must hold the last reference, so that
+  // the communicator's destructor runs there and not here, on herring's
+  // thread, behind the program's back (see ReleaseCall).
+  ReleaseCall(&task->call, &task->zeros);
   pending.Finish(std::move(done));
 }
 

@@ -224,6 +224,17 @@ inline int64_t OpCodec(int64_t op) { return op >> kOpCodecShift; }
 ffi::Error PrepareBroadcast(DecodedCall& call, int64_t* op,
                             std::vector<engine::PooledBuffer>* zeros);
 
+// What a reduction task holds of its communicator, let go of before the task
+// tells XLA it is done (the zeros come from the communicator's pool, so they
+// go first). From then on the program may call herring_jax.shutdown(), which
+// must drop the last reference: the communicator's destructor (it waits for
+// the host's slow readers) then runs there, not on herring's thread behind
+// the program's back while the process exits.
+inline void ReleaseCall(DecodedCall* call, std::vector<engine::PooledBuffer>* zeros) {
+  zeros->clear();
+  call->comm.reset();
+}
+
 // Finds the communicator and checks and collects the buffers.
 ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const CallAttrs& attrs,
                       DecodedCall* call);

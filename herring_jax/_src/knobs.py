@@ -56,6 +56,17 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+_TEST_FAULTS = ("", "abort-at-start", "no-staging", "no-posting", "withdraw-after-ready",
+                "bad-alloc")
+
+
+def _test_fault(text: str) -> str:
+    value = text.strip()
+    if value not in _TEST_FAULTS:
+        raise ValueError(f"expected one of {', '.join(_TEST_FAULTS[1:])} or empty, got {text!r}")
+    return value
+
+
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in [
@@ -110,6 +121,12 @@ KNOBS: dict[str, Knob] = {
              "1: the host stage's steps (where inputs and result slices are) go through a "
              "shared-memory board per process with futex waits; 0: through transport "
              "messages. Rank 0's value holds for the whole job."),
+        Knob("HERRING_ALLOW_MEMORY_READS", True, _bool,
+             "1: under Yama's kernel.yama.ptrace_scope 1, this process lets the other processes "
+             "of its host read its memory for the host stage, by declaring their nearest "
+             "common ancestor its tracer (any process of the user only where they share no "
+             "ancestor but init; describe() says which), until shutdown(). 0: it declares "
+             "nothing, and its host reduces over the transport."),
         Knob("HERRING_TEST_DENY_BOARDS", False, _bool,
              "Tests only: this process reports that it cannot map the other processes' "
              "host boards, so its host's steps go as messages."),
@@ -126,6 +143,27 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_GATHER_DELAY_MS", 0, _non_negative_int,
              "Tests only: each host-stage call of this process waits this many ms before "
              "reading the other processes' result slices (a slow reader)."),
+        Knob("HERRING_TEST_READ_DELAY_MS", 0, _non_negative_int,
+             "Tests only: each host-stage call of this process waits this many ms before "
+             "reading the other processes' inputs (a slow reader of inputs)."),
+        Knob("HERRING_TEST_ACTIVATE_DELAY_MS", 0, _non_negative_int,
+             "Tests only: each reduction of this process waits this many ms between its "
+             "check that the communicator is usable and the moment an abort can see it."),
+        Knob("HERRING_TEST_FAULT", "", _test_fault,
+             "Tests only: a fault of this process's first reduction that can have it: "
+             "abort-at-start (fails at once, telling every rank), no-staging or no-posting "
+             "(the host stage finds no memory for its staging, or no free board posting), "
+             "withdraw-after-ready (the host stage fails after publishing its result slice "
+             "without telling anyone, then overwrites its inputs), bad-alloc (std::bad_alloc "
+             "once a reduction over the transport is under way)."),
+        Knob("HERRING_TEST_FORGE_AS", None, _non_negative_int,
+             "Tests only: this process's first host-stage call sends every other rank an "
+             "abort, and every other process of its host an arrive, forged to come from this "
+             "rank; receivers must drop them (source checks) or never match them (directed "
+             "receives)."),
+        Knob("HERRING_TEST_PTRACE_SCOPE", None, int,
+             "Tests only: behave as if kernel.yama.ptrace_scope had this value, recording the "
+             "tracer declarations instead of making them (for kernels without Yama)."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError, and in a job of several processes any uncaught "
              "exception (after every other rank was told), ends the process at once (status "

@@ -215,14 +215,19 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_GATHER_DELAY_MS"),
                 knobs.get("HERRING_TEST_EARLY_STRANGERS"),
                 knobs.get("HERRING_PROGRESS_SLICE_US"), knobs.get("HERRING_STALL_S"),
-                knobs.get("HERRING_CUDA_DONE_GRACE_S"))
+                knobs.get("HERRING_CUDA_DONE_GRACE_S"),
+                knobs.get("HERRING_TEST_FAULT"),
+                knobs.get("HERRING_TEST_READ_DELAY_MS"),
+                knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
+                _or(knobs.get("HERRING_TEST_FORGE_AS"), -1))
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(
                     client, prefix, rank, size, timeout_ms, _ext, host_stage,
                     deny_reads=knobs.get("HERRING_TEST_DENY_MEMORY_READS"),
                     handle=handle, boards=host_board,
-                    deny_boards=knobs.get("HERRING_TEST_DENY_BOARDS"))
+                    deny_boards=knobs.get("HERRING_TEST_DENY_BOARDS"),
+                    refuse_reads=not knobs.get("HERRING_ALLOW_MEMORY_READS"))
                 _ext.set_topology(handle, topology.host_of, topology.pid_of,
                                   topology.memory_shared, topology.board_shared)
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
@@ -230,6 +235,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 _ext.connect(handle, addrs)
             except BaseException:
                 _ext.destroy(handle)
+                topology_lib.take_back_ptracer(_ext)
                 raise
         except HerringError:
             raise
@@ -347,8 +353,10 @@ def shutdown() -> None:
     first waits for every computation whose results are still alive, so that
     a step that reduces can finish with the other processes; then it stops
     the server threads, tells the other processes that this one has left
-    (one that still waits for it fails at once, naming this rank), and closes
-    the endpoint. It also runs at interpreter exit. Safe to call twice.
+    (one that still waits for it fails at once, naming this rank), closes the
+    endpoint, and takes back the permission to read this process's memory
+    that initialize() gave the other processes of its host (Yama's ptrace
+    scope 1). It also runs at interpreter exit. Safe to call twice.
 
     Compiled functions that reduce through herring_jax are dropped from jax's
     caches, since they refer to the closed communicator.
@@ -369,6 +377,9 @@ def shutdown() -> None:
         if _state is None:
             return
         _ext.destroy(_state.handle)
+        # Nobody reads this process's memory any more (the communicator's
+        # destructor waited for the last readers of its slices).
+        topology_lib.take_back_ptracer(_ext)
         _state = None
     jax.clear_caches()
     if failure is not None:
@@ -398,7 +409,8 @@ def stats() -> dict:
     heartbeats received and sent, peers declared dead, occurrence counters held
     (bounded: idle ones are pruned), failed batches kept because their
     operations never drained, calls reduced through the host stage and the
-    bytes read from other processes' memory there, posts that waited in the
+    bytes read from other processes' memory there, batches in flight
+    (visible to aborts; 0 between calls), posts that waited in the
     transport's queue, duplicate completions ignored and completion-queue
     errors without an operation."""
     return dict(_ext.stats(state().handle))

@@ -13,6 +13,16 @@ by reading the others' probe word; otherwise that host reduces over the
 transport, and says why once. Their host stage's steps go through shared-memory
 boards (xla_ffi/engine/host_board.h) where every process of the host maps every
 other's board (pidfd_getfd), else through transport messages.
+
+Who may read a process's memory: where Yama restricts ptrace to a process's
+ancestors (kernel.yama.ptrace_scope 1, Ubuntu's default), each process of a
+host declares the nearest common ancestor of the host's processes as its
+tracer (PR_SET_PTRACER), which admits that process and its descendants: the
+launcher, mpirun's daemon or slurmstepd that started them, not every process
+of the user. Only where they share no ancestor but init does it declare any
+process of the user (PR_SET_PTRACER_ANY, as Open MPI and UCX do), and
+describe() says so. shutdown() takes the declaration back.
+HERRING_ALLOW_MEMORY_READS=0 declares nothing and turns the host's stage off.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import dataclasses
 import json
 import os
 import sys
+
+from herring_jax._src import knobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +43,7 @@ class Topology:
     reasons: list[str]          # [host] why not ("" if shared)
     board_shared: list[bool] = dataclasses.field(default_factory=list)  # [host] boards mapped
     board_reasons: list[str] = dataclasses.field(default_factory=list)  # [host] why not
+    readers: str = ""  # whom this process let read its memory ("": no declaration made)
 
     def local_ranks(self, rank: int) -> list[int]:
         """The ranks on `rank`'s host (itself included), in rank order."""
@@ -49,6 +62,8 @@ class Topology:
             else:
                 why = self.board_reasons[host] if self.board_reasons else "no boards"
                 text += f", host stage through memory, steps as messages ({why})"
+        if self.readers:
+            text += f"; memory readable by {self.readers}"
         return text
 
 
@@ -69,9 +84,101 @@ def host_identity() -> str:
     return f"{boot}/net:{namespace('net')}/pid:{namespace('pid')}"
 
 
+# PR_SET_PTRACER's "any process": ext.set_ptracer(-1).
+_ANY = -1
+# What this process declared (a pid, _ANY) and not yet took back, or None.
+_declared: int | None = None
+
+
+def ancestors(pid: int | None = None) -> list[int]:
+    """`pid` (this process) and its ancestors, nearest first, up to the pid
+    namespace's init (or as far as /proc shows them)."""
+    chain = [pid or os.getpid()]
+    while chain[-1] > 1 and len(chain) < 256:
+        try:
+            with open(f"/proc/{chain[-1]}/stat") as f:
+                stat = f.read()
+        except OSError:
+            break
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        parent = int(stat[stat.rfind(")") + 2:].split()[1])
+        if parent <= 0:
+            break
+        chain.append(parent)
+    return chain
+
+
+def nearest_common_ancestor(chains: list[list[int]]) -> int | None:
+    """The first pid of chains[0] that every chain holds (a process may be
+    its own ancestor here: a parent that reduces with its children), or None."""
+    others = [set(c) for c in chains[1:]]
+    return next((pid for pid in chains[0] if all(pid in o for o in others)), None)
+
+
+def ptrace_scope() -> int:
+    """kernel.yama.ptrace_scope (HERRING_TEST_PTRACE_SCOPE pretends), or -1
+    without Yama."""
+    pretend = knobs.get("HERRING_TEST_PTRACE_SCOPE")
+    if pretend is not None:
+        return pretend
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return -1
+
+
+def declared_ptracer() -> int | None:
+    """What this process declared as its tracer and has not taken back: a
+    pid, -1 for any process of the user, or None."""
+    return _declared
+
+
+def _declare(ext, tracer: int) -> str:
+    """Declares `tracer` (recorded only, under HERRING_TEST_PTRACE_SCOPE, for
+    kernels without Yama); "" or the error."""
+    global _declared
+    error = "" if knobs.get("HERRING_TEST_PTRACE_SCOPE") is not None else ext.set_ptracer(tracer)
+    if not error:
+        _declared = tracer
+    return error
+
+
+def take_back_ptracer(ext) -> None:
+    """Undoes this process's declaration, if it made one (shutdown())."""
+    global _declared
+    if _declared is not None:
+        if knobs.get("HERRING_TEST_PTRACE_SCOPE") is None:
+            ext.set_ptracer(0)
+        _declared = None
+
+
+def _let_host_read(ext, records: list[dict], local: list[int], rank: int) -> tuple[str, str]:
+    """Under Yama's scope 1, declares who may read this process's memory (the
+    nearest common ancestor of `local`'s processes, or any process of the user
+    where they share none but init). Returns (whom, for describe(); why the
+    host stage cannot read this process, or "")."""
+    if ptrace_scope() != 1:
+        return "", ""
+    tracer = nearest_common_ancestor([records[r]["ancestors"] for r in local])
+    if tracer is None or tracer <= 1:
+        whom = ("any process of this user (PR_SET_PTRACER_ANY: this host's processes share "
+                "no ancestor but init; kernel.yama.ptrace_scope 1)")
+        tracer = _ANY
+    else:
+        whom = (f"pid {tracer} and its descendants (the nearest common ancestor of this "
+                "host's processes; kernel.yama.ptrace_scope 1)")
+    error = _declare(ext, tracer)
+    if error:
+        return "", (f"rank {rank} cannot let the processes of its host read its memory under "
+                    f"kernel.yama.ptrace_scope 1: {error}")
+    return whom, ""
+
+
 def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
              enabled: bool, deny_reads: bool = False, handle=None,
-             boards: bool = False, deny_boards: bool = False) -> Topology:
+             boards: bool = False, deny_boards: bool = False,
+             refuse_reads: bool = False) -> Topology:
     """Publishes this process's host record, reads everyone's, checks that this
     host's processes can read each other's memory, and agrees on the result.
 
@@ -86,16 +193,15 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
         HERRING_HOST_BOARD).
       deny_boards: tests only: report that this process cannot map the others'
         boards.
+      refuse_reads: this process lets no other read its memory
+        (HERRING_ALLOW_MEMORY_READS=0): it declares no tracer, and its host
+        reduces over the transport.
     """
-    if enabled:
-        note = ext.allow_peers_to_read()
-        if note:
-            print(f"herring_jax rank {rank}: {note}", file=sys.stderr, flush=True)
     address, value = ext.memory_probe()
     board_fd, board_error = (ext.board_fd(handle) if enabled and boards and handle is not None
                              else (-1, "no board"))
     record = {"host": host_identity(), "pid": os.getpid(), "probe": [address, value],
-              "board": board_fd, "board_error": board_error}
+              "board": board_fd, "board_error": board_error, "ancestors": ancestors()}
     client.key_value_set(f"{prefix}/host/{rank}", json.dumps(record))
     records = [json.loads(client.blocking_key_value_get(f"{prefix}/host/{r}", timeout_ms))
                for r in range(size)]
@@ -103,14 +209,25 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
     host_of = [index.setdefault(rec["host"], len(index)) for rec in records]
     pid_of = [int(rec["pid"]) for rec in records]
 
-    verdict = ""
+    local = _local_ranks(host_of, rank)
+    verdict = readers = ""
     if not enabled:
         verdict = "HERRING_HOST_STAGE=0"
+    elif refuse_reads:
+        verdict = (f"rank {rank} lets no other process read its memory "
+                   "(HERRING_ALLOW_MEMORY_READS=0)")
     elif deny_reads:
         verdict = f"rank {rank} refuses memory reads (HERRING_TEST_DENY_MEMORY_READS)"
-    else:
-        for r in range(size):
-            if r == rank or host_of[r] != host_of[rank]:
+    elif len(local) > 1:
+        readers, verdict = _let_host_read(ext, records, local, rank)
+    if enabled and len(local) > 1:
+        # The others probe this process only once it has declared its tracer.
+        client.key_value_set(f"{prefix}/ptracer/{rank}", "1")
+        for r in local:
+            client.blocking_key_value_get(f"{prefix}/ptracer/{r}", timeout_ms)
+    if enabled and not verdict:
+        for r in local:
+            if r == rank:
                 continue
             address, value = records[r]["probe"]
             try:
@@ -145,8 +262,9 @@ def exchange(client, prefix: str, rank: int, size: int, timeout_ms: int, ext,
     board_reasons = json.loads(client.blocking_key_value_get(f"{prefix}/board/all", timeout_ms))
     topology = Topology(host_of, pid_of, [not why for why in reasons], reasons,
                         [not why and not board for why, board in zip(reasons, board_reasons)],
-                        board_reasons)
-    local = topology.local_ranks(rank)
+                        board_reasons, readers if not reasons[host_of[rank]] else "")
+    if reasons[host_of[rank]]:
+        take_back_ptracer(ext)  # nobody reads: nobody needs it
     if enabled and len(local) > 1 and reasons[host_of[rank]] and rank == local[0]:
         print(f"herring_jax rank {rank}: the {len(local)} processes of this host reduce over "
               f"the transport, not through memory: {reasons[host_of[rank]]}",

@@ -85,6 +85,27 @@ struct Same {
 uint16_t HalfValue(size_t k, size_t i) { return FloatToHalf(Value<float>(k, i)); }
 uint16_t BF16Value(size_t k, size_t i) { return FloatToBF16(Value<float>(k, i)); }
 
+// Integer means over more devices than the element type counts: the sum (as
+// the signed type) divided by the device count in 64 bits, truncated. Once
+// the divisor was cast to the element type: an int8 mean over 200 devices
+// divided by -56, over 256 by zero (SIGFPE), an int16 one over 40000 by -25536.
+template <typename T>
+void CheckWideDivisor(DType dtype, const char* name, double divisor) {
+  std::vector<T> a, b;
+  for (int64_t v : {100, -100, 7, 0, 1}) a.push_back(static_cast<T>(v));
+  for (int64_t v : {20, -28, 0, 0, 1}) b.push_back(static_cast<T>(v));
+  const void* srcs[2] = {a.data(), b.data()};
+  std::vector<T> out(a.size());
+  ReduceInto(dtype, out.data(), srcs, 2, a.size(), divisor);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const T sum = static_cast<T>(a[i] + b[i]);  // wraps as the kernel's sum does
+    const T want = static_cast<T>(static_cast<int64_t>(sum) / static_cast<int64_t>(divisor));
+    Check(out[i] == want, std::string(name) + " mean over " + std::to_string(divisor) +
+                              " devices, element " + std::to_string(i) + ": got " +
+                              std::to_string(out[i]) + ", want " + std::to_string(want));
+  }
+}
+
 }  // namespace
 }  // namespace herring::engine
 
@@ -102,5 +123,13 @@ int main() {
   CheckType<uint8_t, uint8_t>(
       DType::kUInt8, "uint8", Same(), [](uint8_t v) { return v; },
       +[](size_t k, size_t i) { return static_cast<uint8_t>((i * 7 + k * 13) % 251); });
+  for (double divisor : {2.0, 127.0, 128.0, 200.0, 255.0, 256.0, 1000.0, 16777216.0}) {
+    CheckWideDivisor<int8_t>(DType::kInt8, "int8", divisor);
+    CheckWideDivisor<uint8_t>(DType::kUInt8, "uint8", divisor);
+  }
+  for (double divisor : {3.0, 40000.0, 65536.0}) {
+    CheckWideDivisor<int16_t>(DType::kInt16, "int16", divisor);
+  }
+  CheckWideDivisor<int32_t>(DType::kInt32, "int32", 4294967296.0);
   return herring::test::Finish("REDUCE_KERNELS");
 }

@@ -3,7 +3,7 @@
 // came off the network.
 //
 // Build and run with tests/fuzz/run_fuzzer.sh; compiled together with
-// xla_ffi/engine/wire.cc and `-I xla_ffi`.
+// xla_ffi/engine/wire.cc, xla_ffi/engine/reduce_kernels.cc and `-I xla_ffi`.
 //
 // Each input is split by FuzzedDataProvider into a choice of path and the
 // values that path needs, so the fuzzer controls the raw header bytes, the
@@ -20,6 +20,12 @@
 //   kSealedHeader a valid header built and sealed with SealHeader, which must
 //                 be accepted; then one fuzzer-chosen byte is flipped (or one
 //                 expected field changed) and the verdict is checked.
+//   kMeans        headers whose device counts (`contributors`) the fuzzer
+//                 chooses, summed as a server sums them (AddContributors) when
+//                 CheckHeader accepts them, and the total used as the divisor
+//                 of an integer mean in the reduction kernel
+//                 (reduce_kernels.cc): no count a peer can send may make it
+//                 divide by zero or a negative number, or overflow.
 //   kTags         the tag helpers: TagSender on any 64-bit tag, the layout
 //                 round-trip of MakeTag / MakeControlTag / MakeHeartbeatTag,
 //                 and IdentityTagBits (30 bits, deterministic).
@@ -39,14 +45,19 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "engine/dtype.h"
+#include "engine/reduce_kernels.h"
 #include "engine/wire.h"
 
 namespace {
 
+using herring::engine::AddContributors;
 using herring::engine::CheckAbortHeader;
+using herring::engine::kMaxContributors;
+using herring::engine::ReduceInto;
 using herring::engine::Codec;
 using herring::engine::IsValidCodec;
 using herring::engine::CheckControlHeader;
@@ -191,11 +202,14 @@ HeaderVerdict CheckHeaderChecked(HeaderBuffer& buf, size_t len, const Expectatio
       FUZZ_CHECK(false);  // not a HeaderVerdict
   }
   // kMalformed covers "too short, bad magic/version/checksum/enum values",
-  // and a count of 0 contributing devices (it would divide a mean).
+  // and a count of 0 contributing devices (it would divide a mean) or of more
+  // than kMaxContributors (a sum of them could wrap).
   if (!Intact(h, len) || !IsValidDType(h.dtype) || !IsValidOp(h.op) ||
-      !IsValidCodec(h.codec) || (len >= kHeaderSize && h.contributors == 0)) {
+      !IsValidCodec(h.codec) ||
+      (len >= kHeaderSize && (h.contributors == 0 || h.contributors > kMaxContributors))) {
     FUZZ_CHECK(v == HeaderVerdict::kMalformed);
   }
+  if (v == HeaderVerdict::kOk) FUZZ_CHECK(h.contributors >= 1 && h.contributors <= kMaxContributors);
   return v;
 }
 
@@ -398,8 +412,9 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
       0, std::numeric_limits<size_t>::max() - kHeaderSize);
   h.total_elems = in.ConsumeIntegral<uint64_t>();
   for (uint8_t& r : h.reserved) r = in.ConsumeIntegral<uint8_t>();
-  // Every contribution and result sums at least one device (0 is malformed).
-  h.contributors = in.ConsumeIntegralInRange<uint32_t>(1, std::numeric_limits<uint32_t>::max());
+  // Every contribution and result sums at least one device, and at most
+  // kMaxContributors (beyond either it is malformed).
+  h.contributors = in.ConsumeIntegralInRange<uint32_t>(1, kMaxContributors);
   h.reserved2 = 0;  // as every sender leaves it (WireHeader{})
   SealHeader(&h);
   const size_t len = kHeaderSize + static_cast<size_t>(h.payload_bytes);
@@ -481,6 +496,62 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   }
 }
 
+// An integer mean in the kernel, against a 64-bit model: the sum of the
+// sources as T (wrapping), then divided by `divisor` truncating.
+template <typename T>
+void CheckIntegerMean(FuzzedDataProvider& in, DType dtype, uint64_t divisor) {
+  constexpr size_t kCount = 9;  // a block of 64 bytes for int8 needs more: tails
+  T a[kCount], b[kCount], out[kCount];
+  for (size_t i = 0; i < kCount; ++i) {
+    a[i] = in.ConsumeIntegral<T>();
+    b[i] = in.ConsumeIntegral<T>();
+  }
+  const void* srcs[2] = {a, b};
+  ReduceInto(dtype, out, srcs, 2, kCount, static_cast<double>(divisor));
+  using Wide = std::conditional_t<std::is_signed_v<T>, int64_t, uint64_t>;
+  using U = std::make_unsigned_t<T>;
+  for (size_t i = 0; i < kCount; ++i) {
+    const T sum = static_cast<T>(static_cast<U>(static_cast<U>(a[i]) + static_cast<U>(b[i])));
+    const T want = divisor > 1 ? static_cast<T>(static_cast<Wide>(sum) / static_cast<Wide>(divisor))
+                               : sum;
+    FUZZ_CHECK(out[i] == want);
+  }
+}
+
+// Path kMeans: device counts from peers' headers, as far as CheckHeader lets
+// them through, summed and divided by.
+void FuzzMeans(FuzzedDataProvider& in) {
+  const int peers = in.ConsumeIntegralInRange<int>(1, 8);
+  uint64_t total = 0;
+  bool counted = true;
+  for (int p = 0; p < peers && counted; ++p) {
+    WireHeader h{};
+    h.magic = kMagic;
+    h.version = kWireVersion;
+    h.kind = static_cast<uint8_t>(MsgKind::kContribution);
+    h.dtype = static_cast<uint8_t>(DType::kInt8);
+    h.op = static_cast<uint8_t>(ReduceOp::kMean);
+    h.src_rank = static_cast<uint32_t>(p);
+    h.contributors = in.ConsumeIntegral<uint32_t>();
+    SealHeader(&h);
+    HeaderBuffer buf(reinterpret_cast<const uint8_t*>(&h));
+    const Expectation want = ExpectationOf(h, 0);
+    if (CheckHeaderChecked(buf, kHeaderSize, want) != HeaderVerdict::kOk) continue;
+    // The server's sum: a total beyond the cap fails the reduction instead.
+    counted = AddContributors(&total, h.contributors);
+    FUZZ_CHECK(total <= kMaxContributors);
+  }
+  if (!counted || total == 0) return;
+  switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+    case 0: CheckIntegerMean<int8_t>(in, DType::kInt8, total); break;
+    case 1: CheckIntegerMean<uint8_t>(in, DType::kUInt8, total); break;
+    case 2: CheckIntegerMean<int16_t>(in, DType::kInt16, total); break;
+    case 3: CheckIntegerMean<int32_t>(in, DType::kInt32, total); break;
+    case 4: CheckIntegerMean<int64_t>(in, DType::kInt64, total); break;
+    default: CheckIntegerMean<uint32_t>(in, DType::kUInt32, total); break;
+  }
+}
+
 // Path kTags: the matching tag. TagSender decodes a tag that arrived with a
 // message; the Make* helpers must lay fields out as wire.h documents.
 void FuzzTags(FuzzedDataProvider& in) {
@@ -537,9 +608,10 @@ void FuzzTags(FuzzedDataProvider& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
-  switch (in.ConsumeIntegralInRange<int>(0, 2)) {
+  switch (in.ConsumeIntegralInRange<int>(0, 3)) {
     case 0: FuzzRawHeader(in); break;
     case 1: FuzzSealedHeader(in); break;
+    case 2: FuzzMeans(in); break;
     default: FuzzTags(in); break;
   }
   return 0;

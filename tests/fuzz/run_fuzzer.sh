@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the wire-header fuzzer (tests/fuzz/header_fuzzer.cc + the parser,
-# xla_ffi/engine/wire.cc) with libFuzzer, ASan and UBSan, and runs it for a
+# xla_ffi/engine/wire.cc, and the reduction kernels that divide by what the
+# headers count) with libFuzzer, ASan and UBSan, and runs it for a
 # fixed number of inputs from a fixed seed.
 #
 #   bash tests/fuzz/run_fuzzer.sh [RUNS] [BUILD_DIR]
@@ -65,7 +66,7 @@ bin="$build_dir/header_fuzzer"
 echo "== building $bin ($(clang++ --version | head -n1))"
 clang++ -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
   -Wall -Wextra -I xla_ffi \
-  tests/fuzz/header_fuzzer.cc xla_ffi/engine/wire.cc -o "$bin"
+  tests/fuzz/header_fuzzer.cc xla_ffi/engine/wire.cc xla_ffi/engine/reduce_kernels.cc -o "$bin"
 
 # --- run --------------------------------------------------------------------
 # No corpus directory: every run starts from the same empty corpus and seed,

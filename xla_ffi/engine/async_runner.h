@@ -47,6 +47,12 @@ class AsyncRunner {
         tasks_.pop_front();
         lock.unlock();
         task();
+        // Destroyed here, outside the lock: what a task holds may take long to
+        // let go of (the last reference to a communicator, whose destructor
+        // waits for the host's other processes), or may call Run itself. Under
+        // the lock it would hold up every XLA thread that hands over a task,
+        // or deadlock.
+        task = nullptr;
         lock.lock();
       }
       ++idle_;

@@ -37,6 +37,9 @@ struct Batch {
   size_t remaining = 0;
   size_t inflight = 0;
   size_t tasks = 0;  // server tasks among `inflight` (AddTask)
+  // Receives among `inflight` posted straight into the caller's output (a
+  // flat call's results without a codec, input and output apart).
+  std::atomic<size_t> output_recvs{0};
   bool failed = false;
   std::string error;
   uint32_t stream = 0;
@@ -199,9 +202,15 @@ struct HostWait {
   // The call returned with success and the batch waits only for kHostDone
   // (Communicator::Linger): a failed receive then no longer fails anything.
   std::atomic<bool> lingering{false};
+  // This process's arrive was published (others may read its inputs).
+  std::atomic<bool> arrive_published{false};
+  // [local index] a kHostDone (or a withdrawal) went to that process: at most
+  // one of them per peer and call.
+  std::unique_ptr<std::atomic<bool>[]> done_sent;
   std::vector<WireHeader> in_headers;               // [step * P + q]
   std::vector<std::vector<HostEntry>> in_entries;   // [step * P + q]
   WireHeader out_headers[kSteps];                   // sent to every peer
+  WireHeader withdrawal;                            // kHostDone saying kHostWithdrawn
   std::vector<HostEntry> out_entries[kSteps];
   std::vector<PooledBuffer> staging;  // [buffer] this process's slice of the result
   // [buffer][local index] the ranges of the buffer that process's slice
@@ -219,6 +228,10 @@ struct HostWait {
   std::vector<int> board_index;    // [local index]
   std::vector<int> ready_posting;  // [local index]
   std::vector<uint32_t> ready_version;
+  // [local index] the posting (and its version) whose inputs this process
+  // read, checked again after the last read (CheckInputsStillPosted).
+  std::vector<int> arrive_posting;
+  std::vector<uint32_t> arrive_version;
 
   int size() const { return static_cast<int>(local.size()); }
   bool Got(int q, int step) const { return (got[q].load() >> step) & 1; }

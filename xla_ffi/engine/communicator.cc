@@ -1,6 +1,6 @@
 // The communicator's set-up and the AllReduce call: a batch's identities and
-// geometry, waiting for it, and cleaning up after it. The rest lives in rooms
-// of their own: data_path.cc; host_stage.cc, host_messages.cc and
+// geometry, and waiting for it. The rest lives in rooms of their own:
+// data_path.cc; host_stage.cc, host_messages.cc, host_posting.cc and
 // host_linger.cc; liveness.cc, control.cc, diagnostics.cc, and test_faults.cc
 // (fault injection for tests).
 #include "engine/communicator.h"
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <new>
 #include <string>
 
 #include "engine/batch.h"
@@ -99,8 +100,12 @@ Communicator::~Communicator() {
   for (auto& t : servers_) t.join();
   // Callbacks of cancelled operations run inside Shutdown and may still use
   // transport_ (Fail calls StopWaiting): it must stay set until they are done.
-  transport_->Shutdown();
-  transport_.reset();
+  // Null when Create could not open one (this destructor then runs from
+  // Create's failure path).
+  if (transport_) {
+    transport_->Shutdown();
+    transport_.reset();
+  }
   // Memory that another process may still read is never freed (a freed
   // buffer stays mapped and is reused: the reader would get wrong bytes and
   // succeed): the staging of failed host-stage calls, and of successful ones
@@ -244,6 +249,12 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   }
   reductions_ += requests.size();
 
+  if (n > 1 && TestFault("abort-at-start")) {
+    const std::string why = "rank " + std::to_string(config_.rank) +
+                            ": test fault abort-at-start (HERRING_TEST_FAULT)";
+    FailAll(why, /*tell_peers=*/true);
+    return Status::Error(why);
+  }
   // Only groups that reach the wire need a stream id that fits in the tag; a
   // group of this process alone (any number of them) never does.
   if (n > 1 && stream >= kControlStream) return Status::Error("stream id out of range");
@@ -378,17 +389,26 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
   if (batch->remaining == 0) return Status::Ok();  // only empty parts
   // Active (visible to aborts and the peer watch) once `jobs` is complete:
   // from here on only the jobs' own atomics change under other threads.
-  Activate(batch.get());
+  if (!Activate(batch.get())) return EndFailed(std::move(batch), /*timed_out=*/false);
 
   Status status;
-  for (auto& job : batch->jobs) {
-    status = StartJob(batch.get(), job.get());
-    if (!status.ok()) {
-      Fail(batch.get(), status.message());
-      break;
+  try {
+    if (TestFault("bad-alloc")) throw std::bad_alloc();
+    for (auto& job : batch->jobs) {
+      status = StartJob(batch.get(), job.get());
+      if (!status.ok()) break;
     }
+  } catch (const std::bad_alloc&) {
+    // Receives may be posted into the batch, which is active: it must end as
+    // every failed batch does, never be freed by the unwinding.
+    status = Status::Error("rank " + std::to_string(config_.rank) +
+                           " ran out of memory starting " + batch->jobs.front()->Describe());
   }
-  if (status.ok()) batch->started = true;
+  if (status.ok()) {
+    batch->started = true;
+  } else {
+    Fail(batch.get(), status.message());
+  }
 
   std::unique_lock<std::mutex> lock(batch->mu);
   // Success needs every operation drained too, not only the work done: a
@@ -410,59 +430,6 @@ std::chrono::steady_clock::time_point Communicator::Deadline() const {
   return std::chrono::steady_clock::now() +
          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
              std::chrono::duration<double>(config_.timeout_s));
-}
-
-void Communicator::Activate(Batch* batch) {
-  std::lock_guard<std::mutex> lock(active_mu_);
-  active_.insert(batch);
-}
-
-void Communicator::Deactivate(Batch* batch) {
-  std::lock_guard<std::mutex> lock(active_mu_);
-  active_.erase(batch);
-}
-
-Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
-  if (timed_out) {
-    Fail(batch.get(), "herring allreduce timed out after " +
-                          std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
-                          std::to_string(config_.rank) + ": " + MissingReport(*batch) +
-                          " A process may have hung, or the processes issued different "
-                          "reductions (other shapes or code, or a reducing step run a "
-                          "different number of times). HERRING_TIMEOUT_S sets the limit.");
-  } else if (!told_by_peer_) {
-    // Failed by a mismatch or the peer watch: the error names the cause;
-    // this rank's own view goes to the log.
-    std::fprintf(stderr, "herring_jax rank %d: state of the failed reduction: %s\n",
-                 config_.rank, MissingReport(*batch).c_str());
-  }
-  std::unique_lock<std::mutex> lock(batch->mu);
-  std::string error = batch->error;
-  lock.unlock();
-  // Receives may still point into XLA's buffers: cancel them and wait until
-  // the transport has let go of every buffer before returning.
-  transport_->CancelAll();
-  lock.lock();
-  // Sums and re-posts first, however long: they write into XLA's buffers,
-  // which XLA frees once this returns, and they cannot block (posting never
-  // waits), so only a stalled thread (a debugger, SIGSTOP) makes this wait.
-  batch->cv.wait(lock, [&] { return batch->tasks == 0; });
-  const bool drained =
-      batch->cv.wait_for(lock, std::chrono::seconds(5), [&] { return batch->inflight == 0; });
-  const size_t left = batch->inflight;
-  lock.unlock();
-  Deactivate(batch.get());
-  if (!drained) {
-    // Sends to a dead peer may never complete, and their callbacks reference
-    // the batch: it is kept (the communicator is unusable from here on, so
-    // this happens at most once per communicator; counted in the stats).
-    kept_batches_.fetch_add(1);
-    std::fprintf(stderr, "herring_jax rank %d: %s operations of the failed reduction did "
-                 "not finish within 5 s; its state is kept\n", config_.rank,
-                 std::to_string(left).c_str());
-    batch.release();
-  }
-  return Status::Error(error);
 }
 
 }  // namespace herring::engine

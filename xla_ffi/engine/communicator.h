@@ -67,6 +67,27 @@ struct CommConfig {
   // bytes landing anywhere the job reads (with in == out, the contribution
   // not sent yet: Job::results_staged).
   bool test_early_strangers = false;
+  // Tests only: a fault this process's first reduction that can have it
+  // meets (HERRING_TEST_FAULT): "abort-at-start" (fails at once and tells
+  // every rank), "no-staging" (the host stage finds no memory for its
+  // staging), "no-posting" (nor a free board posting), "withdraw-after-ready"
+  // (the host stage fails after publishing its result slice without telling
+  // anyone, and overwrites its inputs before returning, as XLA reusing them
+  // would), "bad-alloc" (std::bad_alloc on the flat path once its batch is
+  // active). Empty: none.
+  std::string test_fault;
+  // Tests only: each host-stage call sleeps this long before it reads the
+  // other processes' inputs (a slow reader of inputs).
+  int test_read_delay_ms = 0;
+  // Tests only: each reduction sleeps this long between its check of the
+  // communicator's state and the moment its batch becomes visible to aborts.
+  int test_activate_delay_ms = 0;
+  // Tests only: this process's first host-stage call sends every other rank
+  // an abort, and every other process of its host an arrive (its own
+  // entries), forged to come from this rank (tag and header); -1: none.
+  // Receivers must drop or never match them (directed receives, source
+  // checks).
+  int test_forge_as = -1;
 };
 
 // One buffer to reduce. `in` holds this process's contribution (already summed
@@ -110,6 +131,7 @@ struct CommStats {
   uint64_t failed_batches_kept = 0;  // failed batches whose operations never drained
   uint64_t host_stage_calls = 0;     // calls reduced through the host stage
   uint64_t host_bytes_read = 0;      // bytes read from other processes' memory
+  uint64_t batches_in_flight = 0;    // batches visible to aborts now (0 between calls)
   transport::TransportStats transport;
 };
 
@@ -183,6 +205,26 @@ class Communicator {
   Status ReduceInHosts(uint32_t stream, const GroupPlan& plan,
                        const std::vector<ReduceRequest>& requests,
                        const std::vector<Identity>& ids);
+  // Its steps after the arrive (2-5); false once the call failed (timed_out:
+  // by its deadline).
+  bool RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& plan,
+                    const std::vector<ReduceRequest>& requests, const std::vector<Identity>& ids,
+                    bool* timed_out);
+  // Where a call's inputs are published and withdrawn (host_posting.cc): its
+  // staging, arrive entries and board posting; whether every input this
+  // process read is still its owner's (an error naming the one withdrawn);
+  // and a failed call's end: withdraws its inputs (WithdrawHost), keeps its
+  // staging, EndFailed.
+  Status PrepareHostCall(Batch* batch, const GroupPlan& plan,
+                         const std::vector<ReduceRequest>& requests,
+                         const std::vector<size_t>& slice_bytes);
+  Status CheckInputsStillPosted(Batch* batch);
+  Status EndHostCall(std::unique_ptr<Batch> batch, const std::vector<ReduceRequest>& requests,
+                     bool timed_out);
+  // Before a failed call returns (and XLA frees its inputs): on the boards,
+  // marks its posting withdrawn; as messages, sends every local peer a
+  // withdrawal and waits until each has said it is done reading or has exited.
+  void WithdrawHost(Batch* batch);
   // Host-stage messages (host_stage.cc).
   void PostHostRecv(Batch* batch, int step, int peer);
   void OnHostMessage(Batch* batch, int step, int peer, const transport::Completion& c);
@@ -229,12 +271,23 @@ class Communicator {
   size_t DrainLingering();
   std::chrono::steady_clock::time_point Deadline() const;  // now + timeout_s
   // Batches in flight are visible to aborts, the peer watch and heartbeats.
-  void Activate(Batch* batch);
+  // Activate fails the batch (false) where the communicator broke after the
+  // caller's own check: an abort's sweep (FailAll) may have run before the
+  // batch was there to fail.
+  bool Activate(Batch* batch);
   void Deactivate(Batch* batch);
   // After a batch failed (or `timed_out`): reports, cancels receives, waits
   // until nothing references the batch, frees it (or keeps it when its
   // operations never drain); returns its error.
   Status EndFailed(std::unique_ptr<Batch> batch, bool timed_out);
+  // Fails `batch` with the timeout's error: what it waits for, and from whom.
+  void FailTimedOut(Batch* batch);
+  // Tests: whether CommConfig::test_fault is `name` and has not fired yet
+  // (then it fires: once per communicator).
+  bool TestFault(const char* name);
+  bool FaultFired(const char* name) const {
+    return fault_fired_.load() && config_.test_fault == name;
+  }
 
   Status StartJob(Batch* batch, Job* job);
   // Control plane: a failing rank tells every other rank at once, so that
@@ -256,6 +309,9 @@ class Communicator {
   void ReportStalls();
   // "float32[1000] sum (key ...; run ...) at train.py:42 (step)".
   std::string DescribeJob(const Job& job) const;
+  // Whether a control message whose tag and header name `sender` came from
+  // that rank's address (or the provider does not say); `why` if not.
+  static bool FromSender(const transport::Completion& c, uint32_t sender, std::string* why);
   // A message that failed its header check: counted, logged (the first 10),
   // and its receive posted again.
   void CountDropped(const std::string& why);
@@ -273,6 +329,11 @@ class Communicator {
   // Tests (CommConfig::test_early_strangers): sends peer p a stranger for each
   // result chunk of this process's part.
   void SendEarlyStrangers(Job* job, int p);
+  // Tests (CommConfig::test_forge_as): the forged abort and arrives of a
+  // host-stage call set up (PrepareHostCall) and not yet published.
+  void SendForgeries(Batch* batch);
+  void SendForged(Batch* batch, int to_rank, uint64_t tag, const WireHeader& header,
+                  const void* payload);
   // Liveness (see CommConfig::heartbeat_s).
   void PostHeartbeatRecv(size_t slot);
   void OnHeartbeat(size_t slot, const transport::Completion& c);
@@ -347,7 +408,7 @@ class Communicator {
   std::string broken_;
 
   // Batches in flight, failed all at once when a peer aborts.
-  std::mutex active_mu_;
+  mutable std::mutex active_mu_;
   std::set<Batch*> active_;
 
   static constexpr size_t kControlRecvs = 2;
@@ -406,6 +467,8 @@ class Communicator {
   std::atomic<uint64_t> kept_batches_{0};
   std::atomic<uint64_t> host_calls_{0};
   std::atomic<uint64_t> host_bytes_read_{0};
+  std::atomic<bool> fault_fired_{false};
+  std::atomic<bool> forged_{false};
 };
 
 }  // namespace herring::engine

@@ -1,12 +1,15 @@
 // The abort control plane: a failing rank fails its batches and tells every
 // other rank at once, so that nobody waits for HERRING_TIMEOUT_S on a job that
-// cannot finish; and the dropped-message count.
+// cannot finish; the batches in flight that an abort reaches, and how a
+// failed one ends; and the dropped-message count.
 #include "engine/communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "engine/batch.h"
 
@@ -15,7 +18,8 @@ namespace herring::engine {
 void Communicator::PostControlRecv(size_t slot) {
   ControlBuffer& b = control_[slot];
   transport::IoVec iov[2] = {{&b.header, sizeof(b.header)}, {b.text, sizeof(b.text)}};
-  // Any sender: the sender bits of the tag are ignored.
+  // Any sender: the sender bits of the tag are ignored, and OnControl checks
+  // them against the address the message came from.
   Status s = transport_->Recv(
       MakeControlTag(0), kSenderBits, iov, 2,
       [this, slot](const transport::Completion& c) { OnControl(slot, c); },
@@ -45,7 +49,8 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
   const MsgKind kind = static_cast<MsgKind>(b.header.kind);
   if (!IsControlKind(kind) ||
       !CheckControlHeader(b.header, c.len, kind, config_.token, sender,
-                          static_cast<uint32_t>(config_.size), &why)) {
+                          static_cast<uint32_t>(config_.size), &why) ||
+      !FromSender(c, sender, &why)) {
     CountDropped(why.empty() ? "control message of unknown kind" : why);
     Enqueue([this, slot] { PostControlRecv(slot); });
     return;
@@ -67,6 +72,20 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
   FailAll(message, /*tell_peers=*/false);
 }
 
+bool Communicator::FromSender(const transport::Completion& c, uint32_t sender,
+                              std::string* why) {
+  // The job token is no proof of who sent a message (README, "Security"):
+  // where the provider names the sending address, it must be the rank's.
+  if (c.source == transport::kSourceUnchecked || c.source == static_cast<int>(sender)) {
+    return true;
+  }
+  *why = "a control message that claims to come from rank " + std::to_string(sender) +
+         " came from " + (c.source == transport::kSourceUnknown
+                              ? std::string("an address of no rank of this job")
+                              : "rank " + std::to_string(c.source) + "'s address");
+  return false;
+}
+
 void Communicator::CountDropped(const std::string& why) {
   if (dropped_.fetch_add(1) < 10) {
     std::fprintf(stderr, "herring_jax rank %d: dropped a message: %s\n", config_.rank,
@@ -75,9 +94,11 @@ void Communicator::CountDropped(const std::string& why) {
 }
 
 void Communicator::BroadcastAbort(const std::string& why) {
-  // Best effort, never queued, not waited for: this runs on a server thread.
-  // A dead peer never completes this, and the peers it does not reach learn
-  // of the failure from their own timeout or peer watch. Failures are logged.
+  // Queued if need be, also after this rank's failure (SendControl): a peer
+  // it never sent to before is not connected yet. Not waited for: this runs
+  // on a server thread; one to a dead peer gives up after its post timeout,
+  // and the peers it does not reach learn of the failure from their own
+  // timeout or peer watch. Failures are logged.
   std::call_once(abort_once_, [&] { TellPeers(MsgKind::kAbort, why, AllPeers(), 0.0, true); });
 }
 
@@ -114,6 +135,90 @@ void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
   // Sent from a server thread: Fail also runs on the progress thread, which
   // must never wait on the transport's queues itself.
   if (tell_peers && connected_) Enqueue([this, why] { BroadcastAbort(why); });
+}
+
+bool Communicator::Activate(Batch* batch) {
+  if (config_.test_activate_delay_ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(config_.test_activate_delay_ms));
+  }
+  std::lock_guard<std::mutex> lock(active_mu_);
+  active_.insert(batch);
+  // FailAll sets broken_ before it sweeps active_ (under active_mu_): either
+  // it is set by now, or the sweep comes after this insertion and fails it.
+  std::string broken;
+  {
+    std::lock_guard<std::mutex> broken_lock(broken_mu_);
+    broken = broken_;
+  }
+  if (broken.empty()) return true;
+  Fail(batch, "communicator unusable after an earlier failure: " + broken, /*tell_peers=*/false);
+  return false;
+}
+
+void Communicator::Deactivate(Batch* batch) {
+  std::lock_guard<std::mutex> lock(active_mu_);
+  active_.erase(batch);
+}
+
+void Communicator::FailTimedOut(Batch* batch) {
+  Fail(batch, "herring allreduce timed out after " +
+                  std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
+                  std::to_string(config_.rank) + ": " + MissingReport(*batch) +
+                  " A process may have hung, or the processes issued different "
+                  "reductions (other shapes or code, or a reducing step run a "
+                  "different number of times). HERRING_TIMEOUT_S sets the limit.");
+}
+
+Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
+  if (timed_out) {
+    FailTimedOut(batch.get());
+  } else if (!told_by_peer_) {
+    // Failed by a mismatch or the peer watch: the error names the cause;
+    // this rank's own view goes to the log (a peer's abort names its own).
+    std::fprintf(stderr, "herring_jax rank %d: state of the failed reduction: %s\n",
+                 config_.rank, MissingReport(*batch).c_str());
+  }
+  std::unique_lock<std::mutex> lock(batch->mu);
+  std::string error = batch->error;
+  lock.unlock();
+  // Receives may still point into XLA's buffers: cancel them and wait until
+  // the transport has let go of every buffer before returning.
+  transport_->CancelAll();
+  lock.lock();
+  // Sums and re-posts first, however long: they write into XLA's buffers,
+  // which XLA frees once this returns, and they cannot block (posting never
+  // waits), so only a stalled thread (a debugger, SIGSTOP) makes this wait.
+  batch->cv.wait(lock, [&] { return batch->tasks == 0; });
+  bool drained =
+      batch->cv.wait_for(lock, std::chrono::seconds(5), [&] { return batch->inflight == 0; });
+  // A receive into XLA's output that the provider did not cancel (one it has
+  // matched and is still filling: a streaming provider whose sender stopped
+  // mid-message) would write there after XLA reused the memory: never
+  // return while one is posted, however long that takes. The sends that may
+  // never complete (to a dead peer) only read.
+  for (int waited_s = 5; !drained && batch->output_recvs.load() > 0; ++waited_s) {
+    if (waited_s == 5) {
+      std::fprintf(stderr, "herring_jax rank %d: the failed reduction waits for %zu receives "
+                   "into its output that the provider could not cancel (a peer stopped in "
+                   "the middle of a message?)\n", config_.rank, batch->output_recvs.load());
+    }
+    drained = batch->cv.wait_for(lock, std::chrono::seconds(1),
+                                 [&] { return batch->inflight == 0; });
+  }
+  const size_t left = batch->inflight;
+  lock.unlock();
+  Deactivate(batch.get());
+  if (!drained) {
+    // Sends to a dead peer may never complete, and their callbacks reference
+    // the batch: it is kept (the communicator is unusable from here on, so
+    // this happens at most once per communicator; counted in the stats).
+    kept_batches_.fetch_add(1);
+    std::fprintf(stderr, "herring_jax rank %d: %s operations of the failed reduction did "
+                 "not finish within 5 s; its state is kept\n", config_.rank,
+                 std::to_string(left).c_str());
+    batch.release();
+  }
+  return Status::Error(error);
 }
 
 }  // namespace herring::engine

@@ -40,18 +40,17 @@ Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len) 
   return Status::Ok();
 }
 
-std::string AllowPeersToRead() {
+std::string SetPtracer(int64_t tracer) {
 #ifdef PR_SET_PTRACER
-  std::ifstream scope("/proc/sys/kernel/yama/ptrace_scope");
-  int value = 0;
-  if (!(scope >> value) || value != 1) return "";
-  if (prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0) != 0) {
-    return std::string("prctl(PR_SET_PTRACER) failed: ") + std::strerror(errno);
+  const unsigned long arg = tracer == kPtracerAny ? PR_SET_PTRACER_ANY
+                                                  : static_cast<unsigned long>(tracer);
+  if (prctl(PR_SET_PTRACER, arg, 0, 0, 0) != 0) {
+    return std::string("prctl(PR_SET_PTRACER, ") + std::to_string(tracer) +
+           ") failed: " + std::strerror(errno);
   }
-  return "kernel.yama.ptrace_scope is 1: allowed processes of this user to read this "
-         "process's memory (PR_SET_PTRACER_ANY) for the host stage";
-#else
   return "";
+#else
+  return "this build's kernel headers have no PR_SET_PTRACER";
 #endif
 }
 

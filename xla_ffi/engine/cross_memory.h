@@ -17,7 +17,7 @@ using transport::Status;
 
 // Copies `len` bytes at `remote` in process `pid` to `local`, all of them or
 // an error that names the process and errno (the process is gone: ESRCH; not
-// permitted: EPERM, see AllowPeersToRead).
+// permitted: EPERM, see SetPtracer).
 Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len);
 
 // Whether process `pid` has exited: it is gone, or a zombie (an exited child
@@ -25,10 +25,13 @@ Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len);
 bool ProcessExited(int64_t pid);
 
 // Where Yama restricts ptrace to descendants (kernel.yama.ptrace_scope = 1,
-// Ubuntu's default), lets any process of this user read this one's memory,
-// as Open MPI's shared-memory transport does; elsewhere does nothing. Returns
-// what it did, for the log ("" if nothing).
-std::string AllowPeersToRead();
+// Ubuntu's default), declares who else may read this process's memory:
+// process `tracer` and its descendants (tracer > 0), any process of this user
+// (kPtracerAny, what Open MPI and UCX declare), or nobody again (0).
+// herring_jax/_src/topology.py decides (the narrowest: the nearest common
+// ancestor of the host's processes). Returns "" or why prctl refused.
+constexpr int64_t kPtracerAny = -1;
+std::string SetPtracer(int64_t tracer);
 
 }  // namespace herring::engine
 

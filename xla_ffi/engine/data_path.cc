@@ -90,6 +90,16 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
              job->ChunkLen(me, c), job->WireIn(me, c));
     }
   }
+  if (config_.test_early_strangers) {
+    // Strangers that reach the peers' result receives before the peers have
+    // sent their contributions (they wait too, below). Before this process
+    // posts its own receives: a peer's contributions already here would
+    // complete them at once, and a server task would send this part's
+    // results, ahead of the strangers on the same lane, before they left.
+    for (int p = 0; p < n; ++p) {
+      if (p != me) SendEarlyStrangers(job, p);
+    }
+  }
   // Receives before sends, so that peers' messages find posted buffers.
   if (chunks_me > 0 && job->Contributes()) {
     for (int p = 0; p < n; ++p) {
@@ -111,14 +121,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
     }
     return Status::Ok();
   }
-  if (config_.test_early_strangers) {
-    // Strangers that reach the peers' result receives before the peers have
-    // sent their contributions (they wait too).
-    for (int p = 0; p < n; ++p) {
-      if (p != me) SendEarlyStrangers(job, p);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  if (config_.test_early_strangers) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   // Contributions, chunk-major and starting at the next server, so that the
   // processes do not all send to the same server at the same moment.
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
@@ -166,10 +169,9 @@ void Communicator::PostContributionRecv(Job* job, int p, size_t c) {
   batch->AddInflight(1);
   Status s = transport_->Recv(
       MakeTag(MsgKind::kContribution, batch->group[p], batch->stream, job->tag_bits, c), 0,
-      iov,
-      2, [this, job, p, c](const transport::Completion& done) {
-        OnContribution(job, p, c, done);
-      });
+      iov, 2,
+      [this, job, p, c](const transport::Completion& done) { OnContribution(job, p, c, done); },
+      /*background=*/false, /*from=*/batch->group[p]);
   if (!s.ok()) {
     Fail(batch, "posting a receive: " + s.message());
     batch->Complete(1, 1);
@@ -183,10 +185,13 @@ void Communicator::PostResultRecv(Job* job, int i, size_t c) {
   char* into = job->ResultsApart() ? job->WireOut(i, c) : job->OutAt(job->ChunkBegin(i, c));
   transport::IoVec iov[2] = {{h, sizeof(*h)}, {into, len}};
   batch->AddInflight(1);
+  if (!job->ResultsApart()) batch->output_recvs.fetch_add(1);
   Status s = transport_->Recv(
       MakeTag(MsgKind::kResult, batch->group[i], batch->stream, job->tag_bits, c), 0, iov, 2,
-      [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); });
+      [this, job, i, c](const transport::Completion& done) { OnResult(job, i, c, done); },
+      /*background=*/false, /*from=*/batch->group[i]);
   if (!s.ok()) {
+    if (!job->ResultsApart()) batch->output_recvs.fetch_sub(1);
     Fail(batch, "posting a receive: " + s.message());
     batch->Complete(1, 1);
   }
@@ -275,12 +280,21 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   // bits on every run. An all-gather's only source is this process's part.
   const int sources = job->Contributes() ? n : 1;
   std::vector<const void*> srcs(n);
-  uint32_t contributors = 0;
+  uint64_t contributors = 0;
+  bool counted = true;
   for (int p = 0; p < sources; ++p) {
     srcs[p] = p == me || !job->Contributes()
                   ? static_cast<const void*>(job->InAt(begin))
                   : job->staging[p].data() + c * job->wire_stride;
-    contributors += job->contributors[p].load(std::memory_order_relaxed);
+    counted = counted &&
+              AddContributors(&contributors, job->contributors[p].load(std::memory_order_relaxed));
+  }
+  if (!counted) {
+    Fail(batch, "rank " + std::to_string(config_.rank) + ": the contributions to " +
+                    job->Describe() + " count more than " + std::to_string(kMaxContributors) +
+                    " devices together; a peer's headers are wrong");
+    batch->CompleteTask(1 + sends);
+    return;
   }
   if (!job->Contributes()) contributors = job->req.contributors;
   const double divisor = job->req.op == ReduceOp::kMean ? contributors : 1.0;
@@ -315,7 +329,7 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
   WireHeader& h = job->out_hdrs[c];
   h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, payload_bytes,
-                 contributors);
+                 static_cast<uint32_t>(contributors));
   size_t unposted = sends;
   for (int p = 0; p < n && sends > 0; ++p) {
     if (p == me) continue;
@@ -338,6 +352,8 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
 
 void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completion& done) {
   Batch* batch = job->batch;
+  // The provider is done with the output (EndFailed may wait for this).
+  if (!job->ResultsApart()) batch->output_recvs.fetch_sub(1);
   const int from = batch->group[i];
   std::string why;
   const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];

@@ -52,6 +52,7 @@ std::vector<int> Communicator::AllPeers() const {
 
 void Communicator::TellPeers(MsgKind kind, const std::string& text,
                              const std::vector<int>& peers, double wait_s, bool report) {
+  // (Abort, kLeave and kStall texts share the abort's receive buffers.)
   auto msg = std::make_shared<Outgoing>();
   msg->text = text.substr(0, kAbortTextBytes);
   msg->header = ControlHeader(kind, config_.token, config_.rank);
@@ -73,29 +74,24 @@ void Communicator::TellPeers(MsgKind kind, const std::string& text,
       --msg->pending;
       msg->cv.notify_all();
     };
-    for (;;) {
-      {
-        std::lock_guard<std::mutex> lock(msg->mu);
-        ++msg->pending;
-      }
-      // Never queued: a dead peer must not hold up the others. A busy queue
-      // (the provider still has this rank's last data in flight) is tried
-      // again while there is time.
-      Status s = transport_->TrySend(peer, MakeControlTag(static_cast<uint32_t>(rank)), iov,
-                                     msg->text.empty() ? 1 : 2, done);
-      if (s.ok()) break;
+    {
+      std::lock_guard<std::mutex> lock(msg->mu);
+      ++msg->pending;
+    }
+    // Queued where the provider is busy or the peer not yet connected, also
+    // after a failure (SendControl); a dead peer's send gives up after the
+    // post timeout, and nothing below waits past `wait_s`.
+    Status s = transport_->SendControl(peer, MakeControlTag(static_cast<uint32_t>(rank)), iov,
+                                       msg->text.empty() ? 1 : 2, done);
+    if (!s.ok()) {
       {
         std::lock_guard<std::mutex> lock(msg->mu);
         --msg->pending;
       }
-      if (std::chrono::steady_clock::now() >= deadline) {
-        if (report) {
-          std::fprintf(stderr, "herring_jax rank %d: could not tell rank %d of the failure: %s\n",
-                       rank, peer, s.message().c_str());
-        }
-        break;
+      if (report) {
+        std::fprintf(stderr, "herring_jax rank %d: could not tell rank %d of the failure: %s\n",
+                     rank, peer, s.message().c_str());
       }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   }
   std::unique_lock<std::mutex> lock(msg->mu);

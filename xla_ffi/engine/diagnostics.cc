@@ -171,6 +171,10 @@ CommStats Communicator::Stats() const {
   stats.failed_batches_kept = kept_batches_.load();
   stats.host_stage_calls = host_calls_.load();
   stats.host_bytes_read = host_bytes_read_.load();
+  {
+    std::lock_guard<std::mutex> lock(active_mu_);
+    stats.batches_in_flight = active_.size();
+  }
   stats.transport = transport_->Stats();
   std::lock_guard<std::mutex> lock(occurrences_mu_);
   stats.occurrence_entries = occurrences_.size();

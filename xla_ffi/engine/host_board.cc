@@ -1,5 +1,6 @@
 #include "engine/host_board.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -39,7 +40,8 @@ int Home(const BoardKey& key, int postings) {
 }  // namespace
 
 HostBoard::HostBoard() {
-  fd_ = static_cast<int>(syscall(SYS_memfd_create, "herring-host-board", MFD_CLOEXEC));
+  fd_ = static_cast<int>(
+      syscall(SYS_memfd_create, "herring-host-board", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (fd_ < 0) {
     error_ = Errno("memfd_create");
     return;
@@ -54,6 +56,24 @@ HostBoard::HostBoard() {
     return;
   }
   own_ = static_cast<Page*>(m);  // zero-filled: every posting free, version 0
+  // Every process of the host can take this descriptor (pidfd_getfd). Sealed,
+  // no holder can shrink the board under its mappings (which would end the
+  // owner and every reader with SIGBUS at their next access), grow it, or map
+  // it writable from now on (F_SEAL_FUTURE_WRITE, Linux 5.1+; this process's
+  // own writable mapping above stays), and no seal can be taken off again.
+  // Without the seals the board is not offered (error_): the host's steps
+  // then go as transport messages.
+  int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+#ifdef F_SEAL_FUTURE_WRITE
+  if (fcntl(fd_, F_ADD_SEALS, F_SEAL_FUTURE_WRITE) != 0 && errno != EINVAL) {
+    error_ = Errno("sealing the board against writers (F_SEAL_FUTURE_WRITE)");
+    return;
+  }
+#endif
+  if (fcntl(fd_, F_ADD_SEALS, seals) != 0) {
+    error_ = Errno("sealing the board (F_ADD_SEALS)");
+    return;
+  }
 }
 
 HostBoard::~HostBoard() {
@@ -132,6 +152,19 @@ void HostBoard::Release(int k) {
   free_[k] = true;
 }
 
+void HostBoard::Withdraw(int k) {
+  own_->postings[k].steps.fetch_or(kWithdrawnBit, std::memory_order_seq_cst);
+  Bump();  // wakes the readers that wait for this posting's next step
+}
+
+bool HostBoard::StillPosted(int index, int k, uint32_t version) const {
+  const Posting& p = peers_[index]->postings[k];
+  // seq_cst, after the reads (system calls that have returned): a withdrawal
+  // not seen here was made after them.
+  return !(p.steps.load(std::memory_order_seq_cst) & kWithdrawnBit) &&
+         p.version.load(std::memory_order_seq_cst) == version;
+}
+
 void HostBoard::Bump() {
   own_->generation.fetch_add(1, std::memory_order_acq_rel);
   syscall(SYS_futex, Word(own_->generation), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
@@ -146,8 +179,15 @@ int HostBoard::Find(int index, const BoardKey& key, int step, std::vector<HostEn
     const Posting& p = page->postings[k];
     const uint32_t v = p.version.load(std::memory_order_acquire);
     if (v & 1u) continue;
-    if (!(p.steps.load(std::memory_order_acquire) & (1u << step))) continue;
+    const uint32_t steps = p.steps.load(std::memory_order_acquire);
+    if (!(steps & ((1u << step) | kWithdrawnBit))) continue;
     if (p.key.stream != key.stream || p.key.id != key.id) continue;
+    if (steps & kWithdrawnBit) {
+      // The key was read while the version was stable: this call's posting.
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (p.version.load(std::memory_order_relaxed) == v) return kWithdrawnPosting;
+      continue;
+    }
     const size_t num = std::min<size_t>(p.num, kEntries);
     out->assign(p.entries[step], p.entries[step] + num);
     std::atomic_thread_fence(std::memory_order_acquire);

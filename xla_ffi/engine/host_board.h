@@ -2,9 +2,10 @@
 // each other where their inputs and result slices are, without the transport.
 //
 // Every process owns one board: an anonymous memfd that it alone writes and
-// that the other processes of its host map read-only-in-practice (MAP_SHARED
-// through pidfd_getfd, which needs the same permission as process_vm_readv).
-// Nothing has a name, so nothing is left behind after a SIGKILL.
+// that the other processes of its host map read-only (MAP_SHARED through
+// pidfd_getfd, which needs the same permission as process_vm_readv). The memfd
+// is sealed: no holder can resize it (SIGBUS for its owner and readers) or map
+// it writable. Nothing has a name, so nothing is left behind after a SIGKILL.
 //
 // A board holds postings, one per host-stage call in flight or lingering: the
 // call's identity (stream, run, slot, instance, occurrence), its arrive
@@ -50,6 +51,7 @@ class HostBoard {
   static constexpr int kEntries = 128;
   static constexpr int kPeers = 64;        // processes per host (more: the messages)
   static constexpr int kSteps = 2;         // arrive, ready
+  static constexpr uint32_t kWithdrawnBit = 1u << 31;
 
   HostBoard();
   ~HostBoard();
@@ -77,10 +79,18 @@ class HostBoard {
   }
   // Makes posting `k` free again (its readers are done).
   void Release(int k);
+  // Marks posting `k` withdrawn: its call failed and its inputs are going
+  // away. Never released while this board lives (a reader may still know it).
+  void Withdraw(int k);
+  // Whether posting `k` of host index `index`'s board still is the version
+  // `version` that was read, and not withdrawn.
+  bool StillPosted(int index, int k, uint32_t version) const;
 
   // Looks for `key`'s step `step` on the board of host index `index`: copies
   // its entries (num, checked by the caller) into `out` and returns the
-  // posting and its version; -1 if not published yet.
+  // posting and its version; -1 if not published yet, kWithdrawnPosting if
+  // the call's posting was withdrawn.
+  static constexpr int kWithdrawnPosting = -2;
   int Find(int index, const BoardKey& key, int step, std::vector<HostEntry>* out,
            uint32_t* version) const;
   // This process has read the slices of posting `k` (version `version`) on the
@@ -99,7 +109,8 @@ class HostBoard {
  private:
   struct alignas(64) Posting {
     std::atomic<uint32_t> version;  // odd while rewritten, even while stable
-    std::atomic<uint32_t> steps;    // bit s: step s's entries are published
+    std::atomic<uint32_t> steps;    // bit s: step s's entries are published;
+                                    // kWithdrawnBit: withdrawn
     uint32_t num;
     BoardKey key;
     HostEntry entries[kSteps][kEntries];

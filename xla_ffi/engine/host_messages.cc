@@ -49,7 +49,8 @@ std::string EntriesMismatch(const Batch& batch, int from, int me,
              "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
              "the same executables";
     }
-    if (e.addr == 0 || e.contributors == 0 || e.reserved != 0) {
+    if (e.addr == 0 || e.contributors == 0 || e.contributors > kMaxContributors ||
+        e.reserved != 0) {
       return "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
              batch.jobs[k]->Describe();
     }
@@ -77,7 +78,8 @@ void Communicator::PostHostRecv(Batch* batch, int step, int q) {
       0, iov, entries.empty() ? 1 : 2,
       [this, batch, step, q](const transport::Completion& c) {
         OnHostMessage(batch, step, q, c);
-      });
+      },
+      /*background=*/false, /*from=*/w.local[q]);
   if (!s.ok()) {
     Fail(batch, "posting a receive: " + s.message());
     batch->Complete(1, 1);
@@ -125,6 +127,15 @@ void Communicator::OnHostMessage(Batch* batch, int step, int q,
     w.got[q].fetch_or(static_cast<uint8_t>(1u << step));
   }
   batch->cv.notify_all();
+  if (step == 2 && h.contributors == kHostWithdrawn) {
+    // Its call failed: it reads nothing of this process's any more (its
+    // inputs' owner may stop waiting for it, done above), and its own inputs
+    // are going away. Everything of this process fails, the cross-host step
+    // of this call included: it cannot succeed without that process.
+    FailAll("rank " + std::to_string(from) + " withdrew from the host stage of " +
+                job.Describe() + " (its reduction failed)",
+            /*tell_peers=*/true);
+  }
   batch->Complete(1, 1);
 }
 
@@ -165,6 +176,7 @@ bool Communicator::WaitHost(Batch* batch, int step) {
 
 void Communicator::PublishHost(Batch* batch, int step) {
   HostWait& w = *batch->host;
+  if (step == 0) w.arrive_published = true;  // before anyone can read the inputs
   if (!w.board) {
     for (int q = 0; q < w.size(); ++q) {
       if (q != w.me) SendHost(batch, step, q);
@@ -221,8 +233,17 @@ int Communicator::NextPosted(Batch* batch, int step, const std::vector<bool>& ha
       std::vector<HostEntry>& entries = w.in_entries[step * w.size() + q];
       uint32_t version = 0;
       const int k = board_->Find(w.board_index[q], w.key, step, &entries, &version);
+      if (k == HostBoard::kWithdrawnPosting) {
+        // Its call failed; whoever caused that may not have told anyone.
+        Fail(batch, "rank " + std::to_string(w.local[q]) + " withdrew from the host stage of " +
+                        batch->jobs.front()->Describe() + " (its reduction failed)");
+        return -1;
+      }
       if (k < 0) continue;
-      if (step == 1) {
+      if (step == 0) {
+        w.arrive_posting[q] = k;
+        w.arrive_version[q] = version;
+      } else {
         w.ready_posting[q] = k;
         w.ready_version[q] = version;
       }

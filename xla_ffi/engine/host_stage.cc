@@ -31,7 +31,8 @@
 // call's identity) or, where a host's processes could not map each other's
 // boards (HERRING_HOST_BOARD=0, no pidfd_getfd), as small transport messages
 // (host_messages.cc). Both are checked alike (mismatched reductions are named);
-// liveness and aborts go through the transport either way. After a call,
+// liveness and aborts go through the transport either way. A call is set up
+// and, when it fails, withdrawn by host_posting.cc; after a successful one,
 // host_linger.cc keeps its staging buffers.
 //
 // Order of the sum (the numpy reference in tests/workers/common.py): the
@@ -51,6 +52,15 @@
 // - Inputs are no longer read once their owner returns: it returns after
 //   gathering every peer's slice, i.e. after every peer's kHostReady, which a
 //   peer sends after its step 2, its last read of inputs.
+// - A failed call withdraws its inputs before it returns (host_withdraw.cc),
+//   and nobody publishes or uses a slice read from inputs that were withdrawn:
+//   on the boards the owner marks its posting withdrawn, and each reader,
+//   after its last read of inputs and before it uses the slice (step 3 or 4),
+//   checks that every owner's arrive posting is still the one it read (a
+//   mark made later came after the reads, while the inputs were still
+//   there); as messages the owner sends each local peer a withdrawal and
+//   waits until each has said it is done reading (kHostReady, kHostDone, a
+//   withdrawal of its own) or has exited, up to HERRING_TIMEOUT_S.
 // - Where XLA reduces in place (the input is the output), an input slice is
 //   overwritten only when nobody reads it any more: process q reads only slice
 //   q of the others' inputs; each process writes its own slice (steps 2 and 4)
@@ -73,6 +83,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -173,30 +184,10 @@ Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceReq
   if (w.board) {
     board_->Ack(w.board_index[q], w.ready_posting[q], w.ready_version[q]);
   } else {
+    w.done_sent[q] = true;
     SendHost(batch, 2, q);
   }
   return Status::Ok();
-}
-
-Status Communicator::HostReadFailed(Batch* batch, int q, const std::string& what,
-                                   const Status& s) {
-  const HostWait& w = *batch->host;
-  std::string text = "rank " + std::to_string(config_.rank) + " cannot read rank " +
-                     std::to_string(w.local[q]) + "'s " + what + ": " + s.message();
-  if (!ProcessExited(w.pids[q])) return Status::Error(text);
-  {
-    std::unique_lock<std::mutex> lock(batch->mu);
-    batch->cv.wait_until(lock, std::min(Deadline(), std::chrono::steady_clock::now() +
-                                                        std::chrono::seconds(1)),
-                         [&] { return batch->failed; });
-  }
-  std::string exited;
-  for (int i = 0; i < w.size(); ++i) {
-    if (i != w.me && ProcessExited(w.pids[i])) {
-      exited += (exited.empty() ? "" : ", ") + std::string("rank ") + std::to_string(w.local[i]);
-    }
-  }
-  return Status::Error(text + "; processes of this host that have exited: " + exited);
 }
 
 Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
@@ -208,7 +199,6 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   }
   host_calls_ += 1;
   const int p = static_cast<int>(plan.local.size());
-  const int me = plan.local_index;
   const size_t num = requests.size();
   auto batch = std::make_unique<Batch>();
   batch->stream = stream;
@@ -223,13 +213,14 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     job->elem = ElementSize(job->req.dtype);
     batch->jobs.push_back(std::move(job));
   }
-  auto host = std::make_unique<HostWait>();
-  HostWait& w = *host;
+  batch->host = std::make_unique<HostWait>();
+  HostWait& w = *batch->host;
   w.local = plan.local;
-  w.me = me;
+  w.me = plan.local_index;
   w.hosts = plan.hosts;
   for (int r : plan.local) w.pids.push_back(topology_.pid_of[r]);
   w.got.reset(new std::atomic<uint8_t>[p]());
+  w.done_sent.reset(new std::atomic<bool>[p]());
   w.in_headers.resize(HostWait::kSteps * p);
   w.in_entries.resize(HostWait::kSteps * p);
   for (int q = 0; q < p; ++q) {
@@ -240,95 +231,96 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   for (size_t k = 0; k < num; ++k) {
     for (int q = 0; q < p; ++q) w.slices[k].push_back(SliceOf(requests[k], plan, q));
   }
+  std::vector<size_t> slice_bytes;
   for (size_t k = 0; k < num; ++k) {
     const ReduceRequest& r = requests[k];
     // A reduce-scatter on one host sums straight into its output (its part).
-    const bool staged =
-        r.collective != Collective::kReduceScatter || plan.hosts > 1;
-    w.staging.emplace_back(
-        &pool_, std::max<size_t>(1, staged ? Total(w.slices[k][me]) * ElementSize(r.dtype) : 1));
-    if (!w.staging.back().ok()) return Status::Error("out of memory for the host stage");
-    HostEntry e{};
-    e.addr = reinterpret_cast<uint64_t>(r.in);
-    e.key = r.key;
-    e.count = r.count;
-    e.contributors = r.contributors;
-    e.dtype = static_cast<uint8_t>(r.dtype);
-    e.op = static_cast<uint8_t>(r.op);
-    e.codec = static_cast<uint8_t>(r.codec);
-    w.out_entries[0].push_back(e);
+    const bool staged = r.collective != Collective::kReduceScatter || plan.hosts > 1;
+    slice_bytes.push_back(staged ? Total(w.slices[k][w.me]) * ElementSize(r.dtype) : 1);
   }
-  const Job& first = *batch->jobs.front();
-  const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
-  // Through the boards where this host's processes share them; a call of
-  // more buffers than a posting holds goes through messages (the same on
-  // every process, which all reduce the same buffers).
-  w.board = plan.board && num <= static_cast<size_t>(HostBoard::kEntries);
-  if (w.board) {
-    w.key = BoardKey{stream, first.id};
-    w.board_index = plan.board_index;
-    w.ready_posting.assign(p, -1);
-    w.ready_version.assign(p, 0);
-    const auto deadline = Deadline();
-    while ((w.posting = board_->Acquire(w.key, num)) < 0) {
-      {
-        std::lock_guard<std::mutex> lock(lingering_mu_);
-        SweepLingering();
-      }
-      if (std::chrono::steady_clock::now() >= deadline) {
-        return Status::Error(
-            "rank " + std::to_string(config_.rank) + ": more than " +
-            std::to_string(HostBoard::kPostings) + " host-stage reductions were in flight " +
-            "or waiting for their readers for HERRING_TIMEOUT_S=" +
-            std::to_string(config_.timeout_s) + " s; HERRING_HOST_BOARD=0 sends the host " +
-            "stage's steps as messages, without this limit");
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
+  Status prepared = PrepareHostCall(batch.get(), plan, requests, slice_bytes);
+  if (!prepared.ok()) {
+    // Nothing is published yet, but the others wait for this process's
+    // inputs: they are told now, not at their timeouts.
+    Fail(batch.get(), prepared.message());
+    return prepared;
   }
-  w.out_headers[0] = MakeHeader(first, MsgKind::kHostArrive, config_.token, my_rank, me, 0,
-                                num * sizeof(HostEntry), 1);
-  w.out_headers[2] = MakeHeader(first, MsgKind::kHostDone, config_.token, my_rank, me, 0, 0, 1);
-  batch->host = std::move(host);
+  if (config_.test_forge_as >= 0) SendForgeries(batch.get());
   // Each step: a receive from and a send to every other process (none
   // through the boards).
-  const bool board = w.board;
-  batch->remaining = board ? 0 : 2 * HostWait::kSteps * (p - 1);
+  batch->remaining = w.board ? 0 : 2 * HostWait::kSteps * (p - 1);
   batch->started = true;
-  Activate(batch.get());
-
-  for (int step = 0; !board && step < HostWait::kSteps; ++step) {
-    for (int q = 0; q < p; ++q) {
-      if (q != me) PostHostRecv(batch.get(), step, q);
+  if (Activate(batch.get())) {
+    for (int step = 0; !w.board && step < HostWait::kSteps; ++step) {
+      for (int q = 0; q < p; ++q) {
+        if (q != w.me) PostHostRecv(batch.get(), step, q);
+      }
     }
+    PublishHost(batch.get(), 0);
   }
-  PublishHost(batch.get(), 0);
 
   bool timed_out = false;
+  bool ok = false;
+  try {
+    ok = !batch->Failed() && RunHostSteps(batch.get(), stream, plan, requests, ids, &timed_out);
+  } catch (const std::bad_alloc&) {
+    // Posted receives and a published posting name this batch: it must go
+    // the way of every failed one, never be freed by the unwinding.
+    Fail(batch.get(), "rank " + std::to_string(config_.rank) +
+                          " ran out of memory in the host stage of " +
+                          batch->jobs.front()->Describe());
+  }
+  if (ok) {
+    // Done here; the other processes may still be reading this one's slice.
+    w.waiting = -1;
+    w.lingering = true;
+    Deactivate(batch.get());
+    Linger(std::move(batch));
+    return Status::Ok();
+  }
+  return EndHostCall(std::move(batch), requests, timed_out);
+}
+
+bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& plan,
+                                const std::vector<ReduceRequest>& requests,
+                                const std::vector<Identity>& ids, bool* timed_out) {
+  HostWait& w = *batch->host;
+  const int p = w.size();
+  const int me = w.me;
+  const size_t num = requests.size();
+  const bool board = w.board;
   bool ok = true;
   auto wait = [&](int step) {
-    if (ok && !(board ? WaitBoard(batch.get(), step) : WaitHost(batch.get(), step))) {
-      timed_out = true;
-    }
-    ok = ok && !timed_out && !batch->Failed();
+    if (ok && !(board ? WaitBoard(batch, step) : WaitHost(batch, step))) *timed_out = true;
+    ok = ok && !*timed_out && !batch->Failed();
   };
   auto fail = [&](const Status& s, bool tell_peers) {
     if (!s.ok() && ok) {
-      Fail(batch.get(), s.message(), tell_peers);
+      Fail(batch, s.message(), tell_peers);
       ok = false;
     }
   };
 
   // 2. reduce-scatter (not for an all-gather: nothing to sum inside the host).
   wait(0);
-  std::vector<uint32_t> contributors(num, 0);
+  std::vector<uint64_t> contributors(num, 0);
   if (ok) {
-    for (size_t k = 0; k < num; ++k) {
+    for (size_t k = 0; ok && k < num; ++k) {
       for (int q = 0; q < p; ++q) {
-        contributors[k] +=
-            q == me ? requests[k].contributors : w.in_entries[0 * p + q][k].contributors;
+        if (!AddContributors(&contributors[k], q == me ? requests[k].contributors
+                                                       : w.in_entries[0 * p + q][k].contributors)) {
+          fail(Status::Error("rank " + std::to_string(config_.rank) + ": the processes of this "
+                             "host count more than " + std::to_string(kMaxContributors) +
+                             " devices in " + batch->jobs[k]->Describe()), true);
+          break;
+        }
       }
     }
+  }
+  if (ok && config_.test_read_delay_ms > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(config_.test_read_delay_ms));
+  }
+  if (ok) {
     PooledBuffer pieces(&pool_, std::max<size_t>(1, (p - 1) * kPieceBytes));
     if (!pieces.ok()) fail(Status::Error("out of memory for the host stage"), true);
     std::vector<const void*> srcs(p);
@@ -341,7 +333,10 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
           r.op == ReduceOp::kMean && w.hosts == 1 ? static_cast<double>(contributors[k]) : 1.0;
       size_t staged = 0;  // elements of the slice summed so far
       for (const Range& range : w.slices[k][me]) {
-        for (size_t off = 0; ok && off < range.len; off += piece) {
+        // Between pieces: a call that failed meanwhile (an abort, a withdrawal)
+        // stops reading at once.
+        for (size_t off = 0; ok && off < range.len;
+             off += piece, ok = ok && !batch->Failed()) {
           const size_t n = std::min(piece, range.len - off);
           const size_t at = (range.begin + off) * elem;
           for (int q = 0, slot = 0; ok && q < p; ++q) {
@@ -354,7 +349,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
             char* into = pieces.data() + (slot++) * kPieceBytes;
             Status s = ReadProcessMemory(w.pids[q], from, into, n * elem);
             if (!s.ok()) {
-              fail(HostReadFailed(batch.get(), q, "input of " + batch->jobs[k]->Describe(), s),
+              fail(HostReadFailed(batch, q, "input of " + batch->jobs[k]->Describe(), s),
                    true);
               break;
             }
@@ -379,6 +374,8 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
       }
     }
   }
+  // The last read of the others' inputs is done: were they still there?
+  if (ok) fail(CheckInputsStillPosted(batch), true);
 
   // 3. across hosts: this process's slice with the same slice of every host
   // (a reduce-scatter's result lands in its output; an all-gather's parts
@@ -388,7 +385,7 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     for (size_t k = 0; k < num; ++k) {
       ReduceRequest& slice = slices[k];
       slice.count = Total(w.slices[k][me]);
-      slice.contributors = contributors[k];
+      slice.contributors = static_cast<uint32_t>(contributors[k]);
       slice.in = w.staging[k].data();
       slice.out = w.staging[k].data();
       if (slice.collective != Collective::kAllReduce) slice.parts = CrossParts(w.slices[k][me]);
@@ -409,12 +406,13 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
       }
       HostEntry e = w.out_entries[0][k];
       e.addr = reinterpret_cast<uint64_t>(w.staging[k].data());
-      e.contributors = contributors[k];
+      e.contributors = static_cast<uint32_t>(contributors[k]);
       w.out_entries[1].push_back(e);
     }
-    w.out_headers[1] = MakeHeader(first, MsgKind::kHostReady, config_.token, my_rank, me, 0,
+    w.out_headers[1] = MakeHeader(*batch->jobs.front(), MsgKind::kHostReady, config_.token,
+                                  static_cast<uint32_t>(config_.rank), me, 0,
                                   num * sizeof(HostEntry), 1);
-    PublishHost(batch.get(), 1);
+    PublishHost(batch, 1);
     for (size_t k = 0; k < num; ++k) {
       const ReduceRequest& r = requests[k];
       const bool copy = r.collective == Collective::kAllGather ||
@@ -430,6 +428,13 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
       }
     }
   }
+  // Tests: this call fails here without telling anyone, as when another
+  // rank's abort reached this process first (host_withdraw.cc).
+  if (ok && TestFault("withdraw-after-ready")) {
+    fail(Status::Error("rank " + std::to_string(config_.rank) +
+                           ": test fault withdraw-after-ready (HERRING_TEST_FAULT)"),
+         /*tell_peers=*/false);
+  }
 
   // 5. all-gather, in the order the slices become ready.
   std::vector<bool> gathered(p, false);
@@ -440,17 +445,17 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
   for (int left = p - 1; ok && left > 0; --left) {
     int next = -1;
     if (board) {
-      next = NextPosted(batch.get(), 1, gathered, Deadline(), &timed_out);
+      next = NextPosted(batch, 1, gathered, Deadline(), timed_out);
       ok = next >= 0 && !batch->Failed();
       if (!ok) break;
       gathered[next] = true;
-      fail(GatherFrom(batch.get(), next, requests), true);
+      fail(GatherFrom(batch, next, requests), true);
       continue;
     }
     w.waiting = 1;
     {
       std::unique_lock<std::mutex> lock(batch->mu);
-      timed_out = !batch->cv.wait_until(lock, Deadline(), [&] {
+      *timed_out = !batch->cv.wait_until(lock, Deadline(), [&] {
         if (batch->failed) return true;
         for (int q = 0; q < p; ++q) {
           if (!gathered[q] && w.Got(q, 1)) {
@@ -461,27 +466,12 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
         return false;
       });
     }
-    ok = !timed_out && !batch->Failed();
+    ok = !*timed_out && !batch->Failed();
     if (!ok) break;
     gathered[next] = true;
-    fail(GatherFrom(batch.get(), next, requests), true);
+    fail(GatherFrom(batch, next, requests), true);
   }
-
-  if (ok) {
-    // Done here; the other processes may still be reading this one's slice.
-    w.waiting = -1;
-    w.lingering = true;
-    Deactivate(batch.get());
-    Linger(std::move(batch));
-    return Status::Ok();
-  }
-  {
-    std::lock_guard<std::mutex> lock(kept_mu_);
-    for (PooledBuffer& b : w.staging) kept_staging_.push_back(std::move(b));
-  }
-  // `w.waiting` still names the step that was due: the error text reports who
-  // had not sent it.
-  return EndFailed(std::move(batch), timed_out);
+  return ok;
 }
 
 }  // namespace herring::engine

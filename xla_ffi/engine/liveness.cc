@@ -25,7 +25,7 @@ void Communicator::PostHeartbeatRecv(size_t slot) {
   Status s = transport_->Recv(
       MakeHeartbeatTag(static_cast<uint32_t>(slot)), 0, iov, 1,
       [this, slot](const transport::Completion& c) { OnHeartbeat(slot, c); },
-      /*background=*/true);
+      /*background=*/true, /*from=*/static_cast<int>(slot));
   // Without it rank `slot` would look dead to this rank's peer watch: no
   // silent degradation, break now.
   if (!s.ok() && !ShuttingDown()) {
@@ -46,7 +46,8 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
     std::string why;
     const WireHeader& h = heartbeat_in_[slot];
     if (CheckControlHeader(h, c.len, MsgKind::kHeartbeat, config_.token, sender,
-                           static_cast<uint32_t>(config_.size), &why)) {
+                           static_cast<uint32_t>(config_.size), &why) &&
+        FromSender(c, sender, &why)) {
       heartbeats_.fetch_add(1);
       Heard(sender);
       // A heartbeat also says what its sender waits for (contributors = 1):
@@ -121,29 +122,37 @@ void Communicator::SendHeartbeats() {
   // 0.9: the loop ticks every heartbeat_s, a little late each time.
   const int64_t full_ns = static_cast<int64_t>(0.9e9 * config_.heartbeat_s);
   const int64_t slow_ns = std::max(full_ns, static_cast<int64_t>(1e9 * limit / 4));
+  const int64_t silent_ns = std::max(slow_ns, static_cast<int64_t>(1e9 * limit));
   for (int peer = 0; peer < config_.size; ++peer) {
-    // A peer silent past the limit is presumed dead: a post to it can stall
-    // in the provider's connection attempts and delay the heartbeats to the
-    // live ones.
-    if (peer == config_.rank || (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
-    const bool full = busy_with[peer] || waiter_until_[peer].load() > now;
-    if (now - last_sent_[peer].load() < (full ? full_ns : slow_ns)) continue;
+    if (peer == config_.rank) continue;
+    // A peer silent past the limit is presumed dead, yet it gets one every
+    // `limit`: never again, and a process stopped (SIGSTOP, a debugger) for
+    // longer than the limit found on its return that every peer had stopped
+    // writing to it while it, hearing nobody, wrote to none of them, for
+    // good, so that its next reduction was declared dead. Only one every
+    // `limit`: a post to a dead peer can stall in the provider's connection
+    // attempts and delay the heartbeats to the live ones.
+    const bool silent = (now - last_heard_[peer].load()) * 1e-9 > limit;
+    const bool full = !silent && (busy_with[peer] || waiter_until_[peer].load() > now);
+    if (now - last_sent_[peer].load() < (silent ? silent_ns : full ? full_ns : slow_ns)) continue;
     if (heartbeat_busy_[peer].exchange(true)) continue;
     // Only now, with no heartbeat to `peer` in flight, may its buffer change.
     heartbeat_out_[peer] = base;
     transport::IoVec iov[1] = {{&heartbeat_out_[peer], sizeof(WireHeader)}};
     // TrySend: a peer whose queue is full (dead, or busy with data that
     // proves it alive anyway) must not hold up the heartbeats to the others.
-    // The first heartbeat to a peer may queue (Send): a provider that
-    // connects on the first send (tcp;ofi_rxm) refuses sends until then, and
-    // where no data goes to that peer (the host stage's boards carry a
-    // host's steps) nothing else would ever connect the two.
+    // The first heartbeat to a peer may queue (SendControl, also after a
+    // failure): a provider that connects on the first send (tcp;ofi_rxm)
+    // refuses sends until then, and where no data goes to that peer (the
+    // host stage's boards carry a host's steps) nothing else would ever
+    // connect the two.
     auto done = [this, peer](const transport::Completion&) { heartbeat_busy_[peer] = false; };
     const uint64_t tag = MakeHeartbeatTag(static_cast<uint32_t>(config_.rank));
-    Status s = last_sent_[peer].load() == 0 ? transport_->Send(peer, tag, iov, 1, done)
+    Status s = last_sent_[peer].load() == 0 ? transport_->SendControl(peer, tag, iov, 1, done)
                                             : transport_->TrySend(peer, tag, iov, 1, done);
     if (!s.ok()) {
       heartbeat_busy_[peer] = false;
+      if (silent) last_sent_[peer] = now;  // the next try one `limit` later
     } else {
       last_sent_[peer] = now;
       heartbeats_sent_.fetch_add(1);

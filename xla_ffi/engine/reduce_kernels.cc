@@ -2,6 +2,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #include "engine/half.h"
 
@@ -95,14 +97,25 @@ struct ToBF16 {
 };
 
 // Integers add in unsigned arithmetic so overflow wraps like numpy's instead
-// of being undefined behaviour; a mean divides as signed.
+// of being undefined behaviour; a mean divides the sum, read as S, in 64 bits.
+// The divisor (a count of devices) cast to S instead would turn negative or
+// zero for narrow types (an int8 mean over 128-255 devices divided by a
+// negative number, over 256 by zero: SIGFPE). Dividing by a positive 64-bit
+// number cannot overflow, and the quotient's magnitude is at most the sum's,
+// so it fits S again.
 template <typename U, typename S>
 void ReduceInt(void* dst, void* copy, const void* const* srcs, size_t n, size_t count,
                double divisor, bool div) {
-  if (div) {
-    const S d = static_cast<S>(divisor);
-    Reduce<U, U>(dst, copy, srcs, n, count, Same(), Same(),
-                 [=](U a) { return static_cast<U>(static_cast<S>(a) / d); });
+  using Wide = std::conditional_t<std::is_signed_v<S>, int64_t, uint64_t>;
+  // Never below 1 (callers count at least one device; no division by zero
+  // whatever reaches here), at most what 64 bits hold.
+  const Wide d = divisor >= 9.2e18 ? std::numeric_limits<Wide>::max()
+                 : divisor >= 1.0  ? static_cast<Wide>(divisor)
+                                   : Wide{1};
+  if (div && d > 1) {
+    Reduce<U, U>(dst, copy, srcs, n, count, Same(), Same(), [=](U a) {
+      return static_cast<U>(static_cast<S>(static_cast<Wide>(static_cast<S>(a)) / d));
+    });
   } else {
     Reduce<U, U>(dst, copy, srcs, n, count, Same(), Same(), Same());
   }

@@ -1,6 +1,8 @@
 // Fault injection for tests (CommConfig's test_* fields): messages from
-// strangers that the receiving side must drop without a trace. Nothing here
+// strangers, and messages forged to come from another rank, that the
+// receiving side must drop (or never match) without a trace. Nothing here
 // runs unless a test asks for it.
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -58,6 +60,55 @@ void Communicator::SendEarlyStrangers(Job* job, int p) {
                  MakeHeader(*job, MsgKind::kResult, config_.token ^ kStrangerToken, my_rank,
                             job->me, c, job->WireBytes(job->me, c), job->req.contributors));
   }
+}
+
+void Communicator::SendForgeries(Batch* batch) {
+  const int as = config_.test_forge_as;
+  if (as < 0 || as >= config_.size || as == config_.rank || forged_.exchange(true)) return;
+  static const char kReason[] = "forged abort";
+  for (int peer = 0; peer < config_.size; ++peer) {
+    if (peer == config_.rank || peer == as) continue;
+    WireHeader h = ControlHeader(MsgKind::kAbort, config_.token, as);
+    h.payload_bytes = sizeof(kReason) - 1;
+    SealHeader(&h);
+    SendForged(batch, peer, MakeControlTag(static_cast<uint32_t>(as)), h, kReason);
+  }
+  const HostWait& w = *batch->host;
+  const auto victim = std::find(w.local.begin(), w.local.end(), as);
+  if (w.board || victim == w.local.end()) return;  // boards: nothing to forge
+  WireHeader h = w.out_headers[0];
+  h.src_rank = static_cast<uint32_t>(as);
+  h.part = static_cast<uint32_t>(victim - w.local.begin());
+  SealHeader(&h);
+  const uint64_t tag = MakeTag(MsgKind::kHostArrive, static_cast<uint32_t>(as), batch->stream,
+                               batch->jobs.front()->tag_bits, 0);
+  for (int q = 0; q < w.size(); ++q) {
+    if (q == w.me || w.local[q] == as) continue;
+    SendForged(batch, w.local[q], tag, h, w.out_entries[0].data());
+  }
+}
+
+void Communicator::SendForged(Batch* batch, int to_rank, uint64_t tag, const WireHeader& header,
+                              const void* payload) {
+  const size_t len = header.payload_bytes;
+  auto* msg = new char[sizeof(WireHeader) + len];
+  std::memcpy(msg, &header, sizeof(WireHeader));
+  std::memcpy(msg + sizeof(WireHeader), payload, len);
+  transport::IoVec iov[2] = {{msg, sizeof(WireHeader)}, {msg + sizeof(WireHeader), len}};
+  batch->AddInflight(1);
+  Status s = transport_->Send(to_rank, tag, iov, len > 0 ? 2 : 1,
+                              [batch, msg](const transport::Completion&) {
+                                delete[] msg;
+                                batch->Complete(0, 1);
+                              });
+  if (!s.ok()) {
+    delete[] msg;
+    batch->Complete(0, 1);
+  }
+}
+
+bool Communicator::TestFault(const char* name) {
+  return config_.test_fault == name && !fault_fired_.exchange(true);
 }
 
 }  // namespace herring::engine

@@ -98,10 +98,11 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
            std::to_string(len - sizeof(WireHeader)) + " arrived";
     return HeaderVerdict::kMalformed;
   }
-  if (h.contributors == 0) {
+  if (h.contributors == 0 || h.contributors > kMaxContributors) {
     // Every contribution and result sums at least one device; 0 would become
-    // the divisor of a mean (inf/NaN, or SIGFPE for integers).
-    *why = "header counts 0 contributing devices";
+    // the divisor of a mean (inf/NaN, or SIGFPE for integers), and more than
+    // kMaxContributors is no job's (a sum of such counts could wrap).
+    *why = "header counts " + std::to_string(h.contributors) + " contributing devices";
     return HeaderVerdict::kMalformed;
   }
   if (h.token != want.token) {

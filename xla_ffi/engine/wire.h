@@ -21,12 +21,18 @@ enum class MsgKind : uint8_t {
   // data moves through memory; payload: one HostEntry per buffer of the call.
   kHostArrive = 5,    // here are my inputs (addresses in my process)
   kHostReady = 6,     // my slice of the result is ready (in my staging buffer)
-  kHostDone = 7,      // I have read your slice: you may let go of it (no payload)
+  kHostDone = 7,      // I have read your slice: you may let go of it (no payload);
+                      // with contributors == kHostWithdrawn: my call failed, I
+                      // read nothing of yours any more and my inputs are gone
   // Control messages between ranks, besides aborts and heartbeats
   // (departures.cc): payload text.
   kLeave = 8,         // any -> all: this rank shuts down (its reductions are done)
   kStall = 9,         // any -> the ranks it waits for: what it has waited in, for how long
 };
+
+// The `contributors` of a kHostDone that withdraws (host_posting.cc); a
+// plain kHostDone says 1.
+constexpr uint32_t kHostWithdrawn = 2;
 
 inline bool IsControlKind(MsgKind kind) {
   return kind == MsgKind::kAbort || kind == MsgKind::kLeave || kind == MsgKind::kStall;
@@ -133,12 +139,30 @@ inline uint32_t TagSender(uint64_t tag) {
   return static_cast<uint32_t>((tag >> kSenderShift) & 0x1fff);
 }
 
+// Devices summed into one message's data at most (the `contributors` of a
+// header or host entry): far beyond any job, and small enough that the sum
+// over kMaxRanks processes fits 64 bits many times over and a group's total
+// fits the header's 32 bits. A header above it is malformed; a total above it
+// fails the reduction (AddContributors). Without a cap a peer's header could
+// wrap a 32-bit total to 0, the divisor of a mean.
+constexpr uint32_t kMaxContributors = 1u << 24;
+
+// Adds one message's device count to a running total; false (and the total
+// unchanged) where the total would exceed kMaxContributors.
+inline bool AddContributors(uint64_t* total, uint64_t more) {
+  if (more > kMaxContributors || *total + more > kMaxContributors) return false;
+  *total += more;
+  return true;
+}
+
 constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // Version 2: the header carries the whole identity (run id, slot, instance,
 // occurrence, buffer) instead of version 1's per-slot round. Version 3: the
 // host stage's kinds, and a 2-bit kind in the tag (13-bit chunk index).
 // Version 4: the codec byte (codec.h); payloads of data messages are encoded.
-constexpr uint16_t kWireVersion = 4;
+// Version 5: a kHostDone may withdraw (kHostWithdrawn); at most
+// kMaxContributors devices per message.
+constexpr uint16_t kWireVersion = 5;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.

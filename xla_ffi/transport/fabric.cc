@@ -63,6 +63,36 @@ struct InfoDeleter {
 };
 using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 
+// The providers this machine offers with what herring_jax needs (an RDM
+// endpoint with tagged messages), in libfabric's order of preference, for the
+// error that says a requested one is missing: a misspelt name and a provider
+// without its hardware (efa off AWS) look alike to fi_getinfo.
+std::string AvailableProviders() {
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) return "(fi_allocinfo failed)";
+  hints->caps = FI_TAGGED;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  fi_info* raw = nullptr;
+  const int ret = fi_getinfo(kFabricVersion, nullptr, nullptr, 0, hints.get(), &raw);
+  InfoPtr list(raw);
+  if (ret != 0 || raw == nullptr) return std::string("none (") + fi_strerror(-ret) + ")";
+  std::vector<std::string> names;
+  for (const fi_info* i = raw; i != nullptr; i = i->next) {
+    const std::string name = i->fabric_attr->prov_name ? i->fabric_attr->prov_name : "?";
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+  }
+  std::string text;
+  for (const std::string& name : names) text += (text.empty() ? "" : ", ") + name;
+  return text;
+}
+
+std::string MissingProvider(const std::string& errors) {
+  return errors + ". Providers available here: " + AvailableProviders() +
+         ". Set HERRING_FI_PROVIDER to one of them, or leave it empty (efa where the machine "
+         "has it, else tcp;ofi_rxm); `fi_info -l` lists them too.";
+}
+
 bool LooksLikeIpAddress(const std::string& s) {
   unsigned char buf[16];
   return inet_pton(AF_INET, s.c_str(), buf) == 1 || inet_pton(AF_INET6, s.c_str(), buf) == 1;
@@ -92,6 +122,7 @@ struct Op {
   int peer = -1;             // destination rank of a send; -1 for receives
   int64_t deadline_ns = 0;   // a queued send gives up after it
   bool cancel = false;       // a queued receive was cancelled (post_mu_)
+  bool control = false;      // SendControl: queues also after StopWaiting
   std::atomic<bool> posted{false};  // handed to the provider
   std::atomic<bool> live{false};    // between Post and its one completion
 };
@@ -158,20 +189,33 @@ class FabricTransport final : public Transport {
       std::fprintf(stderr, "herring_jax: FI_OFI_RXM_EAGER_LIMIT is unset; ofi_rxm will send "
                    "chunks by rendezvous (half the rate on a link busy both ways)\n");
     }
+    // Directed receives (a receive posted for one peer's address matches only
+    // that peer's messages, whatever the tag's sender bits claim) and source
+    // addresses in completions (who really sent a control message, whose
+    // receive takes any sender): first with them, then, for a provider that
+    // lacks them, without.
     fi_info* raw = nullptr;
-    int ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
-    if ((ret != 0 || raw == nullptr) && !force_mr_) {
-      hints->domain_attr->mr_mode = mr_mode | FI_MR_LOCAL;
+    int ret = -FI_ENODATA;
+    for (const uint64_t checks : {uint64_t{FI_DIRECTED_RECV | FI_SOURCE}, uint64_t{0}}) {
+      hints->caps = FI_TAGGED | checks;
+      hints->domain_attr->mr_mode = force_mr_ ? mr_mode | FI_MR_LOCAL : mr_mode;
       ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
+      if ((ret != 0 || raw == nullptr) && !force_mr_) {
+        hints->domain_attr->mr_mode = mr_mode | FI_MR_LOCAL;
+        ret = fi_getinfo(kFabricVersion, node, nullptr, flags, hints.get(), &raw);
+      }
+      if (ret == 0 && raw != nullptr) break;
     }
     if (ret != 0 || raw == nullptr) {
+      no_provider_ = true;
       return Status::Error("no libfabric provider '" + options.provider +
                            "' with FI_EP_RDM and FI_TAGGED" +
                            (node ? std::string(" on ") + node : std::string()) + ": " +
-                           fi_strerror(-ret) +
-                           ". Check `fi_info -p <provider>` and HERRING_FI_PROVIDER.");
+                           fi_strerror(-ret));
     }
     info_.reset(raw);
+    directed_ = (info_->caps & FI_DIRECTED_RECV) != 0;
+    sources_ = (info_->caps & FI_SOURCE) != 0;
     need_mr_ = force_mr_ || (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
     prov_key_ = (info_->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
     if (info_->tx_attr->iov_limit < 2 || info_->rx_attr->iov_limit < 2) {
@@ -257,6 +301,8 @@ class FabricTransport final : public Transport {
   }
 
   std::vector<uint8_t> Address() const override { return address_; }
+  // Open failed because fi_getinfo found no such provider.
+  bool no_provider() const { return no_provider_; }
 
   void SetFatalHandler(std::function<void(const std::string&)> handler) override {
     fatal_handler_ = std::move(handler);
@@ -288,6 +334,15 @@ class FabricTransport final : public Transport {
                 /*background=*/false, peer, /*may_queue=*/true);
   }
 
+  Status SendControl(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
+                     Callback done) override {
+    if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
+      return Status::Error("send to unknown rank " + std::to_string(peer));
+    CountSend(iov, iov_count);
+    return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
+                /*background=*/false, peer, /*may_queue=*/true, /*control=*/true);
+  }
+
   Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
                  Callback done) override {
     if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
@@ -308,8 +363,11 @@ class FabricTransport final : public Transport {
   }
 
   Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov, size_t iov_count,
-              Callback done, bool background) override {
-    return Post(/*is_recv=*/true, FI_ADDR_UNSPEC, tag, ignore, iov, iov_count, std::move(done),
+              Callback done, bool background, int from) override {
+    if (from >= static_cast<int>(peers_.size()))
+      return Status::Error("receive from unknown rank " + std::to_string(from));
+    const fi_addr_t addr = directed_ && from >= 0 ? peers_[from] : FI_ADDR_UNSPEC;
+    return Post(/*is_recv=*/true, addr, tag, ignore, iov, iov_count, std::move(done),
                 background);
   }
 
@@ -368,6 +426,7 @@ class FabricTransport final : public Transport {
     return std::string(info_->fabric_attr->prov_name) + " (fabric " +
            info_->fabric_attr->name + ", domain " + info_->domain_attr->name +
            (need_mr_ ? ", registered buffers" : "") +
+           (directed_ ? ", directed receives" : "") + (sources_ ? ", sources checked" : "") +
            (can_wait_ ? ", blocking progress" : ", polled progress") + ")";
   }
 
@@ -394,16 +453,18 @@ class FabricTransport final : public Transport {
     op->done = nullptr;
     op->mrs.clear();
     op->cancel = false;
+    op->control = false;
     op->posted = false;
     std::lock_guard<std::mutex> lock(ops_mu_);
     free_ops_.push_back(op);
   }
 
   // `peer` is the destination rank of a send (-1 for receives); a send with
-  // `may_queue` false fails at once where it would have to queue.
+  // `may_queue` false fails at once where it would have to queue; a
+  // `control` one queues also after StopWaiting (SendControl).
   Status Post(bool is_recv, fi_addr_t addr, uint64_t tag, uint64_t ignore, const IoVec* iov,
               size_t iov_count, Callback done, bool background = false, int peer = -1,
-              bool may_queue = true) {
+              bool may_queue = true, bool control = false) {
     if (iov_count == 0 || iov_count > kMaxIov || iov_count > info_->tx_attr->iov_limit)
       return Status::Error("bad iov count " + std::to_string(iov_count));
     if (!running_) return Status::Error("the transport is shut down");
@@ -417,6 +478,7 @@ class FabricTransport final : public Transport {
     op->ignore = ignore;
     op->iov_count = iov_count;
     op->peer = peer;
+    op->control = control;
     for (size_t i = 0; i < iov_count; ++i) {
       op->iovs[i].iov_base = iov[i].base;
       op->iovs[i].iov_len = iov[i].len;
@@ -461,10 +523,11 @@ class FabricTransport final : public Transport {
         }
       }
       if (refused.empty()) {
-        if (!is_recv && (!may_queue || stop_waiting_.load() || unreachable_[peer].load())) {
+        const bool stopped = stop_waiting_.load() && !control;
+        if (!is_recv && (!may_queue || stopped || unreachable_[peer].load())) {
           refused = std::string("fi_tsendv is busy (-FI_EAGAIN)") +
-                    (!may_queue              ? std::string()
-                     : stop_waiting_.load() ? " after a failure"
+                    (!may_queue ? std::string()
+                     : stopped  ? " after a failure"
                                             : " and rank " + std::to_string(peer) +
                                                   " is unreachable");
         } else {
@@ -530,7 +593,7 @@ class FabricTransport final : public Transport {
         std::string why;
         if (op->cancel) {
           why = "cancelled";
-        } else if (!op->is_recv && stop_waiting_.load()) {
+        } else if (!op->is_recv && stop_waiting_.load() && !op->control) {
           why = "fi_tsendv is busy (-FI_EAGAIN) after a failure";
         } else if (!op->is_recv && unreachable_[op->peer].load()) {
           why = "fi_tsendv is busy (-FI_EAGAIN) and rank " + std::to_string(op->peer) +
@@ -566,6 +629,17 @@ class FabricTransport final : public Transport {
       c.error = why;
       Finish(op, c);
     }
+  }
+
+  // The rank whose address `addr` is (FI_AV_TABLE numbers them in insertion
+  // order, i.e. by rank), or kSourceUnknown: no peer of this job.
+  int RankOf(fi_addr_t addr) const {
+    if (addr == FI_ADDR_NOTAVAIL || addr == FI_ADDR_UNSPEC) return kSourceUnknown;
+    if (addr < peers_.size() && peers_[addr] == addr) return static_cast<int>(addr);
+    for (size_t r = 0; r < peers_.size(); ++r) {
+      if (peers_[r] == addr) return static_cast<int>(r);
+    }
+    return kSourceUnknown;
   }
 
   size_t LiveOps() {
@@ -619,14 +693,19 @@ class FabricTransport final : public Transport {
   // wait object, blocks up to that long for the first completion.
   int PollOnce(int wait_ms = 0) {
     fi_cq_tagged_entry entries[kCqBatch];
-    ssize_t n = wait_ms > 0 && can_wait_
-                    ? fi_cq_sread(cq_.get(), entries, kCqBatch, nullptr, wait_ms)
-                    : fi_cq_read(cq_.get(), entries, kCqBatch);
+    fi_addr_t from[kCqBatch];
+    const bool wait = wait_ms > 0 && can_wait_;
+    ssize_t n = sources_ ? (wait ? fi_cq_sreadfrom(cq_.get(), entries, kCqBatch, from, nullptr,
+                                                   wait_ms)
+                                 : fi_cq_readfrom(cq_.get(), entries, kCqBatch, from))
+                         : (wait ? fi_cq_sread(cq_.get(), entries, kCqBatch, nullptr, wait_ms)
+                                 : fi_cq_read(cq_.get(), entries, kCqBatch));
     if (n > 0) {
       for (ssize_t i = 0; i < n; ++i) {
         Completion c;
         c.len = entries[i].len;
         c.tag = entries[i].tag;
+        c.source = sources_ ? RankOf(from[i]) : kSourceUnchecked;
         Finish(static_cast<Op*>(entries[i].op_context), c);
       }
       return static_cast<int>(n);
@@ -769,6 +848,9 @@ class FabricTransport final : public Transport {
   std::vector<fi_addr_t> peers_;
   std::unique_ptr<std::atomic<bool>[]> unreachable_;  // [rank]
   bool force_mr_ = false;
+  bool no_provider_ = false;
+  bool directed_ = false;  // FI_DIRECTED_RECV: receives from one peer's address
+  bool sources_ = false;   // FI_SOURCE: completions name their sender
   double post_timeout_s_ = 300.0;
   bool need_mr_ = false;
   bool prov_key_ = false;
@@ -826,20 +908,25 @@ std::unique_ptr<Transport> CreateFabricTransport(const TransportOptions& options
   if (!options.provider.empty()) {
     auto transport = std::make_unique<FabricTransport>();
     *status = transport->Open(options);
-    if (!status->ok()) return nullptr;
+    if (!status->ok()) {
+      if (transport->no_provider()) *status = Status::Error(MissingProvider(status->message()));
+      return nullptr;
+    }
     return transport;
   }
   // Default: EFA where the machine has it, else TCP with the RDM utility layer.
   std::string errors;
+  bool missing = true;
   for (const char* provider : {"efa", "tcp;ofi_rxm"}) {
     TransportOptions attempt = options;
     attempt.provider = provider;
     auto transport = std::make_unique<FabricTransport>();
     *status = transport->Open(attempt);
     if (status->ok()) return transport;
+    missing = missing && transport->no_provider();
     errors += std::string(errors.empty() ? "" : "; ") + status->message();
   }
-  *status = Status::Error(errors);
+  *status = Status::Error(missing ? MissingProvider(errors) : errors);
   return nullptr;
 }
 

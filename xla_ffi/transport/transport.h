@@ -42,6 +42,12 @@ struct IoVec {
   size_t len;
 };
 
+// Completion::source where the sender's address is no rank's of this job, or
+// where the provider does not report senders; Recv's `from` for any sender.
+constexpr int kSourceUnknown = -1;
+constexpr int kSourceUnchecked = -2;
+constexpr int kAnyPeer = -1;
+
 // Outcome of one posted operation, passed to its callback on the transport's
 // progress thread. Callbacks must be short and must not block.
 struct Completion {
@@ -50,6 +56,10 @@ struct Completion {
   uint64_t tag = 0;     // the tag the message carried (receives)
   bool truncated = false;  // the message was longer than the posted buffers
   size_t cut_off = 0;      // truncated: bytes the provider says it cut off
+  // Receives: the rank whose address the message came from, as the provider
+  // saw it; kSourceUnknown where that address is no rank's of this job, and
+  // kSourceUnchecked where the provider does not report sources.
+  int source = kSourceUnchecked;
   std::string error;    // provider's description when !ok
 };
 
@@ -118,6 +128,16 @@ class Transport {
   virtual Status TrySend(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
                          Callback done) = 0;
 
+  // Like Send, for a few small control messages that must get through after a
+  // failure too (an abort, a withdrawal, the first heartbeat to a peer): it
+  // may wait in the queue also after StopWaiting, since a provider that
+  // connects on the first send (tcp;ofi_rxm) refuses every send to a peer not
+  // yet connected until the connection is up, and a process that failed
+  // before it ever sent to a peer would otherwise never reach it. It gives up
+  // after post_timeout_s, or when its peer is declared unreachable.
+  virtual Status SendControl(int peer, uint64_t tag, const IoVec* iov, size_t iov_count,
+                             Callback done) = 0;
+
   // Declares `peer` unreachable: sends to it stop waiting for queue room
   // (including queued sends) and fail instead.
   virtual void SetPeerUnreachable(int peer) = 0;
@@ -125,15 +145,17 @@ class Transport {
   // Sends stop waiting for queue room, to any peer, from now on (including
   // queued ones): after a failure nothing is worth the wait, and a send to a
   // dead peer that no watchdog has named yet must not wait for the post
-  // timeout.
+  // timeout. SendControl's messages still wait.
   virtual void StopWaiting() = 0;
 
-  // Posts a receive matching any sender's message whose tag equals `tag` on
-  // the bits not set in `ignore`, scattered into `iov`. A `background`
-  // receive (one kept posted for rare control messages) does not count as
-  // work in flight, so an idle endpoint stays idle.
-  virtual Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov,
-                      size_t iov_count, Callback done, bool background = false) = 0;
+  // Posts a receive matching a message whose tag equals `tag` on the bits
+  // not set in `ignore`, scattered into `iov`: from rank `from`'s address
+  // alone where the provider has directed receives (else, and with kAnyPeer,
+  // from any sender; the tag's sender bits are only what a sender claims). A
+  // `background` receive (one kept posted for rare control messages) does
+  // not count as work in flight, so an idle endpoint stays idle.
+  virtual Status Recv(uint64_t tag, uint64_t ignore, const IoVec* iov, size_t iov_count,
+                      Callback done, bool background = false, int from = kAnyPeer) = 0;
 
   // Cancels every posted or queued receive; their callbacks run with
   // ok == false.
