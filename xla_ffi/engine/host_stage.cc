@@ -245,11 +245,14 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
     Fail(batch.get(), prepared.message());
     return prepared;
   }
-  if (config_.test_forge_as >= 0) SendForgeries(batch.get());
   // Each step: a receive from and a send to every other process (none
-  // through the boards).
-  batch->remaining = w.board ? 0 : 2 * HostWait::kSteps * (p - 1);
+  // through the boards). Set before anything is sent: completions read it.
+  {
+    std::lock_guard<std::mutex> lock(batch->mu);
+    batch->remaining = w.board ? 0 : 2 * HostWait::kSteps * (p - 1);
+  }
   batch->started = true;
+  if (config_.test_forge_as >= 0) SendForgeries(batch.get());
   if (Activate(batch.get())) {
     for (int step = 0; !w.board && step < HostWait::kSteps; ++step) {
       for (int q = 0; q < p; ++q) {
