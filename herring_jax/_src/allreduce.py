@@ -6,9 +6,19 @@ batching -> registration.
 
 The primitive `herring_allreduce` takes any number of arrays and these
 parameters:
-  op         "sum" or "mean" (the mean divides on the server).
-  axes       None: across processes (allreduce). A tuple of mesh axis names:
-             across those axes of the enclosing shard_map or pmap (psum/pmean).
+  collective what each device gets back: "allreduce" (the reduced buffer),
+             "reduce_scatter" (operands of shape (G, *rest), G the devices of
+             the group; device i gets the sum of every device's operand[i],
+             of shape rest) or "all_gather" (operands of shape rest; every
+             device gets (G, *rest), row i from device i). Device i: its index
+             in its group (layout.Plan.device_blocks). The two halves are each
+             other's transposes.
+  op         "sum", "mean" (the mean divides on the server), "max" or "min"
+             (not differentiable; no codec); an all-gather's is "sum".
+  axes       None: across processes (allreduce, reduce_scatter, allgather,
+             broadcast). A tuple of mesh axis names: across those axes of the
+             enclosing shard_map or pmap (psum, pmean, pmax, pmin,
+             psum_scatter, all_gather).
   groups     lax's axis_index_groups (a tuple of tuples), or None.
   transpose  axes=None only: the transpose of an allreduce, which under the
              mpi4jax convention is the identity (1/N for a mean), no traffic.
@@ -17,7 +27,8 @@ parameters:
              so that the program is the same on every process); one device
              per process.
   codec      how float32 data crosses between processes: "none", "bf16",
-             "fp16" or "int8" (codecs.py); "none" for every other dtype.
+             "fp16" or "int8" (codecs.py); "none" for every other dtype, for
+             max and min, and for an all-gather.
   tokens     how many leading operands are start tokens (0 except in
              split.split_reductions): the first is this reduction's own
              start's, the others order it after the other buckets' starts.
@@ -54,9 +65,24 @@ SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "complex64", "c
 OPS = lowering.OPS
 
 
-def check_op(op: str) -> None:
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; herring_jax supports op='sum' or op='mean'")
+def check_op(op: str, ops=tuple(OPS)) -> None:
+    if op not in ops:
+        shown = ", ".join(f"op={o!r}" for o in ops)
+        raise ValueError(f"unknown op {op!r}; herring_jax supports {shown} here")
+
+
+def check_extreme(name: str, x, op: str, codec: str) -> None:
+    """What a max or min refuses: complex values (which have no order; XLA:CPU
+    cannot reduce them either) and a codec (it compresses sums only)."""
+    if op not in ("max", "min"):
+        return
+    if codec != "none":
+        raise ValueError(f"op={op!r} takes no codec (got codec={codec!r}): a codec compresses "
+                         "sums and means only; pass codec='none'")
+    if np.dtype(x.dtype).kind == "c":
+        raise TypeError(f"{name} is {np.dtype(x.dtype).name}: complex numbers have no "
+                        f"{op}imum (jax.lax.p{op} fails on them too); reduce the real and "
+                        "imaginary parts, or jnp.abs(x), instead")
 
 
 def leaf_names(tree: Any) -> list[str]:
@@ -66,8 +92,9 @@ def leaf_names(tree: Any) -> list[str]:
     return [p or "the array" for p in paths]
 
 
-def prepare_leaf(name: str, x: Any) -> Any:
-    """The leaf as the engine reduces it: an array, bool converted to int32.
+def prepare_leaf(name: str, x: Any, bool_as=np.int32) -> Any:
+    """The leaf as the engine reduces it: an array, bool converted to int32
+    (`bool_as`: what a max, min or gather takes it as instead).
     `name` says which leaf it is in errors."""
     raw = getattr(x, "dtype", None)
     dtype = np.dtype(raw) if raw is not None else np.asarray(x).dtype
@@ -76,13 +103,18 @@ def prepare_leaf(name: str, x: Any) -> Any:
         x = jax.numpy.asarray(x)
         dtype = np.dtype(x.dtype)
     if dtype == np.bool_:
-        return x.astype(np.int32)
+        return x.astype(bool_as)
     if dtype.name not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name} has dtype {dtype.name}, which herring_jax cannot reduce; supported "
             f"dtypes: bool, {', '.join(SUPPORTED_DTYPES)}. Cast it first, e.g. "
             "x.astype(jnp.float32).")
     return x
+
+
+def is_bool(x) -> bool:
+    raw = getattr(x, "dtype", None)
+    return (np.dtype(raw) if raw is not None else np.asarray(x).dtype) == np.bool_
 
 
 def is_floating(x) -> bool:
@@ -95,7 +127,7 @@ def leaf_codec(x, codec: str) -> str:
     return codec if np.dtype(x.dtype) == np.float32 else "none"
 
 
-def bind_grouped(leaves, *, ops, codec, axes, groups=None):
+def bind_grouped(leaves, *, ops, codec, axes, groups=None, collective="allreduce"):
     """Binds the leaves as one reduction per (op, codec) they need; results in
     leaf order."""
     kinds = [(o, leaf_codec(v, codec)) for o, v in zip(ops, leaves)]
@@ -103,7 +135,7 @@ def bind_grouped(leaves, *, ops, codec, axes, groups=None):
     for this_op, this_codec in sorted(set(kinds)):
         idx = [i for i, k in enumerate(kinds) if k == (this_op, this_codec)]
         for i, r in zip(idx, bind([leaves[i] for i in idx], op=this_op, axes=axes,
-                                  groups=groups, codec=this_codec)):
+                                  groups=groups, codec=this_codec, collective=collective)):
             outs[i] = r
     return outs
 
@@ -125,6 +157,12 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     are summed as int32 (as lax.psum does); zero-size leaves are returned
     unchanged; an empty tree is returned as is.
 
+    ``op="max"`` / ``"min"`` (mpi4jax's ``MPI.MAX`` / ``MPI.MIN``; e.g. a
+    global maximum of a loss scale, or early stopping) keep bool leaves bool
+    (a logical or / and), propagate NaN (NaN wins, as in ``jnp.maximum``),
+    refuse complex leaves and a codec, and are not differentiable (as
+    ``jax.lax.pmax``: ``jax.grad`` raises NotImplementedError).
+
     Differentiation follows mpi4jax: the result is one value replicated on every
     process, so the transpose (the gradient) of a sum is the identity on the
     cotangent, with no communication (1/N for a mean over N devices). A
@@ -133,8 +171,9 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     Args:
       tree: a pytree of arrays (float16/32/64, bfloat16, complex64/128,
         (u)int8/16/32/64, bool).
-      op: ``"sum"`` or ``"mean"`` (mean divides by the number of contributing
-        devices on the server; floating and complex dtypes only).
+      op: ``"sum"``, ``"mean"`` (mean divides by the number of contributing
+        devices on the server; floating and complex dtypes only), ``"max"``
+        or ``"min"``.
       codec: how float32 leaves cross between processes: ``"none"`` (exact),
         ``"bf16"``, ``"fp16"`` or ``"int8"`` (lossy, 2x / 2x / 4x fewer bytes;
         see herring_jax/_src/codecs.py). Contributions are decoded and summed
@@ -146,7 +185,8 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
       A pytree of the same structure with the reduced arrays.
 
     Raises:
-      ValueError: unknown op. TypeError: unsupported dtype, or mean of integers.
+      ValueError: unknown op, or a codec with max/min. TypeError: unsupported
+        dtype, mean of integers, or max/min of complex numbers.
       HerringError: not initialized, a peer failed or timed out, or processes
         issued mismatched reductions.
 
@@ -165,7 +205,13 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     # first): fail with the helpful message.
     runtime.state()
     names = leaf_names(tree)
-    leaves = [prepare_leaf(name, x) for name, x in zip(names, leaves)]
+    extreme = op in ("max", "min")
+    # A max or min of bool is a logical or / and: reduced as uint8, kept bool.
+    was_bool = [is_bool(x) for x in leaves]
+    leaves = [prepare_leaf(name, x, np.uint8 if extreme else np.int32)
+              for name, x in zip(names, leaves)]
+    for name, x in zip(names, leaves):
+        check_extreme(name, x, op, codec)
     if op == "mean":
         for name, x in zip(names, leaves):
             if not is_floating(x):
@@ -173,12 +219,15 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
                     f"{name} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
                     "floating dtype (use op='sum' and divide, or cast to float first)")
     outs = bind_grouped(leaves, ops=[op] * len(leaves), codec=codec, axes=None)
+    if extreme:
+        outs = [o.astype(np.bool_) if b else o for o, b in zip(outs, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def bind(leaves, *, op, axes, groups=None, root=None, codec="none"):
+def bind(leaves, *, op, axes, groups=None, root=None, codec="none", collective="allreduce"):
     """Binds one reduction; every public function reduces through here."""
-    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec)
+    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec,
+                  collective=collective)
     receiver = _receiver.current
     if receiver is None:
         return allreduce_p.bind(*leaves, tokens=0, **params)
@@ -206,23 +255,58 @@ def binds_received_by(receiver):
 
 
 # -- abstract eval -----------------------------------------------------------
-# Across processes the result has the operand's type. Across mesh axes it is
-# the same on every device of those axes: no longer varying (or unreduced)
-# over them, as for lax.psum. Tokens give nothing back.
+# An all-reduce across processes gives the operand's type. Across mesh axes
+# the result is the same on every device of those axes: no longer varying (or
+# unreduced) over them, as for lax.psum. A reduce-scatter takes (G, *rest) and
+# gives rest, an all-gather the reverse (G: the devices of a group); both keep
+# the operand's varying axes, as lax's psum_scatter and all_gather do (the
+# operand must vary over the axes: the drop-ins pvary it first, as lax).
+# Tokens give nothing back.
 
-def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens):
-    del op, groups, transpose, root, codec
-    avals = avals[tokens:]
+API_NAMES = {"allreduce": "herring_jax.psum", "reduce_scatter": "herring_jax.psum_scatter",
+             "all_gather": "herring_jax.all_gather"}
+
+
+def group_count(axes, groups) -> int:
+    """G, the devices in each group: the processes, across processes (one
+    device each)."""
     if axes is None:
-        return list(avals)
-    jax_compat.check_axis_names(axes, "herring_jax.psum")
-    return [jax_compat.drop_reduced_axes(a, axes) for a in avals]
+        return runtime.process_count()
+    return layout.group_size(axes, groups)
 
 
-def _start_abstract_eval(*avals, op, axes, groups, transpose, root, codec):
+def _reshaped(aval, shape, spec):
+    return aval.update(shape=tuple(shape),
+                       sharding=aval.sharding.update(spec=jax.sharding.PartitionSpec(*spec)))
+
+
+def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens, collective):
+    del op, transpose, root, codec
+    avals = avals[tokens:]
+    api = API_NAMES[collective]
+    if axes is not None:
+        jax_compat.check_axis_names(axes, api)
+    if collective == "allreduce":
+        return list(avals) if axes is None else [jax_compat.drop_reduced_axes(a, axes)
+                                                 for a in avals]
+    if axes is not None:
+        for a in avals:
+            jax_compat.check_varying(a, axes, api)
+    size = group_count(axes, groups)
+    if collective == "all_gather":
+        return [_reshaped(a, (size, *a.shape), (None, *a.sharding.spec)) for a in avals]
+    for a in avals:
+        if not a.shape or a.shape[0] != size:
+            raise ValueError(f"{api}: a reduce-scatter over groups of {size} devices takes "
+                             f"operands of shape ({size}, ...), got {a.str_short()}; "
+                             "this is a herring_jax bug: please report it")
+    return [_reshaped(a, a.shape[1:], tuple(a.sharding.spec)[1:]) for a in avals]
+
+
+def _start_abstract_eval(*avals, op, axes, groups, transpose, root, codec, collective):
     del avals, op, groups, transpose, root, codec
     if axes is not None:
-        jax_compat.check_axis_names(axes, "herring_jax.psum")
+        jax_compat.check_axis_names(axes, API_NAMES[collective])
     return lowering.TOKEN
 
 
@@ -250,6 +334,18 @@ def _start_impl(*args, **params):
 
 # -- lowering (lowering.py says what each platform gets) ----------------------
 
+_NOT_ON_CUDA = (
+    "{api} runs on XLA:CPU only for now: herring_jax's XLA:CUDA handlers do not "
+    "implement the {collective} yet. On GPUs use jax.lax.psum_scatter / jax.lax.all_gather "
+    "(NCCL), or place this computation on CPU devices")
+
+
+def _check_platform(platform, collective):
+    if platform != "cpu" and collective != "allreduce":
+        raise NotImplementedError(_NOT_ON_CUDA.format(api=API_NAMES[collective],
+                                                      collective=collective.replace("_", "-")))
+
+
 def _lower_transposed(ctx, *args, op):
     """The transpose of an allreduce: the identity, or 1/N for a mean."""
     n = layout.contributors(ctx)
@@ -259,11 +355,13 @@ def _lower_transposed(ctx, *args, op):
                           multiple_results=True)(ctx, *args)
 
 
-def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens):
+def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens,
+              collective):
     own_tokens, args = args[:tokens], args[tokens:]
     avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
     if transpose:
         return _lower_transposed(ctx.replace(avals_in=avals_in), *args, op=op)
+    _check_platform(platform, collective)
     kept = lowering.nonempty(avals_in)
     outs = lowering.zeros_for_empty(avals_out, kept)
     if not kept:
@@ -271,13 +369,16 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, to
     operands = [args[i] for i in kept]
     kept_in = [avals_in[i] for i in kept]
     kept_out = [avals_out[i] for i in kept]
-    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec)
+    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec,
+                  collective=collective)
     if platform == "cpu":
         # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
         # A bucket of allreduce_gradients (own tokens) is reduced in place
-        # (lowering.join_cpu says why).
+        # (lowering.join_cpu says why); a reduce-scatter or all-gather cannot
+        # be (its result has another size).
         results = lowering.reduce_cpu(ctx, operands, kept_in, kept_out,
-                                      in_place=bool(own_tokens), **params)
+                                      in_place=bool(own_tokens) and collective == "allreduce",
+                                      **params)
     elif own_tokens:
         results = lowering.done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec)
     else:
@@ -288,19 +389,23 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, to
     return outs
 
 
-def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec):
+def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec,
+                    collective):
     del transpose
+    _check_platform(platform, collective)
     kept = lowering.nonempty(ctx.avals_in)
     if platform == "cpu" or not kept:
         return [lowering.token_constant()]
     return [lowering.start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
-                                op=op, axes=axes, groups=groups, root=root, codec=codec)]
+                                op=op, axes=axes, groups=groups, root=root, codec=codec,
+                                collective=collective)]
 
 
 # -- differentiation ---------------------------------------------------------
 # A sum (or mean) is linear: the JVP reduces the non-zero tangents with the
 # same parameters, in one call (a reduction of its own: tokens order only the
-# primal one). Transposes:
+# primal one). A max or min is not differentiated, as lax's pmax and pmin.
+# Transposes of an all-reduce:
 # - across processes (axes=None), mpi4jax's convention: the result is one
 #   replicated value, so the transpose is the identity (1/N for a mean), and
 #   the transpose of that is the allreduce again;
@@ -308,9 +413,18 @@ def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, cod
 #   result was invariant and the transpose only marks the cotangent varying
 #   again (pvary; preduced for an unreduced operand), with no communication;
 #   without those checks (check_vma=False, pmap) it is the same reduction.
+# A reduce-scatter and an all-gather transpose to each other over the same
+# devices and groups, as lax's psum_scatter and all_gather, across processes
+# too (1/G for a mean); the all-gather of a cotangent is exact (no codec).
 # A start's token has no tangent.
 
 def _jvp(primals, tangents, **params):
+    op = params["op"]
+    if op in ("max", "min"):
+        raise NotImplementedError(
+            f"herring_jax's p{op} (and allreduce(op={op!r})) is not differentiable, as "
+            f"jax.lax.p{op} is not (\"Differentiation rule for 'p{op}' not implemented\"): "
+            "apply it to jax.lax.stop_gradient(x) where its gradient is not needed")
     outs = allreduce_p.bind(*primals, **params)
     tangents = tangents[params["tokens"]:]
     nonzero = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
@@ -328,11 +442,13 @@ def _start_jvp(primals, tangents, **params):
     return token, jax_compat.zero_tangent(token)
 
 
-def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens):
+def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens, collective):
     params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root, codec=codec, tokens=0)
+                  root=root, codec=codec, tokens=0, collective=collective)
     args = args[tokens:]
     outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
+    if collective != "allreduce":
+        return [None] * tokens + _transpose_half(cts, outs, op, axes, groups, collective)
     if axes is None:
         todo = [i for i, o in enumerate(outs) if o is None]
         params["transpose"] = not transpose
@@ -354,13 +470,39 @@ def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens):
     return [None] * tokens + outs
 
 
+def _transpose_half(cts, outs, op, axes, groups, collective):
+    """A reduce-scatter's transpose is the all-gather of its cotangents, and
+    the reverse; `outs` holds the symbolic zeros already."""
+    todo = [i for i, o in enumerate(outs) if o is None]
+    if not todo:
+        return outs
+    other = "all_gather" if collective == "reduce_scatter" else "reduce_scatter"
+    cts = [cts[i] for i in todo]
+    if axes is not None:
+        cts = [jax_compat.vary_over(ct, axes) for ct in cts]
+    results = allreduce_p.bind(*cts, op="sum", axes=axes, groups=groups, transpose=False,
+                               root=None, codec="none", tokens=0, collective=other)
+    if op == "mean":
+        n = group_count(axes, groups)
+        results = [r / np.asarray(n, r.dtype) for r in results]
+    for i, r in zip(todo, results):
+        outs[i] = r
+    return outs
+
+
 # -- batching ----------------------------------------------------------------
 # vmap over an axis the reduction does not name: the batch is just more
-# elements. vmap(..., axis_name=n) with n among the reduced axes: as lax, the
-# batch is reduced in place (an unbatched operand counts axis_size times) and
-# the rest of the axes go to the engine; the result is no longer batched. A
-# start does the same in-place step, so that it begins the very reduction its
-# finishing call binds (XLA merges the two identical local sums).
+# elements (a reduce-scatter keeps its operands' leading dimension G first).
+# vmap(..., axis_name=n) with n among the reduced axes: as lax, the batch is
+# reduced in place (an unbatched operand counts axis_size times for a sum)
+# and the rest of the axes go to the engine; the result is no longer batched.
+# A reduce-scatter or all-gather over the vmapped axis alone is done in place
+# too, as lax does (over it and mesh axes together, lax fails as well). A
+# start does the same, so that it begins the very reduction its finishing
+# call binds (XLA merges the two identical local sums).
+
+_REDUCERS = {"max": jax.lax.reduce_max, "min": jax.lax.reduce_min}
+
 
 def _reduce_batch_in_place(axis_data, args, dims, op, axes, groups):
     """The in-place step: the local results and the axes left to reduce."""
@@ -373,31 +515,100 @@ def _reduce_batch_in_place(axis_data, args, dims, op, axes, groups):
         if d is jax_compat.not_mapped:
             local.append(x * np.asarray(size, x.dtype) if op == "sum" else x)
         else:
-            s = jax.lax.reduce_sum(x, (d,))
+            s = _REDUCERS.get(op, jax.lax.reduce_sum)(x, (d,))
             local.append(s / np.asarray(size, x.dtype) if op == "mean" else s)
     return local, tuple(a for a in axes if a != axis_data.name)
 
 
-def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root, codec, tokens):
-    params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root, codec=codec, tokens=tokens)
-    if axes is None or axis_data.name not in axes:
-        return allreduce_p.bind(*args, **params), list(dims[tokens:])
-    own_tokens, args, dims = args[:tokens], args[tokens:], dims[tokens:]
-    local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
-    outs = allreduce_p.bind(*own_tokens, *local, **{**params, "axes": rest}) if rest else local
-    return outs, [jax_compat.not_mapped] * len(outs)
+def _half_in_place(axis_data, args, dims, op, axes, groups, collective):
+    """A reduce-scatter or all-gather over the vmapped axis alone: its results
+    and their batch dimensions."""
+    api = API_NAMES[collective]
+    if groups is not None:
+        raise NotImplementedError(
+            f"{api}: axis_index_groups is not supported over an axis bound by jax.vmap "
+            "(nor by jax.lax)")
+    if tuple(axes) != (axis_data.name,):
+        raise NotImplementedError(
+            f"{api} over {tuple(axes)} mixes the axis {axis_data.name!r} bound by jax.vmap "
+            "with mesh axes, which herring_jax (like jax.lax) does not support: call it "
+            "twice, once over the vmapped axis and once over the mesh axes")
+    size = axis_data.size
+    outs, out_dims = [], []
+    for x, d in zip(args, dims):
+        if collective == "reduce_scatter":
+            # Element i of the batch gets the sum of every element's row i.
+            if d is jax_compat.not_mapped:
+                y = x * np.asarray(size, x.dtype) if op == "sum" else x
+            else:
+                y = jax.lax.reduce_sum(x, (d,))
+                y = y / np.asarray(size, x.dtype) if op == "mean" else y
+            outs.append(y)
+            out_dims.append(0)
+        else:
+            # Every element of the batch gets all of them, in batch order.
+            if d is jax_compat.not_mapped:
+                y = jax.numpy.broadcast_to(x[None], (size, *x.shape))
+            else:
+                y = jax.numpy.moveaxis(x, d, 0)
+            outs.append(y)
+            out_dims.append(jax_compat.not_mapped)
+    return outs, out_dims
 
 
-def _start_batch(axis_data, args, dims, *, op, axes, groups, transpose, root, codec):
-    params = dict(op=op, axes=axes, groups=groups, transpose=transpose, root=root,
-                  codec=codec)
-    if axes is None or axis_data.name not in axes:
-        return allreduce_start_p.bind(*args, **params), jax_compat.not_mapped
-    local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
-    if not rest:
+def _half_unnamed(args, dims, collective):
+    """Operands and result batch dimensions of a reduce-scatter or all-gather
+    vmapped over an axis it does not reduce."""
+    operands, out_dims = [], []
+    for x, d in zip(args, dims):
+        if d is jax_compat.not_mapped:
+            operands.append(x)
+            out_dims.append(d)
+        elif collective == "all_gather":
+            operands.append(x)
+            out_dims.append(d + 1)
+        elif d == 0:
+            operands.append(jax.numpy.moveaxis(x, 0, 1))  # G stays first
+            out_dims.append(0)
+        else:
+            operands.append(x)
+            out_dims.append(d - 1)
+    return operands, out_dims
+
+
+def _batched(axis_data, args, dims, params):
+    """How a batched reduction is bound: (operands, params, result batch dims),
+    or (None, results, result batch dims) where nothing is left to reduce."""
+    op, axes, groups, collective = (params[k] for k in ("op", "axes", "groups", "collective"))
+    named = axes is not None and axis_data.name in axes
+    if collective == "allreduce":
+        if not named:
+            return list(args), params, list(dims)
+        local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
+        out_dims = [jax_compat.not_mapped] * len(local)
+        if rest:
+            return local, {**params, "axes": rest}, out_dims
+        return None, local, out_dims
+    if not named:
+        operands, out_dims = _half_unnamed(args, dims, collective)
+        return operands, params, out_dims
+    return (None, *_half_in_place(axis_data, args, dims, op, axes, groups, collective))
+
+
+def _batch(axis_data, args, dims, **params):
+    tokens = params["tokens"]
+    operands, how, out_dims = _batched(axis_data, args[tokens:], dims[tokens:], params)
+    if operands is None:
+        return how, out_dims
+    return allreduce_p.bind(*args[:tokens], *operands, **how), out_dims
+
+
+def _start_batch(axis_data, args, dims, **params):
+    operands, how, _ = _batched(axis_data, args, dims, {**params, "tokens": 0})
+    if operands is None:
         return jax.numpy.zeros(lowering.TOKEN.shape, lowering.TOKEN.dtype), jax_compat.not_mapped
-    return allreduce_start_p.bind(*local, **{**params, "axes": rest}), jax_compat.not_mapped
+    how = {k: v for k, v in how.items() if k != "tokens"}
+    return allreduce_start_p.bind(*operands, **how), jax_compat.not_mapped
 
 
 # -- registration ------------------------------------------------------------

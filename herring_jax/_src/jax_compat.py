@@ -88,6 +88,26 @@ def varies_over_all(aval, axes) -> bool:
     return _varying(aval).issuperset(axes)
 
 
+def check_varying(aval, axes, api_name: str) -> None:
+    """lax's check that a reduce-scatter's or all-gather's operand varies over
+    the axes (where shard_map checks varying axes)."""
+    if check_vma_enabled() and not varies_over_all(aval, axes):
+        raise ValueError(
+            f"{api_name} must be applied to a value that varies over {tuple(axes)} inside "
+            f"jax.shard_map(..., check_vma=True); got {aval.str_short(True)}. Mark it "
+            "varying first with jax.lax.pcast(x, axes, to='varying'), or pass "
+            "check_vma=False to jax.shard_map")
+
+
+def vary_over(x, axes):
+    """`x`, marked varying over those of `axes` it does not vary over yet
+    (check_vma=True; lax's insert_collective_pvary)."""
+    if not check_vma_enabled():
+        return x
+    missing = tuple(a for a in axes if a not in _varying(jax.typeof(x)))
+    return pvary(x, missing) if missing else x
+
+
 def is_varying(aval, axes) -> bool:
     return bool(_varying(aval).intersection(axes))
 
