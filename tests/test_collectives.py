@@ -17,9 +17,9 @@ import pytest
 from multiproc import assert_all_ok, launch
 
 # Per mesh configuration (5): 2 forward, 1 float reference; for the 3 full
-# ones also 2 derivatives and 1 vmap. Then dtypes, 4 axis_index_groups, pmap,
-# vmap-named, errors.
-MESH_CASES = 5 * 3 + 3 * 3 + 1 + 4 + 1 + 1 + 1
+# ones also 2 derivatives and 1 vmap. Then dtypes, a codec, 4 axis_index_groups,
+# pmap, vmap-named, errors.
+MESH_CASES = 5 * 3 + 3 * 3 + 1 + 1 + 4 + 1 + 1 + 1
 # reduce_scatter 4 + bool/parts 1, allgather 2, derivatives 1, max-min 1,
 # codec 1, barrier 1, errors 1, stats 1.
 PROCESS_CASES = 4 + 1 + 2 + 1 + 1 + 1 + 1 + 1 + 1

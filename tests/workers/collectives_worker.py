@@ -257,6 +257,20 @@ def one_mesh_cases(mesh_np, nproc):
             bad.append(key)
     common.report("dtypes", not bad, bad=bad)
 
+    # -- a wire codec: psum_scatter's blocks are bitwise psum's (the same sums in
+    # the same order, encoded alike).
+    wide = jax.make_array_from_process_local_data(
+        NamedSharding(m.mesh, m.spec),
+        np.stack([common.make_input("float32", 1024, m.rows[d.id], 10)
+                  for d in m.mesh.local_devices]), (4, 1024))
+    scattered, summed = jax.jit(m.smap(lambda v: (
+        herring_jax.psum_scatter(v[0], "i", tiled=True, codec="bf16")[None],
+        herring_jax.psum(v[0], "i", codec="bf16")[None])))(wide)
+    local = sorted(m.mesh.local_devices, key=lambda d: d.id)
+    common.report("codec-bf16", all(
+        common.bitwise_equal(part[0], whole[0][m.rows[d.id] * 256:(m.rows[d.id] + 1) * 256])
+        for d, part, whole in zip(local, shards(scattered), shards(summed))))
+
     # -- axis_index_groups (lax allows them with check_vma for these), pmax too.
     for groups in ([[0, 1], [2, 3]], [[3, 0], [2, 1]]):
         for check_vma in (True, False):
