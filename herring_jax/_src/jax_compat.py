@@ -116,10 +116,10 @@ def is_unreduced(aval, axes) -> bool:
     return bool(_unreduced(aval).intersection(axes))
 
 
-def axis_state(aval, axes) -> str:
+def axis_state(aval, axes, api_name: str = "herring_jax.psum") -> str:
     """'varying', 'unreduced', 'reduced' or 'invarying' over `axes`, with lax's
     ValueError when the axes disagree."""
-    return _parallel._get_from(aval, tuple(axes), "herring_jax.psum")
+    return _parallel._get_from(aval, tuple(axes), api_name)
 
 
 def check_vma_enabled() -> bool:

@@ -99,7 +99,7 @@ def _vary(v, axes, op: str, api: str):
                              f"{set(axes)}: reduce them first with herring_jax.psum")
         state = "varying" if jax_compat.varies_over_all(aval, axes) else "invarying"
     else:
-        state = jax_compat.axis_state(aval, axes)
+        state = jax_compat.axis_state(aval, axes, api)
     if state == "reduced":
         raise ValueError(f"{api} cannot accept args which are reduced. Got "
                          f"{aval.str_short(True)} and axes={set(axes)}")
