@@ -10,9 +10,12 @@ parameters:
              "reduce_scatter" (operands of shape (G, *rest), G the devices of
              the group; device i gets the sum of every device's operand[i],
              of shape rest) or "all_gather" (operands of shape rest; every
-             device gets (G, *rest), row i from device i). Device i: its index
-             in its group (layout.Plan.device_blocks). The two halves are each
-             other's transposes.
+             device gets (G, *rest), row i from device i), or
+             "all_gather_invariant" (the same, its result no longer varying
+             over the axes: lax's all_gather(..., to='invarying')). Device i:
+             its index in its group (layout.Plan.device_blocks). The two
+             halves are each other's transposes (the invariant all-gather's
+             is the cotangent's row i, no traffic).
   op         "sum", "mean" (the mean divides on the server), "max" or "min"
              (not differentiable; no codec); an all-gather's is "sum".
   axes       None: across processes (allreduce, reduce_scatter, allgather,
@@ -264,7 +267,12 @@ def binds_received_by(receiver):
 # Tokens give nothing back.
 
 API_NAMES = {"allreduce": "herring_jax.psum", "reduce_scatter": "herring_jax.psum_scatter",
-             "all_gather": "herring_jax.all_gather"}
+             "all_gather": "herring_jax.all_gather",
+             "all_gather_invariant": "herring_jax.all_gather"}
+# What the handler is told (lowering.COLLECTIVES): the invariant all-gather
+# differs in its type only.
+_ON_THE_WIRE = {"all_gather_invariant": "all_gather"}
+GATHERS = ("all_gather", "all_gather_invariant")
 
 
 def group_count(axes, groups) -> int:
@@ -293,8 +301,11 @@ def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens, col
         for a in avals:
             jax_compat.check_varying(a, axes, api)
     size = group_count(axes, groups)
-    if collective == "all_gather":
-        return [_reshaped(a, (size, *a.shape), (None, *a.sharding.spec)) for a in avals]
+    if collective in GATHERS:
+        outs = [_reshaped(a, (size, *a.shape), (None, *a.sharding.spec)) for a in avals]
+        if collective == "all_gather_invariant":
+            outs = [jax_compat.drop_reduced_axes(o, axes) for o in outs]
+        return outs
     for a in avals:
         if not a.shape or a.shape[0] != size:
             raise ValueError(f"{api}: a reduce-scatter over groups of {size} devices takes "
@@ -342,8 +353,9 @@ _NOT_ON_CUDA = (
 
 def _check_platform(platform, collective):
     if platform != "cpu" and collective != "allreduce":
+        wire = _ON_THE_WIRE.get(collective, collective)
         raise NotImplementedError(_NOT_ON_CUDA.format(api=API_NAMES[collective],
-                                                      collective=collective.replace("_", "-")))
+                                                      collective=wire.replace("_", "-")))
 
 
 def _lower_transposed(ctx, *args, op):
@@ -370,7 +382,7 @@ def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, to
     kept_in = [avals_in[i] for i in kept]
     kept_out = [avals_out[i] for i in kept]
     params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec,
-                  collective=collective)
+                  collective=_ON_THE_WIRE.get(collective, collective))
     if platform == "cpu":
         # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
         # A bucket of allreduce_gradients (own tokens) is reduced in place
@@ -398,7 +410,7 @@ def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, cod
         return [lowering.token_constant()]
     return [lowering.start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
                                 op=op, axes=axes, groups=groups, root=root, codec=codec,
-                                collective=collective)]
+                                collective=_ON_THE_WIRE.get(collective, collective))]
 
 
 # -- differentiation ---------------------------------------------------------
@@ -415,7 +427,9 @@ def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, cod
 #   without those checks (check_vma=False, pmap) it is the same reduction.
 # A reduce-scatter and an all-gather transpose to each other over the same
 # devices and groups, as lax's psum_scatter and all_gather, across processes
-# too (1/G for a mean); the all-gather of a cotangent is exact (no codec).
+# too (1/G for a mean); the all-gather of a cotangent is exact (no codec). An
+# invariant all-gather's cotangent is the same on every device, so each takes
+# its own row of it (lax's all_gather_invariant transposes alike).
 # A start's token has no tangent.
 
 def _jvp(primals, tangents, **params):
@@ -475,6 +489,11 @@ def _transpose_half(cts, outs, op, axes, groups, collective):
     the reverse; `outs` holds the symbolic zeros already."""
     todo = [i for i, o in enumerate(outs) if o is None]
     if not todo:
+        return outs
+    if collective == "all_gather_invariant":
+        index = jax.lax.axis_index(tuple(axes))
+        for i in todo:
+            outs[i] = jax.lax.dynamic_index_in_dim(cts[i], index, 0, keepdims=False)
         return outs
     other = "all_gather" if collective == "reduce_scatter" else "reduce_scatter"
     cts = [cts[i] for i in todo]
@@ -564,7 +583,7 @@ def _half_unnamed(args, dims, collective):
         if d is jax_compat.not_mapped:
             operands.append(x)
             out_dims.append(d)
-        elif collective == "all_gather":
+        elif collective in GATHERS:
             operands.append(x)
             out_dims.append(d + 1)
         elif d == 0:

@@ -17,10 +17,10 @@ order (local devices, then the processes of a host by rank, then the hosts),
 so floating results are bitwise reproducible and bitwise equal to the same
 elements of herring_jax.psum's result, but may differ from XLA's own
 reduce-scatter in the last bits. Not supported (each raises, saying what to do
-instead): an unreduced operand of psum_scatter, all_gather(..., to='invarying'
-or 'reduced'), both over an axis bound by jax.vmap together with mesh axes (as
-in lax), axis_index_groups over a vmapped axis (as in lax), and XLA:CUDA (use
-lax there for now).
+instead): an unreduced operand of psum_scatter, all_gather(..., to='reduced'),
+axis_index_groups with to='invarying' (as in lax), both over an axis bound by
+jax.vmap together with mesh axes (as in lax), axis_index_groups over a vmapped
+axis (as in lax), and XLA:CUDA (use lax there for now).
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def _vary(v, axes, api):
     if not jax_compat.check_vma_enabled():
         return v
     aval = jax.typeof(v)
-    state = jax_compat.axis_state(aval, axes)
+    state = jax_compat.axis_state(aval, axes, api)
     if state == "unreduced":
         raise NotImplementedError(
             f"{api} does not take an operand that is unreduced over {axes} "
@@ -218,7 +218,10 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
     Differentiable (its transpose is ``psum_scatter`` with the same
     dimension, tiling and groups), batchable and typed (varying axes) as
     lax's; every dtype psum takes, and bool (gathered as uint8). Exact: every
-    device gets bitwise the values sent.
+    device gets bitwise the values sent. ``to="invarying"`` (lax's
+    ``all_gather_invariant``) types the result as the same on every device
+    of the axes; its transpose then takes each device's block of the
+    cotangent, with no traffic.
 
     Args:
       x: a pytree of arrays.
@@ -227,14 +230,16 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
         size.
       axis: where the gathered blocks go.
       tiled: concatenate along ``axis`` rather than stack in a new one.
-      to: ``"varying"`` (lax's default, the only one herring_jax supports).
+      to: ``"varying"`` (lax's default) or ``"invarying"``; ``"reduced"`` is
+        not supported.
 
     Returns:
       The pytree of gathered arrays.
 
     Raises:
       ValueError: an unknown ``to``, an unreduced operand. NameError: unbound
-        axis. NotImplementedError: ``to="invarying"`` or ``"reduced"``.
+        axis. NotImplementedError: ``to="reduced"``, or axis_index_groups with
+        ``to="invarying"`` (as lax).
 
     Examples:
       >>> f = jax.shard_map(lambda p: herring_jax.all_gather(p, "i", tiled=True),
@@ -244,10 +249,13 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
     if to not in ("varying", "invarying", "reduced"):
         raise ValueError(f"Got unexpected `to` value {to!r} for `{api}`. Allowed `to` values "
                          "are: 'varying', 'invarying', 'reduced'")
-    if to != "varying":
+    if to == "reduced":
         raise NotImplementedError(
-            f"{api}(..., to={to!r}) is not supported; herring_jax gathers to='varying' "
-            f"(lax's default). Use jax.lax.all_gather(..., to={to!r}) for it")
+            f"{api}(..., to='reduced') is not supported; herring_jax gathers to='varying' "
+            "(lax's default) or 'invarying'. Use jax.lax.all_gather(..., to='reduced') for it")
+    if to == "invarying" and axis_index_groups is not None:
+        raise NotImplementedError(f"{api}(..., to='invarying') takes no axis_index_groups "
+                                  "(nor does jax.lax.all_gather)")
     setup = _setup(x, axis_name, axis_index_groups, api)
     if setup is None:
         return x
@@ -266,7 +274,7 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
             v = jax_compat.vary_over(v, axes)
         operands.append(v)
     outs = _allreduce.bind(operands, op="sum", axes=axes, groups=groups,
-                           collective="all_gather")
+                           collective="all_gather" if to == "varying" else "all_gather_invariant")
     results = []
     for o, v, d, b in zip(outs, operands, dims, was_bool):
         o = jnp.moveaxis(o, 0, d)

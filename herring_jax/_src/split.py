@@ -69,7 +69,7 @@ def _placeholders(leaves, params) -> list:
     reduction's results (so that the caller's code after it traces)."""
     if params["collective"] == "reduce_scatter":
         return [x[0] for x in leaves]
-    if params["collective"] == "all_gather":
+    if params["collective"] in allreduce.GATHERS:
         n = allreduce.group_count(params["axes"], params["groups"])
         return [jax.numpy.broadcast_to(x[None], (n, *x.shape)) for x in leaves]
     return list(leaves)
