@@ -2,7 +2,7 @@
 
 Order of this module (as for every collective): public function (validate,
 bind) -> abstract eval -> eager impl -> lowering -> jvp / transpose ->
-batching -> registration.
+batching (its rules in batching.py) -> registration.
 
 The primitive `herring_allreduce` takes any number of arrays and these
 parameters:
@@ -54,6 +54,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, mlir
 
+from herring_jax._src import batching
 from herring_jax._src import codecs
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
@@ -269,9 +270,6 @@ def binds_received_by(receiver):
 API_NAMES = {"allreduce": "herring_jax.psum", "reduce_scatter": "herring_jax.psum_scatter",
              "all_gather": "herring_jax.all_gather",
              "all_gather_invariant": "herring_jax.all_gather"}
-# What the handler is told (lowering.COLLECTIVES): the invariant all-gather
-# differs in its type only.
-_ON_THE_WIRE = {"all_gather_invariant": "all_gather"}
 GATHERS = ("all_gather", "all_gather_invariant")
 
 
@@ -343,74 +341,7 @@ def _start_impl(*args, **params):
         "evaluate the jaxpr that holds it with jax.jit instead of eagerly")
 
 
-# -- lowering (lowering.py says what each platform gets) ----------------------
-
-_NOT_ON_CUDA = (
-    "{api} runs on XLA:CPU only for now: herring_jax's XLA:CUDA handlers do not "
-    "implement the {collective} yet. On GPUs use jax.lax.psum_scatter / jax.lax.all_gather "
-    "(NCCL), or place this computation on CPU devices")
-
-
-def _check_platform(platform, collective):
-    if platform != "cpu" and collective != "allreduce":
-        wire = _ON_THE_WIRE.get(collective, collective)
-        raise NotImplementedError(_NOT_ON_CUDA.format(api=API_NAMES[collective],
-                                                      collective=wire.replace("_", "-")))
-
-
-def _lower_transposed(ctx, *args, op):
-    """The transpose of an allreduce: the identity, or 1/N for a mean."""
-    n = layout.contributors(ctx)
-    if op == "sum":
-        return list(args)
-    return mlir.lower_fun(lambda *xs: [x / np.asarray(n, x.dtype) for x in xs],
-                          multiple_results=True)(ctx, *args)
-
-
-def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens,
-              collective):
-    own_tokens, args = args[:tokens], args[tokens:]
-    avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
-    if transpose:
-        return _lower_transposed(ctx.replace(avals_in=avals_in), *args, op=op)
-    _check_platform(platform, collective)
-    kept = lowering.nonempty(avals_in)
-    outs = lowering.zeros_for_empty(avals_out, kept)
-    if not kept:
-        return outs
-    operands = [args[i] for i in kept]
-    kept_in = [avals_in[i] for i in kept]
-    kept_out = [avals_out[i] for i in kept]
-    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec,
-                  collective=_ON_THE_WIRE.get(collective, collective))
-    if platform == "cpu":
-        # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
-        # A bucket of allreduce_gradients (own tokens) is reduced in place
-        # (lowering.join_cpu says why); a reduce-scatter or all-gather cannot
-        # be (its result has another size).
-        results = lowering.reduce_cpu(ctx, operands, kept_in, kept_out,
-                                      in_place=bool(own_tokens) and collective == "allreduce",
-                                      **params)
-    elif own_tokens:
-        results = lowering.done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec)
-    else:
-        token = lowering.start_cuda(ctx, operands, kept_in, **params)
-        results = lowering.done_cuda(ctx, [token], kept_out, op=op, codec=codec)
-    for i, r in zip(kept, results):
-        outs[i] = r
-    return outs
-
-
-def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec,
-                    collective):
-    del transpose
-    _check_platform(platform, collective)
-    kept = lowering.nonempty(ctx.avals_in)
-    if platform == "cpu" or not kept:
-        return [lowering.token_constant()]
-    return [lowering.start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
-                                op=op, axes=axes, groups=groups, root=root, codec=codec,
-                                collective=_ON_THE_WIRE.get(collective, collective))]
+# -- lowering: lowering.lower and lowering.lower_start (registered below) -----
 
 
 # -- differentiation ---------------------------------------------------------
@@ -509,121 +440,22 @@ def _transpose_half(cts, outs, op, axes, groups, collective):
     return outs
 
 
-# -- batching ----------------------------------------------------------------
-# vmap over an axis the reduction does not name: the batch is just more
-# elements (a reduce-scatter keeps its operands' leading dimension G first).
-# vmap(..., axis_name=n) with n among the reduced axes: as lax, the batch is
-# reduced in place (an unbatched operand counts axis_size times for a sum)
-# and the rest of the axes go to the engine; the result is no longer batched.
-# A reduce-scatter or all-gather over the vmapped axis alone is done in place
-# too, as lax does (over it and mesh axes together, lax fails as well). A
-# start does the same, so that it begins the very reduction its finishing
-# call binds (XLA merges the two identical local sums).
-
-_REDUCERS = {"max": jax.lax.reduce_max, "min": jax.lax.reduce_min}
-
-
-def _reduce_batch_in_place(axis_data, args, dims, op, axes, groups):
-    """The in-place step: the local results and the axes left to reduce."""
-    if groups is not None:
-        raise NotImplementedError(
-            "axis_index_groups is not supported for an axis bound by jax.vmap (nor by lax)")
-    size = axis_data.size
-    local = []
-    for x, d in zip(args, dims):
-        if d is jax_compat.not_mapped:
-            local.append(x * np.asarray(size, x.dtype) if op == "sum" else x)
-        else:
-            s = _REDUCERS.get(op, jax.lax.reduce_sum)(x, (d,))
-            local.append(s / np.asarray(size, x.dtype) if op == "mean" else s)
-    return local, tuple(a for a in axes if a != axis_data.name)
-
-
-def _half_in_place(axis_data, args, dims, op, axes, groups, collective):
-    """A reduce-scatter or all-gather over the vmapped axis alone: its results
-    and their batch dimensions."""
-    api = API_NAMES[collective]
-    if groups is not None:
-        raise NotImplementedError(
-            f"{api}: axis_index_groups is not supported over an axis bound by jax.vmap "
-            "(nor by jax.lax)")
-    if tuple(axes) != (axis_data.name,):
-        raise NotImplementedError(
-            f"{api} over {tuple(axes)} mixes the axis {axis_data.name!r} bound by jax.vmap "
-            "with mesh axes, which herring_jax (like jax.lax) does not support: call it "
-            "twice, once over the vmapped axis and once over the mesh axes")
-    size = axis_data.size
-    outs, out_dims = [], []
-    for x, d in zip(args, dims):
-        if collective == "reduce_scatter":
-            # Element i of the batch gets the sum of every element's row i.
-            if d is jax_compat.not_mapped:
-                y = x * np.asarray(size, x.dtype) if op == "sum" else x
-            else:
-                y = jax.lax.reduce_sum(x, (d,))
-                y = y / np.asarray(size, x.dtype) if op == "mean" else y
-            outs.append(y)
-            out_dims.append(0)
-        else:
-            # Every element of the batch gets all of them, in batch order.
-            if d is jax_compat.not_mapped:
-                y = jax.numpy.broadcast_to(x[None], (size, *x.shape))
-            else:
-                y = jax.numpy.moveaxis(x, d, 0)
-            outs.append(y)
-            out_dims.append(jax_compat.not_mapped)
-    return outs, out_dims
-
-
-def _half_unnamed(args, dims, collective):
-    """Operands and result batch dimensions of a reduce-scatter or all-gather
-    vmapped over an axis it does not reduce."""
-    operands, out_dims = [], []
-    for x, d in zip(args, dims):
-        if d is jax_compat.not_mapped:
-            operands.append(x)
-            out_dims.append(d)
-        elif collective in GATHERS:
-            operands.append(x)
-            out_dims.append(d + 1)
-        elif d == 0:
-            operands.append(jax.numpy.moveaxis(x, 0, 1))  # G stays first
-            out_dims.append(0)
-        else:
-            operands.append(x)
-            out_dims.append(d - 1)
-    return operands, out_dims
-
-
-def _batched(axis_data, args, dims, params):
-    """How a batched reduction is bound: (operands, params, result batch dims),
-    or (None, results, result batch dims) where nothing is left to reduce."""
-    op, axes, groups, collective = (params[k] for k in ("op", "axes", "groups", "collective"))
-    named = axes is not None and axis_data.name in axes
-    if collective == "allreduce":
-        if not named:
-            return list(args), params, list(dims)
-        local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
-        out_dims = [jax_compat.not_mapped] * len(local)
-        if rest:
-            return local, {**params, "axes": rest}, out_dims
-        return None, local, out_dims
-    if not named:
-        operands, out_dims = _half_unnamed(args, dims, collective)
-        return operands, params, out_dims
-    return (None, *_half_in_place(axis_data, args, dims, op, axes, groups, collective))
-
+# -- batching (batching.py has the rules) -------------------------------------
+# A start is batched as the reduction it begins, so that it begins the very
+# reduction its finishing call binds (XLA merges the two identical local sums).
 
 def _batch(axis_data, args, dims, **params):
     tokens = params["tokens"]
-    operands, how, out_dims = _batched(axis_data, args[tokens:], dims[tokens:], params)
+    operands, how, out_dims = batching.batched(axis_data, args[tokens:], dims[tokens:],
+                                               params, API_NAMES[params["collective"]])
     if operands is None:
         return how, out_dims
     return allreduce_p.bind(*args[:tokens], *operands, **how), out_dims
 
 
 def _start_batch(axis_data, args, dims, **params):
-    operands, how, _ = _batched(axis_data, args, dims, {**params, "tokens": 0})
+    operands, how, _ = batching.batched(axis_data, args, dims, {**params, "tokens": 0},
+                                        API_NAMES[params["collective"]])
     if operands is None:
         return jax.numpy.zeros(lowering.TOKEN.shape, lowering.TOKEN.dtype), jax_compat.not_mapped
     how = {k: v for k, v in how.items() if k != "tokens"}
@@ -640,10 +472,10 @@ allreduce_start_p = jex_core.Primitive("herring_allreduce_start")
 allreduce_start_p.def_abstract_eval(_start_abstract_eval)
 allreduce_start_p.def_impl(_start_impl)
 for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(allreduce_p, functools.partial(_lowering, platform=_platform),
+    mlir.register_lowering(allreduce_p, functools.partial(lowering.lower, platform=_platform),
                            platform=_platform, cacheable=False)
     mlir.register_lowering(allreduce_start_p,
-                           functools.partial(_start_lowering, platform=_platform),
+                           functools.partial(lowering.lower_start, platform=_platform),
                            platform=_platform, cacheable=False)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_jvps[allreduce_start_p] = _start_jvp
