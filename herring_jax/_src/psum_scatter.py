@@ -156,7 +156,8 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
             v = v.reshape(v.shape[:d] + (size, n // size) + v.shape[d + 1:])
         operands.append(jnp.moveaxis(v, d, 0))
         shapes.append(v.shape[:d] + v.shape[d + 1:])
-        _check_codec_block(api, name, v, codec, int(np.prod(shapes[-1])))
+        if size > 1:
+            _check_codec_block(api, name, v, codec, int(np.prod(shapes[-1])))
     outs = _allreduce.bind_grouped(operands, ops=["sum"] * len(operands), codec=codec,
                                    axes=axes, groups=groups, collective="reduce_scatter")
     outs = [o.reshape(shape) for o, shape in zip(outs, shapes)]
