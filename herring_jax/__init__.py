@@ -31,8 +31,15 @@ _EXPORTS = {
     "process_index": "runtime",
     "allreduce": "allreduce",
     "broadcast": "broadcast",
+    "reduce_scatter": "reduce_scatter",
+    "allgather": "reduce_scatter",
+    "barrier": "reduce_scatter",
     "pmean": "psum",
     "psum": "psum",
+    "pmax": "psum",
+    "pmin": "psum",
+    "psum_scatter": "psum_scatter",
+    "all_gather": "psum_scatter",
     "AllReduceGradientsState": "optax_transform",
     "CompressedGradientsState": "optax_transform",
     "allreduce_gradients": "optax_transform",
@@ -50,7 +57,9 @@ if TYPE_CHECKING:  # what static analysis and IDEs see
     from herring_jax._src.optax_transform import (AllReduceGradientsState,
                                                   CompressedGradientsState, allreduce_gradients)
     from herring_jax._src.powersgd import PowerSGDState, powersgd
-    from herring_jax._src.psum import pmean, psum
+    from herring_jax._src.psum import pmax, pmean, pmin, psum
+    from herring_jax._src.psum_scatter import all_gather, psum_scatter
+    from herring_jax._src.reduce_scatter import allgather, barrier, reduce_scatter
     from herring_jax._src.runtime import (describe, initialize, process_count, process_index,
                                           shutdown, stats)
     from herring_jax._src.topk import TopKState, topk

@@ -2,13 +2,26 @@
 
 Order of this module (as for every collective): public function (validate,
 bind) -> abstract eval -> eager impl -> lowering -> jvp / transpose ->
-batching -> registration.
+batching (its rules in batching.py) -> registration.
 
 The primitive `herring_allreduce` takes any number of arrays and these
 parameters:
-  op         "sum" or "mean" (the mean divides on the server).
-  axes       None: across processes (allreduce). A tuple of mesh axis names:
-             across those axes of the enclosing shard_map or pmap (psum/pmean).
+  collective what each device gets back: "allreduce" (the reduced buffer),
+             "reduce_scatter" (operands of shape (G, *rest), G the devices of
+             the group; device i gets the sum of every device's operand[i],
+             of shape rest) or "all_gather" (operands of shape rest; every
+             device gets (G, *rest), row i from device i), or
+             "all_gather_invariant" (the same, its result no longer varying
+             over the axes: lax's all_gather(..., to='invarying')). Device i:
+             its index in its group (layout.Plan.device_blocks). The two
+             halves are each other's transposes (the invariant all-gather's
+             is the cotangent's row i, no traffic).
+  op         "sum", "mean" (the mean divides on the server), "max" or "min"
+             (not differentiable; no codec); an all-gather's is "sum".
+  axes       None: across processes (allreduce, reduce_scatter, allgather,
+             broadcast). A tuple of mesh axis names: across those axes of the
+             enclosing shard_map or pmap (psum, pmean, pmax, pmin,
+             psum_scatter, all_gather).
   groups     lax's axis_index_groups (a tuple of tuples), or None.
   transpose  axes=None only: the transpose of an allreduce, which under the
              mpi4jax convention is the identity (1/N for a mean), no traffic.
@@ -17,7 +30,8 @@ parameters:
              so that the program is the same on every process); one device
              per process.
   codec      how float32 data crosses between processes: "none", "bf16",
-             "fp16" or "int8" (codecs.py); "none" for every other dtype.
+             "fp16" or "int8" (codecs.py); "none" for every other dtype, for
+             max and min, and for an all-gather.
   tokens     how many leading operands are start tokens (0 except in
              split.split_reductions): the first is this reduction's own
              start's, the others order it after the other buckets' starts.
@@ -40,6 +54,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.interpreters import ad, mlir
 
+from herring_jax._src import batching
 from herring_jax._src import codecs
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
@@ -54,9 +69,24 @@ SUPPORTED_DTYPES = ("float32", "float64", "bfloat16", "float16", "complex64", "c
 OPS = lowering.OPS
 
 
-def check_op(op: str) -> None:
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; herring_jax supports op='sum' or op='mean'")
+def check_op(op: str, ops=tuple(OPS)) -> None:
+    if op not in ops:
+        shown = ", ".join(f"op={o!r}" for o in ops)
+        raise ValueError(f"unknown op {op!r}; herring_jax supports {shown} here")
+
+
+def check_extreme(name: str, x, op: str, codec: str) -> None:
+    """What a max or min refuses: complex values (which have no order; XLA:CPU
+    cannot reduce them either) and a codec (it compresses sums only)."""
+    if op not in ("max", "min"):
+        return
+    if codec != "none":
+        raise ValueError(f"op={op!r} takes no codec (got codec={codec!r}): a codec compresses "
+                         "sums and means only; pass codec='none'")
+    if np.dtype(x.dtype).kind == "c":
+        raise TypeError(f"{name} is {np.dtype(x.dtype).name}: complex numbers have no "
+                        f"{op}imum (jax.lax.p{op} fails on them too); reduce the real and "
+                        "imaginary parts, or jnp.abs(x), instead")
 
 
 def leaf_names(tree: Any) -> list[str]:
@@ -66,8 +96,9 @@ def leaf_names(tree: Any) -> list[str]:
     return [p or "the array" for p in paths]
 
 
-def prepare_leaf(name: str, x: Any) -> Any:
-    """The leaf as the engine reduces it: an array, bool converted to int32.
+def prepare_leaf(name: str, x: Any, bool_as=np.int32) -> Any:
+    """The leaf as the engine reduces it: an array, bool converted to int32
+    (`bool_as`: what a max, min or gather takes it as instead).
     `name` says which leaf it is in errors."""
     raw = getattr(x, "dtype", None)
     dtype = np.dtype(raw) if raw is not None else np.asarray(x).dtype
@@ -76,13 +107,18 @@ def prepare_leaf(name: str, x: Any) -> Any:
         x = jax.numpy.asarray(x)
         dtype = np.dtype(x.dtype)
     if dtype == np.bool_:
-        return x.astype(np.int32)
+        return x.astype(bool_as)
     if dtype.name not in SUPPORTED_DTYPES:
         raise TypeError(
             f"{name} has dtype {dtype.name}, which herring_jax cannot reduce; supported "
             f"dtypes: bool, {', '.join(SUPPORTED_DTYPES)}. Cast it first, e.g. "
             "x.astype(jnp.float32).")
     return x
+
+
+def is_bool(x) -> bool:
+    raw = getattr(x, "dtype", None)
+    return (np.dtype(raw) if raw is not None else np.asarray(x).dtype) == np.bool_
 
 
 def is_floating(x) -> bool:
@@ -95,7 +131,7 @@ def leaf_codec(x, codec: str) -> str:
     return codec if np.dtype(x.dtype) == np.float32 else "none"
 
 
-def bind_grouped(leaves, *, ops, codec, axes, groups=None):
+def bind_grouped(leaves, *, ops, codec, axes, groups=None, collective="allreduce"):
     """Binds the leaves as one reduction per (op, codec) they need; results in
     leaf order."""
     kinds = [(o, leaf_codec(v, codec)) for o, v in zip(ops, leaves)]
@@ -103,7 +139,7 @@ def bind_grouped(leaves, *, ops, codec, axes, groups=None):
     for this_op, this_codec in sorted(set(kinds)):
         idx = [i for i, k in enumerate(kinds) if k == (this_op, this_codec)]
         for i, r in zip(idx, bind([leaves[i] for i in idx], op=this_op, axes=axes,
-                                  groups=groups, codec=this_codec)):
+                                  groups=groups, codec=this_codec, collective=collective)):
             outs[i] = r
     return outs
 
@@ -125,6 +161,12 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     are summed as int32 (as lax.psum does); zero-size leaves are returned
     unchanged; an empty tree is returned as is.
 
+    ``op="max"`` / ``"min"`` (mpi4jax's ``MPI.MAX`` / ``MPI.MIN``; e.g. a
+    global maximum of a loss scale, or early stopping) keep bool leaves bool
+    (a logical or / and), propagate NaN (NaN wins, as in ``jnp.maximum``),
+    refuse complex leaves and a codec, and are not differentiable (as
+    ``jax.lax.pmax``: ``jax.grad`` raises NotImplementedError).
+
     Differentiation follows mpi4jax: the result is one value replicated on every
     process, so the transpose (the gradient) of a sum is the identity on the
     cotangent, with no communication (1/N for a mean over N devices). A
@@ -133,8 +175,9 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     Args:
       tree: a pytree of arrays (float16/32/64, bfloat16, complex64/128,
         (u)int8/16/32/64, bool).
-      op: ``"sum"`` or ``"mean"`` (mean divides by the number of contributing
-        devices on the server; floating and complex dtypes only).
+      op: ``"sum"``, ``"mean"`` (mean divides by the number of contributing
+        devices on the server; floating and complex dtypes only), ``"max"``
+        or ``"min"``.
       codec: how float32 leaves cross between processes: ``"none"`` (exact),
         ``"bf16"``, ``"fp16"`` or ``"int8"`` (lossy, 2x / 2x / 4x fewer bytes;
         see herring_jax/_src/codecs.py). Contributions are decoded and summed
@@ -146,7 +189,8 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
       A pytree of the same structure with the reduced arrays.
 
     Raises:
-      ValueError: unknown op. TypeError: unsupported dtype, or mean of integers.
+      ValueError: unknown op, or a codec with max/min. TypeError: unsupported
+        dtype, mean of integers, or max/min of complex numbers.
       HerringError: not initialized, a peer failed or timed out, or processes
         issued mismatched reductions.
 
@@ -165,7 +209,13 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     # first): fail with the helpful message.
     runtime.state()
     names = leaf_names(tree)
-    leaves = [prepare_leaf(name, x) for name, x in zip(names, leaves)]
+    extreme = op in ("max", "min")
+    # A max or min of bool is a logical or / and: reduced as uint8, kept bool.
+    was_bool = [is_bool(x) for x in leaves]
+    leaves = [prepare_leaf(name, x, np.uint8 if extreme else np.int32)
+              for name, x in zip(names, leaves)]
+    for name, x in zip(names, leaves):
+        check_extreme(name, x, op, codec)
     if op == "mean":
         for name, x in zip(names, leaves):
             if not is_floating(x):
@@ -173,12 +223,15 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
                     f"{name} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
                     "floating dtype (use op='sum' and divide, or cast to float first)")
     outs = bind_grouped(leaves, ops=[op] * len(leaves), codec=codec, axes=None)
+    if extreme:
+        outs = [o.astype(np.bool_) if b else o for o, b in zip(outs, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def bind(leaves, *, op, axes, groups=None, root=None, codec="none"):
+def bind(leaves, *, op, axes, groups=None, root=None, codec="none", collective="allreduce"):
     """Binds one reduction; every public function reduces through here."""
-    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec)
+    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec,
+                  collective=collective)
     receiver = _receiver.current
     if receiver is None:
         return allreduce_p.bind(*leaves, tokens=0, **params)
@@ -206,23 +259,63 @@ def binds_received_by(receiver):
 
 
 # -- abstract eval -----------------------------------------------------------
-# Across processes the result has the operand's type. Across mesh axes it is
-# the same on every device of those axes: no longer varying (or unreduced)
-# over them, as for lax.psum. Tokens give nothing back.
+# An all-reduce across processes gives the operand's type. Across mesh axes
+# the result is the same on every device of those axes: no longer varying (or
+# unreduced) over them, as for lax.psum. A reduce-scatter takes (G, *rest) and
+# gives rest, an all-gather the reverse (G: the devices of a group); both keep
+# the operand's varying axes, as lax's psum_scatter and all_gather do (the
+# operand must vary over the axes: the drop-ins pvary it first, as lax).
+# Tokens give nothing back.
 
-def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens):
-    del op, groups, transpose, root, codec
-    avals = avals[tokens:]
+API_NAMES = {"allreduce": "herring_jax.psum", "reduce_scatter": "herring_jax.psum_scatter",
+             "all_gather": "herring_jax.all_gather",
+             "all_gather_invariant": "herring_jax.all_gather"}
+GATHERS = ("all_gather", "all_gather_invariant")
+
+
+def group_count(axes, groups) -> int:
+    """G, the devices in each group: the processes, across processes (one
+    device each)."""
     if axes is None:
-        return list(avals)
-    jax_compat.check_axis_names(axes, "herring_jax.psum")
-    return [jax_compat.drop_reduced_axes(a, axes) for a in avals]
+        return runtime.process_count()
+    return layout.group_size(axes, groups)
 
 
-def _start_abstract_eval(*avals, op, axes, groups, transpose, root, codec):
+def _reshaped(aval, shape, spec):
+    return aval.update(shape=tuple(shape),
+                       sharding=aval.sharding.update(spec=jax.sharding.PartitionSpec(*spec)))
+
+
+def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens, collective):
+    del op, transpose, root, codec
+    avals = avals[tokens:]
+    api = API_NAMES[collective]
+    if axes is not None:
+        jax_compat.check_axis_names(axes, api)
+    if collective == "allreduce":
+        return list(avals) if axes is None else [jax_compat.drop_reduced_axes(a, axes)
+                                                 for a in avals]
+    if axes is not None:
+        for a in avals:
+            jax_compat.check_varying(a, axes, api)
+    size = group_count(axes, groups)
+    if collective in GATHERS:
+        outs = [_reshaped(a, (size, *a.shape), (None, *a.sharding.spec)) for a in avals]
+        if collective == "all_gather_invariant":
+            outs = [jax_compat.drop_reduced_axes(o, axes) for o in outs]
+        return outs
+    for a in avals:
+        if not a.shape or a.shape[0] != size:
+            raise ValueError(f"{api}: a reduce-scatter over groups of {size} devices takes "
+                             f"operands of shape ({size}, ...), got {a.str_short()}; "
+                             "this is a herring_jax bug: please report it")
+    return [_reshaped(a, a.shape[1:], tuple(a.sharding.spec)[1:]) for a in avals]
+
+
+def _start_abstract_eval(*avals, op, axes, groups, transpose, root, codec, collective):
     del avals, op, groups, transpose, root, codec
     if axes is not None:
-        jax_compat.check_axis_names(axes, "herring_jax.psum")
+        jax_compat.check_axis_names(axes, API_NAMES[collective])
     return lowering.TOKEN
 
 
@@ -248,59 +341,14 @@ def _start_impl(*args, **params):
         "evaluate the jaxpr that holds it with jax.jit instead of eagerly")
 
 
-# -- lowering (lowering.py says what each platform gets) ----------------------
-
-def _lower_transposed(ctx, *args, op):
-    """The transpose of an allreduce: the identity, or 1/N for a mean."""
-    n = layout.contributors(ctx)
-    if op == "sum":
-        return list(args)
-    return mlir.lower_fun(lambda *xs: [x / np.asarray(n, x.dtype) for x in xs],
-                          multiple_results=True)(ctx, *args)
-
-
-def _lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens):
-    own_tokens, args = args[:tokens], args[tokens:]
-    avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
-    if transpose:
-        return _lower_transposed(ctx.replace(avals_in=avals_in), *args, op=op)
-    kept = lowering.nonempty(avals_in)
-    outs = lowering.zeros_for_empty(avals_out, kept)
-    if not kept:
-        return outs
-    operands = [args[i] for i in kept]
-    kept_in = [avals_in[i] for i in kept]
-    kept_out = [avals_out[i] for i in kept]
-    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec)
-    if platform == "cpu":
-        # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
-        # A bucket of allreduce_gradients (own tokens) is reduced in place
-        # (lowering.join_cpu says why).
-        results = lowering.reduce_cpu(ctx, operands, kept_in, kept_out,
-                                      in_place=bool(own_tokens), **params)
-    elif own_tokens:
-        results = lowering.done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec)
-    else:
-        token = lowering.start_cuda(ctx, operands, kept_in, **params)
-        results = lowering.done_cuda(ctx, [token], kept_out, op=op, codec=codec)
-    for i, r in zip(kept, results):
-        outs[i] = r
-    return outs
-
-
-def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, codec):
-    del transpose
-    kept = lowering.nonempty(ctx.avals_in)
-    if platform == "cpu" or not kept:
-        return [lowering.token_constant()]
-    return [lowering.start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
-                                op=op, axes=axes, groups=groups, root=root, codec=codec)]
+# -- lowering: lowering.lower and lowering.lower_start (registered below) -----
 
 
 # -- differentiation ---------------------------------------------------------
 # A sum (or mean) is linear: the JVP reduces the non-zero tangents with the
 # same parameters, in one call (a reduction of its own: tokens order only the
-# primal one). Transposes:
+# primal one). A max or min is not differentiated, as lax's pmax and pmin.
+# Transposes of an all-reduce:
 # - across processes (axes=None), mpi4jax's convention: the result is one
 #   replicated value, so the transpose is the identity (1/N for a mean), and
 #   the transpose of that is the allreduce again;
@@ -308,9 +356,20 @@ def _start_lowering(ctx, *args, platform, op, axes, groups, transpose, root, cod
 #   result was invariant and the transpose only marks the cotangent varying
 #   again (pvary; preduced for an unreduced operand), with no communication;
 #   without those checks (check_vma=False, pmap) it is the same reduction.
+# A reduce-scatter and an all-gather transpose to each other over the same
+# devices and groups, as lax's psum_scatter and all_gather, across processes
+# too (1/G for a mean); the all-gather of a cotangent is exact (no codec). An
+# invariant all-gather's cotangent is the same on every device, so each takes
+# its own row of it (lax's all_gather_invariant transposes alike).
 # A start's token has no tangent.
 
 def _jvp(primals, tangents, **params):
+    op = params["op"]
+    if op in ("max", "min"):
+        raise NotImplementedError(
+            f"herring_jax's p{op} (and allreduce(op={op!r})) is not differentiable, as "
+            f"jax.lax.p{op} is not (\"Differentiation rule for 'p{op}' not implemented\"): "
+            "apply it to jax.lax.stop_gradient(x) where its gradient is not needed")
     outs = allreduce_p.bind(*primals, **params)
     tangents = tangents[params["tokens"]:]
     nonzero = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
@@ -328,11 +387,13 @@ def _start_jvp(primals, tangents, **params):
     return token, jax_compat.zero_tangent(token)
 
 
-def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens):
+def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens, collective):
     params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root, codec=codec, tokens=0)
+                  root=root, codec=codec, tokens=0, collective=collective)
     args = args[tokens:]
     outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
+    if collective != "allreduce":
+        return [None] * tokens + _transpose_half(cts, outs, op, axes, groups, collective)
     if axes is None:
         todo = [i for i, o in enumerate(outs) if o is None]
         params["transpose"] = not transpose
@@ -354,50 +415,51 @@ def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens):
     return [None] * tokens + outs
 
 
-# -- batching ----------------------------------------------------------------
-# vmap over an axis the reduction does not name: the batch is just more
-# elements. vmap(..., axis_name=n) with n among the reduced axes: as lax, the
-# batch is reduced in place (an unbatched operand counts axis_size times) and
-# the rest of the axes go to the engine; the result is no longer batched. A
-# start does the same in-place step, so that it begins the very reduction its
-# finishing call binds (XLA merges the two identical local sums).
-
-def _reduce_batch_in_place(axis_data, args, dims, op, axes, groups):
-    """The in-place step: the local results and the axes left to reduce."""
-    if groups is not None:
-        raise NotImplementedError(
-            "axis_index_groups is not supported for an axis bound by jax.vmap (nor by lax)")
-    size = axis_data.size
-    local = []
-    for x, d in zip(args, dims):
-        if d is jax_compat.not_mapped:
-            local.append(x * np.asarray(size, x.dtype) if op == "sum" else x)
-        else:
-            s = jax.lax.reduce_sum(x, (d,))
-            local.append(s / np.asarray(size, x.dtype) if op == "mean" else s)
-    return local, tuple(a for a in axes if a != axis_data.name)
-
-
-def _batch(axis_data, args, dims, *, op, axes, groups, transpose, root, codec, tokens):
-    params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root, codec=codec, tokens=tokens)
-    if axes is None or axis_data.name not in axes:
-        return allreduce_p.bind(*args, **params), list(dims[tokens:])
-    own_tokens, args, dims = args[:tokens], args[tokens:], dims[tokens:]
-    local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
-    outs = allreduce_p.bind(*own_tokens, *local, **{**params, "axes": rest}) if rest else local
-    return outs, [jax_compat.not_mapped] * len(outs)
+def _transpose_half(cts, outs, op, axes, groups, collective):
+    """A reduce-scatter's transpose is the all-gather of its cotangents, and
+    the reverse; `outs` holds the symbolic zeros already."""
+    todo = [i for i, o in enumerate(outs) if o is None]
+    if not todo:
+        return outs
+    if collective == "all_gather_invariant":
+        index = jax.lax.axis_index(tuple(axes))
+        for i in todo:
+            outs[i] = jax.lax.dynamic_index_in_dim(cts[i], index, 0, keepdims=False)
+        return outs
+    other = "all_gather" if collective == "reduce_scatter" else "reduce_scatter"
+    cts = [cts[i] for i in todo]
+    if axes is not None:
+        cts = [jax_compat.vary_over(ct, axes) for ct in cts]
+    results = allreduce_p.bind(*cts, op="sum", axes=axes, groups=groups, transpose=False,
+                               root=None, codec="none", tokens=0, collective=other)
+    if op == "mean":
+        n = group_count(axes, groups)
+        results = [r / np.asarray(n, r.dtype) for r in results]
+    for i, r in zip(todo, results):
+        outs[i] = r
+    return outs
 
 
-def _start_batch(axis_data, args, dims, *, op, axes, groups, transpose, root, codec):
-    params = dict(op=op, axes=axes, groups=groups, transpose=transpose, root=root,
-                  codec=codec)
-    if axes is None or axis_data.name not in axes:
-        return allreduce_start_p.bind(*args, **params), jax_compat.not_mapped
-    local, rest = _reduce_batch_in_place(axis_data, args, dims, op, axes, groups)
-    if not rest:
+# -- batching (batching.py has the rules) -------------------------------------
+# A start is batched as the reduction it begins, so that it begins the very
+# reduction its finishing call binds (XLA merges the two identical local sums).
+
+def _batch(axis_data, args, dims, **params):
+    tokens = params["tokens"]
+    operands, how, out_dims = batching.batched(axis_data, args[tokens:], dims[tokens:],
+                                               params, API_NAMES[params["collective"]])
+    if operands is None:
+        return how, out_dims
+    return allreduce_p.bind(*args[:tokens], *operands, **how), out_dims
+
+
+def _start_batch(axis_data, args, dims, **params):
+    operands, how, _ = batching.batched(axis_data, args, dims, {**params, "tokens": 0},
+                                        API_NAMES[params["collective"]])
+    if operands is None:
         return jax.numpy.zeros(lowering.TOKEN.shape, lowering.TOKEN.dtype), jax_compat.not_mapped
-    return allreduce_start_p.bind(*local, **{**params, "axes": rest}), jax_compat.not_mapped
+    how = {k: v for k, v in how.items() if k != "tokens"}
+    return allreduce_start_p.bind(*operands, **how), jax_compat.not_mapped
 
 
 # -- registration ------------------------------------------------------------
@@ -410,10 +472,10 @@ allreduce_start_p = jex_core.Primitive("herring_allreduce_start")
 allreduce_start_p.def_abstract_eval(_start_abstract_eval)
 allreduce_start_p.def_impl(_start_impl)
 for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(allreduce_p, functools.partial(_lowering, platform=_platform),
+    mlir.register_lowering(allreduce_p, functools.partial(lowering.lower, platform=_platform),
                            platform=_platform, cacheable=False)
     mlir.register_lowering(allreduce_start_p,
-                           functools.partial(_start_lowering, platform=_platform),
+                           functools.partial(lowering.lower_start, platform=_platform),
                            platform=_platform, cacheable=False)
 ad.primitive_jvps[allreduce_p] = _jvp
 ad.primitive_jvps[allreduce_start_p] = _start_jvp

@@ -125,6 +125,26 @@ def varies_over_all(aval, axes) -> bool:
     return _varying(aval).issuperset(axes)
 
 
+def check_varying(aval, axes, api_name: str) -> None:
+    """lax's check that a reduce-scatter's or all-gather's operand varies over
+    the axes (where shard_map checks varying axes)."""
+    if check_vma_enabled() and not varies_over_all(aval, axes):
+        raise ValueError(
+            f"{api_name} must be applied to a value that varies over {tuple(axes)} inside "
+            f"jax.shard_map(..., check_vma=True); got {aval.str_short(True)}. Mark it "
+            "varying first with jax.lax.pcast(x, axes, to='varying'), or pass "
+            "check_vma=False to jax.shard_map")
+
+
+def vary_over(x, axes):
+    """`x`, marked varying over those of `axes` it does not vary over yet
+    (check_vma=True; lax's insert_collective_pvary)."""
+    if not check_vma_enabled():
+        return x
+    missing = tuple(a for a in axes if a not in _varying(jax.typeof(x)))
+    return pvary(x, missing) if missing else x
+
+
 def is_varying(aval, axes) -> bool:
     return bool(_varying(aval).intersection(axes))
 
@@ -133,16 +153,16 @@ def is_unreduced(aval, axes) -> bool:
     return bool(_unreduced(aval).intersection(axes))
 
 
-def axis_state(aval, axes) -> str:
+def axis_state(aval, axes, api_name: str = "herring_jax.psum") -> str:
     """'varying', 'unreduced', 'reduced' or 'invarying' over `axes`, with lax's
     ValueError when the axes disagree, or when an unreduced operand awaits a
     max or min (unreduced_kind, jax 0.11 and later) rather than a sum."""
-    state = _parallel._get_from(aval, tuple(axes), "herring_jax.psum")
+    state = _parallel._get_from(aval, tuple(axes), api_name)
     kind = getattr(aval.mat, "unreduced_kind", None)
     if state == "unreduced" and kind is not None and kind.name != "sum":
         # lax.psum's unreduced_psum refuses it too: summing partial maxima
         # would be a wrong answer, not a reduction.
-        raise ValueError(f"herring_jax.psum cannot accept args with unreduced_kind={kind}; "
+        raise ValueError(f"{api_name} cannot accept args with unreduced_kind={kind}; "
                          "it sums, so the operand must be unreduced for a sum "
                          f"(got {aval.str_short(True)}); reduce it with jax.lax.pmax/pmin")
     return state

@@ -1,5 +1,5 @@
 """How a reduction becomes custom calls: the lowering of allreduce.py's
-primitives on each platform.
+primitives on each platform (lower, lower_start).
 
 XLA:CPU: one asynchronous call per reduction, ``herring_allreduce``; its
 handler returns a future at once and herring's threads reduce. The buckets of
@@ -41,6 +41,8 @@ _OP_CODEC_SHIFT = 24
 _OP_BROADCAST = 4  # the op attribute of a broadcast from rank r is 4 + r (handler_common.h)
 # The collective attribute (handler_common.h): what each device gets back.
 COLLECTIVES = {"allreduce": 0, "reduce_scatter": 1, "all_gather": 2}
+# The primitive's collectives that differ from these in their type only.
+_ON_THE_WIRE = {"all_gather_invariant": "all_gather"}
 
 # What a start returns for its done. Its bytes are never read (XLA:CUDA: the
 # done uses only its address; XLA:CPU: it is a constant nobody uses); it is
@@ -185,3 +187,72 @@ def done_cuda(ctx, tokens, avals_out, *, op, codec):
 def token_constant():
     """A start that emitted nothing (XLA:CPU, or nothing to reduce)."""
     return mlir.ir_constant(np.zeros(TOKEN.shape, TOKEN.dtype))
+
+
+# -- the primitives' lowering rules (registered by allreduce.py) --------------
+
+_NOT_ON_CUDA = (
+    "herring_jax's {collective} (psum_scatter, all_gather, reduce_scatter, allgather) runs "
+    "on XLA:CPU only for now: its XLA:CUDA handlers do not implement it yet. On GPUs use "
+    "jax.lax.psum_scatter / jax.lax.all_gather (NCCL), or place this computation on CPU "
+    "devices")
+
+
+def _on_the_wire(platform, collective) -> str:
+    wire = _ON_THE_WIRE.get(collective, collective)
+    if platform != "cpu" and wire != "allreduce":
+        raise NotImplementedError(_NOT_ON_CUDA.format(collective=wire.replace("_", "-")))
+    return wire
+
+
+def _lower_transposed(ctx, *args, op):
+    """The transpose of an allreduce: the identity, or 1/N for a mean."""
+    n = layout.contributors(ctx)
+    if op == "sum":
+        return list(args)
+    return mlir.lower_fun(lambda *xs: [x / np.asarray(n, x.dtype) for x in xs],
+                          multiple_results=True)(ctx, *args)
+
+
+def lower(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens, collective):
+    """herring_allreduce on `platform` (allreduce.py's parameters)."""
+    own_tokens, args = args[:tokens], args[tokens:]
+    avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
+    if transpose:
+        return _lower_transposed(ctx.replace(avals_in=avals_in), *args, op=op)
+    wire = _on_the_wire(platform, collective)
+    kept = nonempty(avals_in)
+    outs = zeros_for_empty(avals_out, kept)
+    if not kept:
+        return outs
+    operands = [args[i] for i in kept]
+    kept_in = [avals_in[i] for i in kept]
+    kept_out = [avals_out[i] for i in kept]
+    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec, collective=wire)
+    if platform == "cpu":
+        # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
+        # A bucket of allreduce_gradients (own tokens) is reduced in place
+        # (join_cpu says why); a reduce-scatter or all-gather cannot be (its
+        # result has another size).
+        results = reduce_cpu(ctx, operands, kept_in, kept_out,
+                             in_place=bool(own_tokens) and wire == "allreduce", **params)
+    elif own_tokens:
+        results = done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec)
+    else:
+        token = start_cuda(ctx, operands, kept_in, **params)
+        results = done_cuda(ctx, [token], kept_out, op=op, codec=codec)
+    for i, r in zip(kept, results):
+        outs[i] = r
+    return outs
+
+
+def lower_start(ctx, *args, platform, op, axes, groups, transpose, root, codec, collective):
+    """herring_allreduce_start on `platform`: its token."""
+    del transpose
+    wire = _on_the_wire(platform, collective)
+    kept = nonempty(ctx.avals_in)
+    if platform == "cpu" or not kept:
+        return [token_constant()]
+    return [start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
+                       op=op, axes=axes, groups=groups, root=root, codec=codec,
+                       collective=wire)]

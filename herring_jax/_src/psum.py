@@ -1,4 +1,4 @@
-"""herring_jax.psum / pmean: drop-ins for jax.lax.psum / pmean inside
+"""herring_jax.psum / pmean / pmax / pmin: drop-ins for jax.lax's inside
 jax.shard_map (with or without check_vma) and jax.pmap, reduced by the
 Herring engine; axes bound by jax.vmap(..., axis_name=...) are reduced in
 place, as lax does.
@@ -43,19 +43,26 @@ def _groups(axis_index_groups):
 
 def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none") -> Any:
     codecs.check_codec(codec)
+    api = f"herring_jax.p{op}"
     axes = jax_compat.skip_one_sized_axes(_axes(axis_name))
     groups = _groups(axis_index_groups)
     leaves, treedef = jax.tree_util.tree_flatten(x)
     if not leaves:
         return x
     if axes and any(isinstance(a, int) for a in axes):
-        raise TypeError(f"herring_jax.psum reduces named axes only, got {axes}; for "
-                        "positional axes use jnp.sum")
-    leaves = [_allreduce.prepare_leaf(name, v)
-              for name, v in zip(_allreduce.leaf_names(x), leaves)]
+        raise TypeError(f"{api} reduces named axes only, got {axes}; for positional axes "
+                        f"use jnp.{op}")
+    # A max or min keeps bool (a logical or / and), as lax: reduced as uint8.
+    extreme = op in ("max", "min")
+    was_bool = [_allreduce.is_bool(v) for v in leaves]
+    names = _allreduce.leaf_names(x)
+    leaves = [_allreduce.prepare_leaf(name, v, np.uint8 if extreme else np.int32)
+              for name, v in zip(names, leaves)]
+    for name, v in zip(names, leaves):
+        _allreduce.check_extreme(name, v, op, codec)
     if axes:
         # lax's NameError, while tracing, for an axis nothing binds.
-        jax_compat.check_axis_names(axes, "herring_jax.psum")
+        jax_compat.check_axis_names(axes, api)
     # lax.pmean is psum / n. The engine averages floating values of a real
     # reduction on the server; everything else is divided here, which gives
     # integers a floating mean, as in lax.
@@ -63,42 +70,55 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none") 
         outs, divide, n = leaves, [True] * len(leaves), 1
     elif not any(isinstance(v, jax.core.Tracer) for v in leaves):
         # Constants (e.g. psum(1, 'i') for the axis size): every device holds
-        # the same value, so the sum is the value times the group size.
+        # the same value, so the sum is the value times the group size (and
+        # the max the value).
         n = layout.group_size(axes, groups)
-        outs = [v * n for v in leaves]
+        outs = leaves if extreme else [v * n for v in leaves]
         divide = [True] * len(leaves)
     else:
-        outs = _bind(leaves, axes, groups, op, codec)
+        outs = _bind(leaves, axes, groups, op, codec, api)
         divide = [not _allreduce.is_floating(v) for v in leaves]
         n = layout.group_size(axes, groups) if op == "mean" and any(divide) else 1
     if op == "mean":
         outs = [o / n if d else o for o, d in zip(outs, divide)]
+    if extreme:
+        outs = [o.astype(np.bool_) if b else o for o, b in zip(outs, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def _bind(leaves, axes, groups, op, codec):
+def _vary(v, axes, op: str, api: str):
+    """The operand as lax takes it where shard_map checks varying axes: a
+    value the same on every device of the axes is first marked varying, so
+    that a sum counts it once per device (lax.psum); a max or min also marks
+    a value varying over only some of the axes (lax.pmax)."""
+    aval = jax.typeof(v)
+    if op in ("max", "min"):
+        if jax_compat.is_unreduced(aval, axes):
+            raise ValueError(f"{api} cannot accept args which are unreduced (nor can "
+                             f"jax.lax.p{op}); got {aval.str_short(True)} and axes="
+                             f"{set(axes)}: reduce them first with herring_jax.psum")
+        state = "varying" if jax_compat.varies_over_all(aval, axes) else "invarying"
+    else:
+        state = jax_compat.axis_state(aval, axes, api)
+    if state == "reduced":
+        raise ValueError(f"{api} cannot accept args which are reduced. Got "
+                         f"{aval.str_short(True)} and axes={set(axes)}")
+    if state == "invarying" and jax_compat.auto_pcast_enabled():
+        return jax_compat.vary_over(v, axes)
+    if state == "invarying":
+        raise ValueError(
+            f"p{op} is a variant->invariant collective: the axes {axes} must be among "
+            f"the input's varying axes ({aval.str_short(True)})")
+    return v
+
+
+def _bind(leaves, axes, groups, op, codec, api):
     if jax_compat.check_vma_enabled():
-        if groups is not None:
+        if groups is not None and op in ("sum", "mean"):
             raise NotImplementedError(
-                "axis_index_groups needs jax.shard_map(..., check_vma=False) or jax.pmap, as "
-                "for jax.lax.psum")
-        prepared = []
-        for v in leaves:
-            aval = jax.typeof(v)
-            state = jax_compat.axis_state(aval, axes)
-            if state == "reduced":
-                raise ValueError(f"herring_jax.psum cannot accept args which are reduced. Got "
-                                 f"{aval.str_short(True)} and axes={set(axes)}")
-            if state == "invarying" and jax_compat.auto_pcast_enabled():
-                # As lax: a value the same on every device of the axes is
-                # first marked varying, so the sum counts it once per device.
-                v = jax_compat.pvary(v, axes)
-            elif state == "invarying":
-                raise ValueError(
-                    f"psum is a variant->invariant collective: the axes {axes} must be among "
-                    f"the input's varying axes ({aval.str_short(True)})")
-            prepared.append(v)
-        leaves = prepared
+                f"axis_index_groups needs jax.shard_map(..., check_vma=False) or jax.pmap, as "
+                f"for jax.lax.p{op}")
+        leaves = [_vary(v, axes, op, api) for v in leaves]
     # Integers are averaged after the sum (see _reduce).
     ops = ["sum" if op == "mean" and not _allreduce.is_floating(v) else op for v in leaves]
     return _allreduce.bind_grouped(leaves, ops=ops, codec=codec, axes=axes, groups=groups)
@@ -179,3 +199,35 @@ def pmean(x: Any, axis_name, *, axis_index_groups=None, codec: str = "none") -> 
     give a floating mean, as ``jax.lax.pmean`` does.
     """
     return _reduce(x, axis_name, "mean", axis_index_groups, codec)
+
+
+def pmax(x: Any, axis_name, *, axis_index_groups=None) -> Any:
+    """The maximum of a pytree over the named axes, like ``jax.lax.pmax``.
+
+    Where ``jax.lax.pmax`` can be used (``jax.shard_map`` with or without
+    ``check_vma``, ``jax.pmap``, an axis bound by ``jax.vmap``, which is
+    reduced in place), with its signature and types; ``axis_index_groups``
+    also with ``check_vma=True``, as in lax. NaN wins (as XLA's maximum); bool
+    stays bool (a logical or). Not differentiable, as ``jax.lax.pmax``:
+    ``jax.grad`` through it raises NotImplementedError. Complex values raise
+    TypeError (they have no order; lax fails on them when it runs).
+
+    Args:
+      x: a pytree of arrays (float16/32/64, bfloat16, (u)int8/16/32/64, bool).
+      axis_name: an axis name or a tuple of names.
+      axis_index_groups: optional list of lists of axis indices.
+
+    Returns:
+      The pytree of maxima, the same on every device of the reduced axes.
+
+    Examples:
+      >>> f = jax.shard_map(lambda loss: herring_jax.pmax(loss, "i"), mesh=mesh,
+      ...                   in_specs=P("i"), out_specs=P())        # doctest: +SKIP
+    """
+    return _reduce(x, axis_name, "max", axis_index_groups)
+
+
+def pmin(x: Any, axis_name, *, axis_index_groups=None) -> Any:
+    """The minimum of a pytree over the named axes, like ``jax.lax.pmin``; as
+    ``herring_jax.pmax`` otherwise (bool: a logical and)."""
+    return _reduce(x, axis_name, "min", axis_index_groups)

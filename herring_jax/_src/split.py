@@ -53,7 +53,7 @@ class _Split:
         if not self.finishing:
             self.tokens.append(allreduce.allreduce_start_p.bind(*leaves, **params))
             self.signatures.append(signature)
-            return list(leaves)
+            return _placeholders(leaves, params)
         if self.taken >= len(self.tokens) or self.signatures[self.taken] != signature:
             raise AssertionError("split_reductions: the second pass bound another reduction "
                                  f"than the first; {_BUG}")
@@ -62,6 +62,17 @@ class _Split:
         self.taken += 1
         return allreduce.allreduce_p.bind(own, *others, *leaves, tokens=len(self.tokens),
                                           **params)
+
+
+def _placeholders(leaves, params) -> list:
+    """The first pass's results, which nothing uses, with the types of the
+    reduction's results (so that the caller's code after it traces)."""
+    if params["collective"] == "reduce_scatter":
+        return [x[0] for x in leaves]
+    if params["collective"] in allreduce.GATHERS:
+        n = allreduce.group_count(params["axes"], params["groups"])
+        return [jax.numpy.broadcast_to(x[None], (n, *x.shape)) for x in leaves]
+    return list(leaves)
 
 
 def split_reductions(reduce, buffers) -> list:

@@ -41,8 +41,8 @@ def main() -> int:
            "float8_e4m3fn", "float32", "bfloat16", "complex64", "uint8")
     expect("bad-dtype-in-psum", TypeError, lambda: herring_jax.psum(
         jnp.ones(3, jnp.float8_e5m2), "i"), "float8_e5m2", "supported")
-    expect("bad-op", ValueError, lambda: herring_jax.allreduce(jnp.ones(3), op="max"),
-           "'max'", "sum", "mean")
+    expect("bad-op", ValueError, lambda: herring_jax.allreduce(jnp.ones(3), op="prod"),
+           "'prod'", "sum", "mean", "max", "min")
     expect("int-mean", TypeError, lambda: herring_jax.allreduce(jnp.ones(3, jnp.int32), op="mean"),
            "int32", "mean")
     expect("bad-op-in-jit", ValueError,

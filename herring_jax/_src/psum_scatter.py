@@ -1,0 +1,285 @@
+"""herring_jax.psum_scatter / all_gather: drop-ins for jax.lax's inside
+jax.shard_map (with or without check_vma) and jax.pmap, run by the Herring
+engine as the two halves of its reduction: a reduce-scatter is the sum that
+each server takes of its part, an all-gather the sending back of the parts.
+
+Both are herring_allreduce (allreduce.py) with collective "reduce_scatter" or
+"all_gather", whose blocks are the leading dimension of a contiguous array:
+the scatter dimension is moved to the front (split into (G, size / G) when
+tiled) before, and the gathered one moved into place after. The moves are
+free where the dimension is 0 (a tiled one is merely reshaped); elsewhere XLA
+copies the array once. Transposes, vmap and the varying-axis types follow
+lax: psum_scatter and all_gather transpose to each other with the same
+dimension, tiling and groups.
+
+Where lax and herring differ, by design: sums are taken in herring's fixed
+order (local devices, then the processes of a host by rank, then the hosts),
+so floating results are bitwise reproducible and bitwise equal to the same
+elements of herring_jax.psum's result, but may differ from XLA's own
+reduce-scatter in the last bits. Not supported (each raises, saying what to do
+instead): an unreduced operand of psum_scatter, all_gather(..., to='reduced'),
+axis_index_groups with to='invarying' (as in lax), both over an axis bound by
+jax.vmap together with mesh axes (as in lax), axis_index_groups over a vmapped
+axis (as in lax), and XLA:CUDA (use lax there for now).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from herring_jax._src import allreduce as _allreduce
+from herring_jax._src import codecs
+from herring_jax._src import jax_compat
+from herring_jax._src import layout
+from herring_jax._src.codecs import BLOCK as BLOCK_ELEMENTS
+
+
+def _axes(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _groups(axis_index_groups, api: str):
+    """lax's checks of axis_index_groups; the groups must also be of one size
+    (lax says so for these two and fails otherwise)."""
+    if axis_index_groups is None:
+        return None
+    groups = tuple(tuple(int(i) for i in g) for g in axis_index_groups)
+    covered = sorted(i for g in groups for i in g)
+    if covered != list(range(len(covered))):
+        raise ValueError("axis_index_groups must cover all indices exactly once")
+    if len({len(g) for g in groups}) != 1:
+        raise ValueError(f"{api}: all axis_index_groups must be the same size, got "
+                         f"{[len(g) for g in groups]}")
+    return groups
+
+
+def _check_dimension(api: str, what: str, d, ndim: int, name: str) -> int:
+    if isinstance(d, bool) or not isinstance(d, (int, np.integer)):
+        raise TypeError(f"{api}: {what} must be an int, got {d!r}")
+    if not -ndim <= d < ndim:
+        raise np.exceptions.AxisError(
+            f"{api}: {what}={d} is out of bounds for {name}, which has {ndim} dimension(s) "
+            "here (inside the map, per device)")
+    return int(d) % ndim if ndim else 0
+
+
+def _setup(x, axis_name, axis_index_groups, api):
+    """(axes, groups, G, leaves, names, treedef), or None where there is
+    nothing to do (no axis left; an empty tree)."""
+    axes = jax_compat.skip_one_sized_axes(_axes(axis_name))
+    leaves, treedef = jax.tree_util.tree_flatten(x)
+    if not axes or not leaves:
+        return None
+    if any(isinstance(a, int) for a in axes):
+        raise TypeError(f"{api} works over named axes only, got {axes}")
+    groups = _groups(axis_index_groups, api)
+    # lax's NameError, while tracing, for an axis nothing binds.
+    jax_compat.check_axis_names(axes, api)
+    size = layout.group_size(axes, groups)
+    return axes, groups, size, leaves, _allreduce.leaf_names(x), treedef
+
+
+def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_groups=None,
+                 tiled: bool = False, codec: str = "none") -> Any:
+    """Sums a pytree over the named axes and leaves each device its part, like
+    ``jax.lax.psum_scatter``: "the first half" of ``herring_jax.psum``.
+
+    Use inside ``jax.shard_map`` (with or without ``check_vma``) or
+    ``jax.pmap``; an axis bound by ``jax.vmap(..., axis_name=...)`` alone is
+    scattered in place, as in lax. Device i of a group (``lax.axis_index`` over
+    the axes, or its place in its ``axis_index_groups`` group) gets block i of
+    the sum along ``scatter_dimension``: with ``tiled=False`` that dimension
+    must equal the group size G and is removed; with ``tiled=True`` it must be
+    divisible by G and is divided by it. Differentiable (its transpose is
+    ``all_gather`` with the same dimension, tiling and groups), batchable and
+    typed (varying axes) as lax's. bool is refused, as by lax.
+
+    Args:
+      x: a pytree of arrays (float16/32/64, bfloat16, complex64/128,
+        (u)int8/16/32/64).
+      axis_name: an axis name or a tuple of names.
+      scatter_dimension: the dimension to scatter (>= 0, as lax lowers).
+      axis_index_groups: optional list of lists of axis indices, all of one
+        size.
+      tiled: keep the dimension (divided by G) rather than remove it.
+      codec: herring_jax only: how float32 leaves cross between processes
+        (``"none"``, ``"bf16"``, ``"fp16"``, ``"int8"``; see
+        ``herring_jax.allreduce``); a compressed leaf's block (its result's
+        size) must be a multiple of 256 elements.
+
+    Returns:
+      The pytree of this device's blocks of the sums.
+
+    Raises:
+      ValueError: the scatter dimension does not fit the group size, is
+        negative, or a codec's block is not a multiple of 256.
+      TypeError: bool or unsupported dtype. NameError: unbound axis.
+      NotImplementedError: an unreduced operand, or see the module notes.
+
+    Examples:
+      >>> mesh = jax.make_mesh((4,), ("i",))                       # doctest: +SKIP
+      >>> f = jax.shard_map(lambda g: herring_jax.psum_scatter(g, "i", tiled=True),
+      ...                   mesh=mesh, in_specs=P(), out_specs=P("i"))  # doctest: +SKIP
+      >>> f(jnp.ones(8))   # each device: its 2 elements of the sum  # doctest: +SKIP
+      Array([4., 4., 4., 4., 4., 4., 4., 4.], dtype=float32)
+    """
+    api = "herring_jax.psum_scatter"
+    codecs.check_codec(codec)
+    setup = _setup(x, axis_name, axis_index_groups, api)
+    if setup is None:
+        return x
+    axes, groups, size, leaves, names, treedef = setup
+    operands, shapes = [], []
+    for name, v in zip(names, leaves):
+        if _allreduce.is_bool(v):
+            raise TypeError(f"{api}: {name} is bool, which jax.lax.psum_scatter does not sum "
+                            "either; cast it first, e.g. x.astype(jnp.int32)")
+        v = _allreduce.prepare_leaf(name, v)
+        d = _scatter_dimension(api, scatter_dimension, v, name)
+        n = v.shape[d]
+        if tiled and n % size:
+            raise ValueError(
+                f"{api}: tiled scatter dimension {d} of {name} has size {n}, which must be "
+                f"divisible by the group size {size} (the devices of {axes}"
+                f"{' in each group' if groups else ''}); pad it to a multiple of {size}")
+        if not tiled and n != size:
+            raise ValueError(
+                f"{api}: scatter dimension {d} of {name} has size {n}, which must equal the "
+                f"group size {size} (the devices of {axes}{' in each group' if groups else ''})"
+                f"; use tiled=True to scatter a dimension that is a multiple of {size}")
+        v = _vary(v, axes, api)
+        if tiled:
+            v = v.reshape(v.shape[:d] + (size, n // size) + v.shape[d + 1:])
+        operands.append(jnp.moveaxis(v, d, 0))
+        shapes.append(v.shape[:d] + v.shape[d + 1:])
+        if size > 1:
+            _check_codec_block(api, name, v, codec, int(np.prod(shapes[-1])))
+    outs = _allreduce.bind_grouped(operands, ops=["sum"] * len(operands), codec=codec,
+                                   axes=axes, groups=groups, collective="reduce_scatter")
+    outs = [o.reshape(shape) for o, shape in zip(outs, shapes)]
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _scatter_dimension(api, d, v, name) -> int:
+    if isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d < 0:
+        # lax traces it and then fails to lower it ("attribute 'scatter_dimension'
+        # failed to satisfy constraint ... non-negative").
+        raise ValueError(f"{api}: scatter_dimension={d} is negative, which jax.lax.psum_scatter "
+                         f"cannot lower either; pass {d} + x.ndim = {d + v.ndim} for {name}")
+    return _check_dimension(api, "scatter_dimension", d, v.ndim, name)
+
+
+def _check_codec_block(api, name, v, codec, block):
+    if (codec != "none" and _allreduce.leaf_codec(v, codec) != "none"
+            and block % BLOCK_ELEMENTS):
+        raise ValueError(
+            f"{api}: {name}'s block has {block} elements; codec {codec!r} needs blocks of a "
+            f"multiple of {BLOCK_ELEMENTS} (its encoding's block), so that every part starts "
+            "on one. Pad the scattered dimension, or use codec='none' for this leaf")
+
+
+def _vary(v, axes, api):
+    """The operand as lax takes it where shard_map checks varying axes: a value
+    the same on every device is marked varying first (as lax); an unreduced one
+    is refused."""
+    if not jax_compat.check_vma_enabled():
+        return v
+    aval = jax.typeof(v)
+    state = jax_compat.axis_state(aval, axes, api)
+    if state == "unreduced":
+        raise NotImplementedError(
+            f"{api} does not take an operand that is unreduced over {axes} "
+            f"({aval.str_short(True)}), which jax.lax.psum_scatter scatters as partial sums: "
+            "use jax.lax.psum_scatter for it, or herring_jax.psum and keep your block")
+    if state == "reduced":
+        raise ValueError(f"{api} cannot accept args which are reduced. Got "
+                         f"{aval.str_short(True)} and axes={set(axes)}")
+    if state == "invarying" and not jax_compat.auto_pcast_enabled():
+        raise ValueError(f"{api} must be applied to a value that varies over {axes}; got "
+                         f"{aval.str_short(True)}: mark it varying first with "
+                         "jax.lax.pcast(x, axes, to='varying')")
+    return jax_compat.vary_over(v, axes)
+
+
+def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False,
+               to: str = "varying") -> Any:
+    """Gathers a pytree from every device of the named axes, like
+    ``jax.lax.all_gather``: "the second half" of ``herring_jax.psum``.
+
+    Use inside ``jax.shard_map`` (with or without ``check_vma``) or
+    ``jax.pmap``; an axis bound by ``jax.vmap(..., axis_name=...)`` alone is
+    gathered in place, as in lax. Device i of a group's value is block i of
+    the result: with ``tiled=False`` in a new dimension ``axis`` of size G
+    (the group size); with ``tiled=True`` concatenated along the existing
+    dimension ``axis``. Negative ``axis`` counts from the end, as in lax.
+    Differentiable (its transpose is ``psum_scatter`` with the same
+    dimension, tiling and groups), batchable and typed (varying axes) as
+    lax's; every dtype psum takes, and bool (gathered as uint8). Exact: every
+    device gets bitwise the values sent. ``to="invarying"`` (lax's
+    ``all_gather_invariant``) types the result as the same on every device
+    of the axes; its transpose then takes each device's block of the
+    cotangent, with no traffic.
+
+    Args:
+      x: a pytree of arrays.
+      axis_name: an axis name or a tuple of names.
+      axis_index_groups: optional list of lists of axis indices, all of one
+        size.
+      axis: where the gathered blocks go.
+      tiled: concatenate along ``axis`` rather than stack in a new one.
+      to: ``"varying"`` (lax's default) or ``"invarying"``; ``"reduced"`` is
+        not supported.
+
+    Returns:
+      The pytree of gathered arrays.
+
+    Raises:
+      ValueError: an unknown ``to``, an unreduced operand. NameError: unbound
+        axis. NotImplementedError: ``to="reduced"``, or axis_index_groups with
+        ``to="invarying"`` (as lax).
+
+    Examples:
+      >>> f = jax.shard_map(lambda p: herring_jax.all_gather(p, "i", tiled=True),
+      ...                   mesh=mesh, in_specs=P("i"), out_specs=P("i"))  # doctest: +SKIP
+    """
+    api = "herring_jax.all_gather"
+    if to not in ("varying", "invarying", "reduced"):
+        raise ValueError(f"Got unexpected `to` value {to!r} for `{api}`. Allowed `to` values "
+                         "are: 'varying', 'invarying', 'reduced'")
+    if to == "reduced":
+        raise NotImplementedError(
+            f"{api}(..., to='reduced') is not supported; herring_jax gathers to='varying' "
+            "(lax's default) or 'invarying'. Use jax.lax.all_gather(..., to='reduced') for it")
+    if to == "invarying" and axis_index_groups is not None:
+        raise NotImplementedError(f"{api}(..., to='invarying') takes no axis_index_groups "
+                                  "(nor does jax.lax.all_gather)")
+    setup = _setup(x, axis_name, axis_index_groups, api)
+    if setup is None:
+        return x
+    axes, groups, size, leaves, names, treedef = setup
+    operands, was_bool, dims = [], [], []
+    for name, v in zip(names, leaves):
+        was_bool.append(_allreduce.is_bool(v))
+        v = _allreduce.prepare_leaf(name, v, np.uint8)
+        dims.append(_check_dimension(api, "axis", axis, v.ndim if tiled else v.ndim + 1, name))
+        if jax_compat.check_vma_enabled():
+            aval = jax.typeof(v)
+            if jax_compat.is_unreduced(aval, axes):
+                raise ValueError(f"{api} cannot accept args which are unreduced (nor can "
+                                 f"jax.lax.all_gather); got {aval.str_short(True)}: reduce "
+                                 "them first with herring_jax.psum or psum_scatter")
+            v = jax_compat.vary_over(v, axes)
+        operands.append(v)
+    outs = _allreduce.bind(operands, op="sum", axes=axes, groups=groups,
+                           collective="all_gather" if to == "varying" else "all_gather_invariant")
+    results = []
+    for o, v, d, b in zip(outs, operands, dims, was_bool):
+        o = jnp.moveaxis(o, 0, d)
+        if tiled:
+            o = o.reshape(v.shape[:d] + (size * v.shape[d],) + v.shape[d + 1:])
+        results.append(o.astype(np.bool_) if b else o)
+    return jax.tree_util.tree_unflatten(treedef, results)
