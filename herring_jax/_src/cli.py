@@ -5,6 +5,7 @@ Usage::
   herring-jax launch -n 4 [--devices-per-process 2] -- python train.py
   herring-jax bench -n 4
   herring-jax train-bench -n 4
+  herring-jax timeline trace.rank*.json -o trace.json
   herring-jax <subcommand> --help
 
 A module adds a subcommand by calling register() (or adding to SUBCOMMANDS)
@@ -17,7 +18,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from herring_jax._src import bench, launch, train_bench
+from herring_jax._src import bench, launch, timeline, train_bench
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -43,6 +44,8 @@ register("bench", "time herring_jax's all-reduce against its peers", bench.add_a
          bench.run)
 register("train-bench", "training step time and scaling efficiency per reducer",
          train_bench.add_arguments, train_bench.run)
+register("timeline", "merge the HERRING_TIMELINE traces of a job's processes into one",
+         timeline.add_arguments, timeline.run)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -126,6 +126,12 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_GATHER_DELAY_MS", 0, _non_negative_int,
              "Tests only: each host-stage call of this process waits this many ms before "
              "reading the other processes' result slices (a slow reader)."),
+        Knob("HERRING_TIMELINE", None, str,
+             "Path of a Chrome trace (Perfetto, chrome://tracing) of this process's "
+             "reductions: when XLA issued each, when herring's thread took it up, when it "
+             "ended, with its bytes, name and call site. Each process writes its own file, "
+             "PATH with {rank} replaced or with .rank<R> before the extension; "
+             "`herring-jax timeline FILES -o OUT` merges them. Unset: no trace."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError, and in a job of several processes any uncaught "
              "exception (after every other rank was told), ends the process at once (status "
