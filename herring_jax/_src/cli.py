@@ -16,6 +16,7 @@ that runs the parsed arguments and returns an exit code.
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 
 from herring_jax._src import bench, launch, timeline, train_bench
@@ -48,13 +49,37 @@ register("timeline", "merge the HERRING_TIMELINE traces of a job's processes int
          timeline.add_arguments, timeline.run)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of a description and epilog (the modes of
+    train-bench are laid out by hand) and shows each option's default."""
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        return bool(action.option_strings) and action.default not in (None, False, "",
+                                                                       argparse.SUPPRESS)
+
+    def _format_action(self, action):
+        if action.help is None and self._shows_default(action):
+            # argparse prints nothing after an option without help text.
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the `herring-jax` parser with one subparser per registered subcommand."""
     parser = argparse.ArgumentParser(prog="herring-jax",
                                      description="herring_jax command-line tools")
     sub = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
     for name, (text, add_arguments, _) in SUBCOMMANDS.items():
-        add_arguments(sub.add_parser(name, help=text, description=text))
+        add_arguments(sub.add_parser(name, help=text, description=text,
+                                     formatter_class=HelpFormatter))
     return parser
 
 
