@@ -83,6 +83,15 @@ def _register_targets() -> None:
     _targets_registered = True
 
 
+def _local_device_numbers() -> dict[int, int]:
+    """The number each local device's handler sees -> its local index (see
+    _register_targets: the global id on XLA:CPU, local_hardware_id on CUDA)."""
+    numbers = {}
+    for index, d in enumerate(jax.local_devices()):
+        numbers[d.id if d.platform == "cpu" else d.local_hardware_id] = index
+    return numbers
+
+
 def _has_cuda() -> bool:
     try:
         return bool(jax.devices("cuda"))
@@ -249,7 +258,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         errors.set_abort_peers(_abort_peers)
         install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _shutdown_at_exit()
-        timeline.start(rank, size, f"{_ext.describe(handle)}; {topology.describe(rank)}")
+        timeline.start(rank, size, f"{_ext.describe(handle)}; {topology.describe(rank)}",
+                       _local_device_numbers())
 
 
 def _join_distributed(coordinator_address, num_processes, process_id) -> None:

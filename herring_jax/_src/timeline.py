@@ -69,8 +69,12 @@ def file_for(path: str, rank: int) -> str:
     return f"{stem}.rank{rank}{ext or '.json'}"
 
 
-def start(rank: int, size: int, description: str) -> None:
-    """Starts this process's trace where HERRING_TIMELINE asks (initialize())."""
+def start(rank: int, size: int, description: str, devices: dict[int, int]) -> None:
+    """Starts this process's trace where HERRING_TIMELINE asks (initialize()).
+
+    `devices` maps the device numbers the handlers see (XLA's DeviceOrdinal:
+    the global id on XLA:CPU) to the process-local index shown in the trace.
+    """
     global _writer
     path = knobs.get("HERRING_TIMELINE")
     if not path:
@@ -81,7 +85,7 @@ def start(rank: int, size: int, description: str) -> None:
             return  # initialize() again in the same process: append
         if _writer is not None:
             _writer.close()
-        _writer = _Writer(target, rank, size, description)
+        _writer = _Writer(target, rank, size, description, devices)
     threading.Thread(target=_flush_periodically, args=(_writer,), name="herring-timeline",
                      daemon=True).start()
     atexit.register(flush)
@@ -123,8 +127,9 @@ def _flush_periodically(writer: "_Writer") -> None:
 class _Writer:
     """One process's trace file, a JSON array kept complete after each append."""
 
-    def __init__(self, path: str, rank: int, size: int, description: str):
-        self.path, self.rank, self.closed = path, rank, False
+    def __init__(self, path: str, rank: int, size: int, description: str,
+                 devices: dict[int, int]):
+        self.path, self.rank, self.devices, self.closed = path, rank, devices, False
         self._lanes: dict[int, list[int]] = {}  # device -> end of each row's last slice
         self._tids: dict[tuple[int, int], int] = {}
         directory = os.path.dirname(os.path.abspath(path))
@@ -159,7 +164,8 @@ class _Writer:
             return self._tids[(device, lane)], []
         tid = len(self._tids) + 1
         self._tids[(device, lane)] = tid
-        name = f"reductions, device {device}" + (f" ({lane + 1})" if lane else "")
+        name = (f"reductions, device {self.devices.get(device, device)}"
+                + (f" ({lane + 1})" if lane else ""))
         return tid, [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid,
                       "args": {"name": name}},
                      {"name": "thread_sort_index", "ph": "M", "pid": self.rank, "tid": tid,
