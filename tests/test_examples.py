@@ -84,3 +84,10 @@ def test_run_demo_trains_and_checks(tmp_path):
     assert len(verdicts) == 1 and "OK: after 30 steps the parameters equal" in verdicts[0] \
         and "bitwise equal on 2 of 2 processes" in verdicts[0], out[-4000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quickstart_learns():
+    # The getting-started page's first training script.
+    proc = _launch("quickstart.py", [])
+    losses = [float(v) for v in re.findall(r"step +\d+ +loss ([\d.]+)", proc.stdout)]
+    assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], proc.stdout[-4000:]
