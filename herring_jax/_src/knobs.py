@@ -1,6 +1,6 @@
 """Every HERRING_* environment variable, declared once with its default.
 
-The README's table of knobs is this table. Values are read when used, so a
+The knob table of docs/guides/knobs.md is this table. Values are read when used, so a
 test or launcher may set them in the environment before ``initialize()``.
 """
 
@@ -174,7 +174,7 @@ def get(name: str) -> Any:
 
 
 def markdown_table() -> str:
-    """The knob table as Markdown, for the README."""
+    """The knob table as Markdown, for docs/guides/knobs.md (tests/test_docs.py)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for k in KNOBS.values():
         default = "unset" if k.default is None else repr(k.default)
