@@ -9,7 +9,7 @@
 # build/cuda_headers/ and unpacked there; nothing is installed.
 #
 # This keeps the CUDA path compiling; whether it runs correctly on a GPU is
-# not checked here (see the README, "GPUs").
+# not checked here (see docs/guides/gpus.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -55,11 +55,16 @@ case "$py_version" in
     exit 1 ;;
 esac
 
-echo "== pip install build and test dependencies (Python $py_version: jax$jax_spec)"
+echo "== pip install build, test and documentation dependencies (Python $py_version: jax$jax_spec)"
 # setuptools: mpi4jax builds without build isolation below, and a venv of
-# Python 3.12 or later comes without it.
+# Python 3.12 or later comes without it. sphinx, myst-parser and
+# sphinx-book-theme build docs/ (bash docs/build.sh, tests/test_docs.py);
+# docutils stays at 0.19 or older because this machine's awscli (from pip)
+# requires it and pip would upgrade it from under awscli; Sphinx 7.3 and
+# myst-parser 4 are the newest that work with it.
 pip_install "jax$jax_spec" "jaxlib$jax_spec" "nanobind>=2" "scikit-build-core>=0.10" \
-  setuptools flax optax orbax-checkpoint ml_dtypes scikit-learn pytest pytest-timeout
+  setuptools flax optax orbax-checkpoint ml_dtypes scikit-learn pytest pytest-timeout \
+  sphinx myst-parser sphinx-book-theme "docutils<=0.19"
 
 echo "== pip install the benchmark's peers (mpi4py, mpi4jax, torch) and matplotlib"
 # torch 2.13.0 is the CPU build these machines hold locally, for Python 3.11

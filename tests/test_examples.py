@@ -59,3 +59,35 @@ def test_lm_loss_falls_with_two_devices_per_process():
                                               "--dim", "64", "--text-bytes", str(1 << 20)],
                               devices=2)
     assert final < first - 1.0, line
+
+
+def test_run_demo_trains_and_checks(tmp_path):
+    # The README's first command without its installs, on 2 processes and
+    # fewer steps: progress lines, the one-line check, the loss-curve PNG.
+    png = tmp_path / "loss.png"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_DEMO_INSTALL="0",
+               HERRING_DEMO_PROCESSES="2", HERRING_TIMEOUT_S="120",
+               # The interpreter running the tests is the one herring_jax is installed for.
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(["bash", str(EXAMPLES / "run_demo.sh"), "--steps", "30",
+                           "--log-every", "10", "--plot", str(png)],
+                          env=env, capture_output=True, text=True, timeout=330)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    steps = re.findall(r"step +(\d+) +loss ([\d.]+) +step +[\d.]+ ms +reduced +([\d.]+) MiB",
+                       proc.stdout)
+    assert [int(s[0]) for s in steps] == [0, 10, 20, 29], out[-4000:]
+    assert float(steps[-1][1]) < float(steps[0][1]), out[-4000:]
+    assert float(steps[-1][2]) > 0, out[-4000:]
+    verdicts = [l for l in proc.stdout.splitlines() if "within float32 rounding" in l]
+    assert len(verdicts) == 1 and "OK: after 30 steps the parameters equal" in verdicts[0] \
+        and "bitwise equal on 2 of 2 processes" in verdicts[0], out[-4000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quickstart_learns():
+    # The getting-started page's first training script.
+    proc = _launch("quickstart.py", [])
+    losses = [float(v) for v in re.findall(r"step +\d+ +loss ([\d.]+)", proc.stdout)]
+    assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], proc.stdout[-4000:]

@@ -1,4 +1,4 @@
-"""The README's recipes for starting a job without `herring-jax launch`:
+"""The recipes of docs/guides/launching.md for starting a job without `herring-jax launch`:
 herring_jax.initialize() joins jax.distributed, which finds its processes
 under Open MPI's mpirun and under SLURM's srun (here: srun's environment,
 set by hand), or takes them from HERRING_* variables (Kubernetes and any

@@ -252,6 +252,7 @@ NB_MODULE(_herring_ffi, m) {
     nb::list out;
     for (const engine::TimelineEvent& e : engine::Timeline::Get().Take()) {
       nb::dict d;
+      d["key"] = e.key;
       d["slot"] = e.slot;
       d["device"] = e.device;
       d["bytes"] = e.bytes;

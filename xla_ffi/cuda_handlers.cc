@@ -229,6 +229,7 @@ ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
           " in this execution has the same token address and was never collected; this is "
           "a herring_jax bug (its start and done are emitted together): please report it"));
     }
+    task->event.key = key;
     task->event.slot = slot;
     task->event.device = device;
     task->event.issued_ns = engine::Timeline::NowNs();

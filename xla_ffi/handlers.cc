@@ -291,6 +291,7 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* i
     ffi::Error prepared = PrepareBroadcast(task->call, &task->attrs.op, &task->zeros);
     if (prepared.failure()) return prepared;
     engine::TimelineEvent event;
+    event.key = key;
     event.slot = slot;
     event.device = device;
     for (size_t k = 0; k < task->call.counts.size(); ++k) {

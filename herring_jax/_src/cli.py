@@ -5,6 +5,7 @@ Usage::
   herring-jax launch -n 4 [--devices-per-process 2] -- python train.py
   herring-jax bench -n 4
   herring-jax train-bench -n 4
+  herring-jax timeline trace.rank*.json -o trace.json
   herring-jax <subcommand> --help
 
 A module adds a subcommand by calling register() (or adding to SUBCOMMANDS)
@@ -15,9 +16,10 @@ that runs the parsed arguments and returns an exit code.
 from __future__ import annotations
 
 import argparse
+import copy
 from collections.abc import Callable
 
-from herring_jax._src import bench, launch, train_bench
+from herring_jax._src import bench, launch, timeline, train_bench
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -43,6 +45,31 @@ register("bench", "time herring_jax's all-reduce against its peers", bench.add_a
          bench.run)
 register("train-bench", "training step time and scaling efficiency per reducer",
          train_bench.add_arguments, train_bench.run)
+register("timeline", "merge the HERRING_TIMELINE traces of a job's processes into one",
+         timeline.add_arguments, timeline.run)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of a description and epilog (the modes of
+    train-bench are laid out by hand) and shows each option's default."""
+
+    @staticmethod
+    def _shows_default(action) -> bool:
+        return bool(action.option_strings) and action.default not in (None, False, "",
+                                                                       argparse.SUPPRESS)
+
+    def _format_action(self, action):
+        if action.help is None and self._shows_default(action):
+            # argparse prints nothing after an option without help text.
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or not self._shows_default(action):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="herring_jax command-line tools")
     sub = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
     for name, (text, add_arguments, _) in SUBCOMMANDS.items():
-        add_arguments(sub.add_parser(name, help=text, description=text))
+        add_arguments(sub.add_parser(name, help=text, description=text,
+                                     formatter_class=HelpFormatter))
     return parser
 
 

@@ -1,6 +1,6 @@
 """Every HERRING_* environment variable, declared once with its default.
 
-The README's table of knobs is this table. Values are read when used, so a
+The knob table of docs/guides/knobs.md is this table. Values are read when used, so a
 test or launcher may set them in the environment before ``initialize()``.
 """
 
@@ -164,6 +164,12 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_PTRACE_SCOPE", None, int,
              "Tests only: behave as if kernel.yama.ptrace_scope had this value, recording the "
              "tracer declarations instead of making them (for kernels without Yama)."),
+        Knob("HERRING_TIMELINE", None, str,
+             "Path of a Chrome trace (Perfetto, chrome://tracing) of this process's "
+             "reductions: when XLA issued each, when herring's thread took it up, when it "
+             "ended, with its bytes, name and call site. Each process writes its own file, "
+             "PATH with {rank} replaced or with .rank<R> before the extension; "
+             "`herring-jax timeline FILES -o OUT` merges them. Unset: no trace."),
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError, and in a job of several processes any uncaught "
              "exception (after every other rank was told), ends the process at once (status "
@@ -206,7 +212,7 @@ def get(name: str) -> Any:
 
 
 def markdown_table() -> str:
-    """The knob table as Markdown, for the README."""
+    """The knob table as Markdown, for docs/guides/knobs.md (tests/test_docs.py)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for k in KNOBS.values():
         default = "unset" if k.default is None else repr(k.default)

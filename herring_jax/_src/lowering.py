@@ -32,6 +32,7 @@ from jax.interpreters import mlir
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
 from herring_jax._src import runtime
+from herring_jax._src import timeline
 
 OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3}
 # Wire codecs (engine/codec.h), in bits 24..31 of the op attribute
@@ -102,6 +103,7 @@ def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec,
     site = jax_compat.user_call_site(ctx)
     if site:
         runtime.note_call_site(call_key, slot, site)
+    timeline.note(call_key, slot, timeline.describe(op, avals_in, codec, collective, root), site)
     return dict(
         comm=np.int64(state.handle),
         op=np.int64((OPS[op] if root is None else _OP_BROADCAST + root)

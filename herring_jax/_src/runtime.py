@@ -22,6 +22,7 @@ import jax
 
 from herring_jax._src import jax_compat
 from herring_jax._src import knobs
+from herring_jax._src import timeline
 from herring_jax._src import topology as topology_lib
 from herring_jax._src import errors
 from herring_jax._src.errors import HerringError, as_herring_error, install_excepthook
@@ -80,6 +81,15 @@ def _register_targets() -> None:
         for name, bundle in cuda.items():
             jax.ffi.register_ffi_target(name, bundle, platform="CUDA")
     _targets_registered = True
+
+
+def _local_device_numbers() -> dict[int, int]:
+    """The number each local device's handler sees -> its local index (see
+    _register_targets: the global id on XLA:CPU, local_hardware_id on CUDA)."""
+    numbers = {}
+    for index, d in enumerate(jax.local_devices()):
+        numbers[d.id if d.platform == "cpu" else d.local_hardware_id] = index
+    return numbers
 
 
 def _has_cuda() -> bool:
@@ -254,6 +264,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         errors.set_abort_peers(_abort_peers)
         install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _shutdown_at_exit()
+        timeline.start(rank, size, f"{_ext.describe(handle)}; {topology.describe(rank)}",
+                       _local_device_numbers())
 
 
 def _join_distributed(coordinator_address, num_processes, process_id) -> None:
@@ -381,6 +393,7 @@ def shutdown() -> None:
         # destructor waited for the last readers of its slices).
         topology_lib.take_back_ptracer(_ext)
         _state = None
+    timeline.flush()  # every reduction has ended: the trace is complete
     jax.clear_caches()
     if failure is not None:
         raise as_herring_error(failure)
@@ -424,8 +437,10 @@ def note_call_site(key: int, slot: int, site: str) -> None:
 def take_timeline() -> list[dict]:
     """This process's reductions since the last call, oldest first: slot,
     device, bytes and the CLOCK_MONOTONIC nanoseconds (time.monotonic_ns) at
-    which XLA issued each, herring's thread took it up, and it ended."""
-    return list(_ext.take_timeline())
+    which XLA issued each, herring's thread took it up, and it ended (and
+    key, the reduction's identity). Also with HERRING_TIMELINE set, which
+    takes the engine's events every second for the trace."""
+    return timeline.take()
 
 
 def _check_started(api: str) -> None:

@@ -61,31 +61,43 @@ _DONE = re.compile(r"done: reduce=(\w+) processes=(\d+) final loss ([\d.]+).*med
                    r"([\d.]+) ms")
 
 
+def default_script() -> str:
+    """examples/train_lm.py: in the installed package, where pyproject.toml
+    ships examples/ (herring_jax/examples), else in the source tree."""
+    import herring_jax
+    package = os.path.dirname(os.path.abspath(herring_jax.__file__))
+    shipped = os.path.join(package, "examples", "train_lm.py")
+    source = os.path.join(os.path.dirname(package), "examples", "train_lm.py")
+    return source if not os.path.isfile(shipped) and os.path.isfile(source) else shipped
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `herring-jax train-bench`."""
+    # --help shows the modes this module's docstring describes after the options.
+    parser.epilog = __doc__.split("\n", 2)[2]
     parser.add_argument("-n", "--num-processes", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60, help="training steps per run")
     parser.add_argument("--reducers", default=",".join(REDUCERS),
                         help=f"comma-separated subset of {', '.join(REDUCERS)}")
-    parser.add_argument("--script", default=os.path.join("examples", "train_lm.py"),
+    parser.add_argument("--script", default=default_script(),
                         help="training script (takes --reduce, --steps, --log-every)")
     parser.add_argument("--launch-args", default="",
                         help="extra options for herring-jax launch, e.g. '--netns'")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--codecs", default=None, metavar="LIST",
-                        help="compare the held-out loss of wire codecs (see above)")
+                        help="compare the held-out loss of wire codecs (see below)")
     parser.add_argument("--log-every", type=int, default=10,
                         help="--codecs: steps between held-out losses")
     parser.add_argument("--seeds", default=None, metavar="LIST",
                         help="--codecs: train every codec once per seed (comma-separated "
                              "integers, passed as the script's --seed) and average")
     parser.add_argument("--overlap", action="store_true",
-                        help="measure how much reduction the training step hides (see above)")
+                        help="measure how much reduction the training step hides (see below)")
     parser.add_argument("--plot", default=None,
                         help="--overlap: timeline PNG to write; --codecs: held-out loss PNG")
     parser.add_argument("--simulated-accelerator", action="store_true",
-                        help="scaling of simulated-accelerator training (see above)")
+                        help="scaling of simulated-accelerator training (see below)")
     parser.add_argument("script_args", nargs="*",
                         help="extra options for the script or, with --overlap, the overlap "
                              "worker (--layers, --width, --batch, --steps, --pin, ...)")
@@ -429,8 +441,8 @@ def run(args: argparse.Namespace) -> int:
               f"{', '.join(REDUCERS)}", file=sys.stderr)
         return 2
     if not os.path.isfile(args.script):
-        print(f"herring-jax train-bench: no training script at {args.script!r}; pass --script "
-              "(run from the herring_jax source tree for examples/train_lm.py)", file=sys.stderr)
+        print(f"herring-jax train-bench: no training script at {args.script!r}; pass --script",
+              file=sys.stderr)
         return 2
     if args.num_processes < 2:
         print("herring-jax train-bench: -n must be at least 2", file=sys.stderr)
@@ -472,8 +484,10 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m herring_jax._src.train_bench`."""
+    from herring_jax._src.cli import HelpFormatter
     parser = argparse.ArgumentParser(prog="herring-jax train-bench",
-                                     description=__doc__.split("\n")[0])
+                                     description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

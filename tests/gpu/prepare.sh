@@ -230,4 +230,4 @@ echo "== .gpu/ is $(mib "$payload") MiB; with the working tree ($(mib "$tree") M
 ((payload + tree < (CARRY_LIMIT_MIB - 8) * 1048576)) ||
   die "the payload and the tree leave less than 8 MiB of the $CARRY_LIMIT_MIB MiB" \
       "the device call carries"
-echo "== ready: on a GPU machine, bash tests/gpu/run.sh (README.md, \"Running the GPU check\")"
+echo "== ready: on a GPU machine, bash tests/gpu/run.sh (docs/guides/gpus.md, \"Running the GPU check\")"

@@ -3,7 +3,7 @@
 # cuda_pending.cc, the start/done lowering) in one device call on a lent GPU
 # machine, which has no network and no libfabric. Prepare first, here:
 #   bash tests/gpu/prepare.sh      # fills .gpu/, which the device call carries
-# then, from the repository root there (README.md, "Running the GPU check"):
+# then, from the repository root there (docs/guides/gpus.md, "Running the GPU check"):
 #   bash tests/gpu/run.sh [STEP ...]    # default: every step, in order
 # Dry run on a CPU machine (every step on CPU devices; only what needs CUDA
 # is skipped, and said so; no .gpu/ needed):

@@ -2,7 +2,7 @@
 Horovod/SMDDP user does it: parameters initialised differently on every rank
 are broadcast from one rank; a Flax model with BatchNorm trains with
 allreduce_gradients, and its running statistics are averaged with
-allreduce(op="mean") (the README's recipe). Checked against each rank's own
+allreduce(op="mean") (the recipe of docs/guides/broadcast_state.md). Checked against each rank's own
 recomputation of every other rank's values."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def main() -> int:
     def step(params, stats, opt_state, x, y):
         _, local_stats, grads = local_update(params, stats, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
-        stats = herring_jax.allreduce(local_stats, op="mean")  # the README's recipe
+        stats = herring_jax.allreduce(local_stats, op="mean")  # docs/guides/broadcast_state.md's recipe
         return optax.apply_updates(params, updates), stats, opt_state, local_stats
 
     params, stats = variables["params"], variables["batch_stats"]

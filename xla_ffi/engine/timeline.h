@@ -1,5 +1,6 @@
 // When each reduction was issued by XLA, taken up by herring's threads and
-// finished, for timelines of a training step (herring-jax train-bench). Times
+// finished, for timelines of a training step (herring-jax train-bench and
+// HERRING_TIMELINE's Chrome traces, herring_jax/_src/timeline.py). Times
 // are CLOCK_MONOTONIC nanoseconds, the clock of Python's time.monotonic_ns().
 // The last kCapacity events are kept; recording is a lock and a copy.
 #ifndef HERRING_ENGINE_TIMELINE_H_
@@ -15,6 +16,7 @@
 namespace herring::engine {
 
 struct TimelineEvent {
+  int64_t key = 0;        // what is reduced (lowering.key): names it, with slot
   int64_t slot = 0;       // call site in its module
   int64_t device = 0;     // the device whose call this was
   uint64_t bytes = 0;     // this device's operands

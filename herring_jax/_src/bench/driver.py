@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--worker" in argv:
         from herring_jax._src.bench.worker import worker_main
         return worker_main(argv)
-    parser = argparse.ArgumentParser(prog="herring-jax bench", description=DESCRIPTION)
+    from herring_jax._src.cli import HelpFormatter  # here: cli imports this package
+    parser = argparse.ArgumentParser(prog="herring-jax bench", description=DESCRIPTION,
+                                     formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

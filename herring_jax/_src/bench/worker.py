@@ -156,7 +156,7 @@ def run_worker(args: argparse.Namespace) -> int:
     # and gathers the figures (its key-value store, not an all-reduce):
     # neither depends on the code under test.
     client = jax_compat.distributed_client()
-    records = []
+    records, done = [], 0
     # Same sizes and peers in the same order on every rank: both libraries
     # need collectives issued in one order everywhere.
     for mib in sizes:
@@ -187,6 +187,11 @@ def run_worker(args: argparse.Namespace) -> int:
                                               - before["messages_sent"]) / runs
                 record["bytes_sent_per_run"] = (after["bytes_sent"] - before["bytes_sent"]) / runs
             records.append(record)
+            if rank == 0:  # progress while it runs; the table (every rank's) comes last
+                done += 1
+                print(f"[{done}/{len(sizes) * len(peers)}] {mib:g} MiB {name}: rank 0's "
+                      f"median {np.median(times) * 1e3:.2f} ms over {len(times)} runs"
+                      f"{', WRONG results' if wrong else ''}", flush=True)
         del local, expected, want
     # The last entry: this process's peak memory (every peer's buffers and
     # libraries, not herring's alone).

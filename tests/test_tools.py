@@ -1,0 +1,79 @@
+"""What a user sees of the command-line tools: `herring-jax bench` reports
+progress while it runs, --help shows the defaults and (train-bench) the modes
+it refers to, and train-bench finds its default training script from any
+directory."""
+
+import os
+import subprocess
+import sys
+
+
+def _help(tmp_path, *command):
+    proc = subprocess.run([sys.executable, "-P", "-m", "herring_jax._src.cli", *command,
+                           "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return " ".join(proc.stdout.split())  # argparse wraps lines anywhere
+
+
+def test_bench_help_shows_defaults(tmp_path):
+    text = _help(tmp_path, "bench")
+    for expected in ("-n NUM_PROCESSES, --num-processes NUM_PROCESSES (default: 4)",
+                     "(float32) (default: 1,16,64)", "timed runs per size and peer (default: 10)"):
+        assert expected in text, text
+
+
+def test_train_bench_help_describes_the_modes_it_names(tmp_path):
+    text = _help(tmp_path, "train-bench")
+    assert "see above" not in text, text
+    assert "(see below)" in text and "With --codecs none,bf16,int8,powersgd4" in text, text
+    assert "With --overlap it instead runs" in text and "(default: 60)" in text, text
+
+
+def test_train_bench_default_script_ships_with_the_package(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", "import herring_jax, os; from herring_jax._src import "
+         "train_bench as t; s = t.default_script(); print(s); print(os.path.isfile(s)); "
+         "print(os.path.isfile(os.path.join(os.path.dirname(s), 'data_parallel.py')))"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    script, exists, helper = proc.stdout.split()
+    assert script.endswith(os.path.join("herring_jax", "examples", "train_lm.py")), script
+    assert exists == helper == "True", proc.stdout
+
+
+def test_train_bench_runs_from_any_directory(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "herring_jax._src.cli", "train-bench", "-n", "2",
+         "--steps", "3", "--reducers", "none", "--", "--dim", "32", "--layers", "1",
+         "--text-bytes", str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "none x2: median step" in proc.stdout, proc.stdout
+
+
+def test_bench_prints_progress_before_it_ends(tmp_path):
+    # Through mpirun (an MPI peer), whose output used to arrive at the end:
+    # the first progress line must come while the job still runs.
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "2", "--sizes-mib", "1",
+         "--iters", "2", "--warmup", "1", "--peers", "herring,mpi4py"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, running_at_first = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("[1/2]") and running_at_first is None:
+                running_at_first = proc.poll() is None
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-3000:] + proc.stderr.read()[-3000:]
+    assert "started by mpirun" in out, out
+    progress = [l for l in lines if l.startswith("[")]
+    assert [l.split(":")[0] for l in progress] == ["[1/2] 1 MiB herring", "[2/2] 1 MiB mpi4py"]
+    assert running_at_first, out
+    # The progress comes before the table of every rank's figures.
+    table = next(i for i, l in enumerate(lines) if "herring x" in l)
+    assert lines.index(progress[-1]) < table, out
