@@ -43,6 +43,10 @@ _EXPORTS = {
     "AllReduceGradientsState": "optax_transform",
     "CompressedGradientsState": "optax_transform",
     "allreduce_gradients": "optax_transform",
+    "ShardedOptimizerState": "sharded",
+    "sharded_optimizer": "sharded",
+    "restore_sharded": "sharded_checkpoint",
+    "save_sharded": "sharded_checkpoint",
     "PowerSGDState": "powersgd",
     "powersgd": "powersgd",
     "TopKState": "topk",
@@ -62,6 +66,8 @@ if TYPE_CHECKING:  # what static analysis and IDEs see
     from herring_jax._src.reduce_scatter import allgather, barrier, reduce_scatter
     from herring_jax._src.runtime import (describe, initialize, process_count, process_index,
                                           shutdown, stats)
+    from herring_jax._src.sharded import ShardedOptimizerState, sharded_optimizer
+    from herring_jax._src.sharded_checkpoint import restore_sharded, save_sharded
     from herring_jax._src.topk import TopKState, topk
 
 

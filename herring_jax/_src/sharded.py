@@ -1,0 +1,324 @@
+"""sharded_optimizer: an optax transformation whose state, and whose update,
+cover only the part of every parameter this process serves (ZeRO stage 1 on
+herring's parameter servers).
+
+Every worker of N (processes, or devices of a mesh axis) owns chunk r of every
+leaf: its flattened elements [r*c, (r+1)*c), c = ceil(size / N), the last
+chunks padded with zeros to c. A step packs the gradients into fusion
+buffers as allreduce_gradients does (production order, buckets issued during
+the backward pass), but lays each buffer out worker by worker (every leaf's
+chunk 0, then every leaf's chunk 1, ...), so that one reduce-scatter of the
+buffer leaves worker r holding exactly the averaged chunks r of its leaves.
+The inner transformation updates those chunks (its state holds chunks only),
+and one all-gather per buffer of the resulting updates gives every worker the
+whole update: the same bytes as one all-reduce, 1/N of the optimizer's memory
+and work.
+
+The chunk of a leaf does not depend on which buffer it travels in, so the
+state's layout is fixed at init, whatever order the backward pass produces
+the gradients in; and every element is summed as allreduce_gradients sums it,
+so for element-wise inner transformations the parameters are bitwise those of
+``optax.chain(allreduce_gradients(), inner)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from herring_jax._src import allreduce as _allreduce
+from herring_jax._src import codecs
+from herring_jax._src import fusion
+from herring_jax._src import jax_compat
+from herring_jax._src import runtime
+from herring_jax._src import sharded_checks
+from herring_jax._src.optax_transform import DEFAULT_FIRST_BUCKET_BYTES, auto_fusion_bytes
+from herring_jax._src.psum import check_per_device_gradients
+from herring_jax._src.split import split_reductions
+
+
+class ShardedOptimizerState(NamedTuple):
+    """The state of ``sharded_optimizer``.
+
+    Attributes:
+      inner: the inner transformation's state, over this worker's chunks:
+        every leaf that mirrors a parameter holds ceil(size / N) elements.
+      shard: this worker's index among the N (int32): which chunk of every
+        leaf it owns. Inside ``jax.shard_map`` every leaf of the state has a
+        leading axis of one per device (shard the state over the axis).
+      residual: with a lossy ``compression`` and error feedback, what this
+        worker's contributions lost so far (one array per float32 gradient
+        leaf, whole-sized: each worker's own); else ().
+    """
+
+    inner: Any
+    shard: Any
+    residual: Any
+
+
+def chunk_size(size: int, n: int) -> int:
+    """Elements of each worker's chunk of a leaf of `size` elements."""
+    return -(-size // n) if size else 0
+
+
+def chunk_shape(shape: tuple, n: int) -> tuple:
+    """The shape the inner transformation sees a leaf's chunk in: its
+    c = chunk_size elements on the last axis, the leaf's other axes kept as 1
+    (so ``x.ndim``, which weight-decay masks often test, is unchanged; a
+    scalar's chunk has one axis)."""
+    c = chunk_size(int(np.prod(shape, dtype=np.int64)), n)
+    return (1,) * (len(shape) - 1) + (c,)
+
+
+def _rows(x, n: int):
+    """Leaf x as (n, c): row r is worker r's chunk, zero-padded."""
+    flat = jnp.ravel(x)
+    c = chunk_size(flat.size, n)
+    return jnp.pad(flat, (0, n * c - flat.size)).reshape(n, c)
+
+
+def chunk_of(x, n: int, r):
+    """Worker r's chunk of leaf x (r may be traced), in chunk_shape."""
+    rows = _rows(x, n)
+    return jax.lax.dynamic_index_in_dim(rows, r, 0, keepdims=False).reshape(
+        chunk_shape(np.shape(x), n))
+
+
+def _from_rows(rows, shape):
+    """Inverse of _rows: the leaf of `shape` from its (n, c) rows."""
+    size = int(np.prod(shape, dtype=np.int64))
+    return jnp.ravel(rows)[:size].reshape(shape)
+
+
+def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
+                      average: bool = True, fusion_bytes: int | None = None,
+                      first_bucket_bytes: int | None = None, compression: str = "none",
+                      error_feedback: bool = True, check_inner: bool = True
+                      ) -> optax.GradientTransformation:
+    """Runs `inner` on the part of every parameter this worker serves.
+
+    Use it in place of ``optax.chain(herring_jax.allreduce_gradients(), inner)``:
+    the gradients are reduce-scattered, so that each of the N workers holds the
+    average of its chunk (1/N) of every leaf; `inner` updates those chunks,
+    its state holding only them; the updates are all-gathered, so every
+    worker applies the whole, identical update. The same bytes cross as with
+    allreduce_gradients, and each worker keeps and computes 1/N of the
+    optimizer.
+
+    `inner` must treat its leaves element by element (sgd, momentum, adam,
+    adamw, lion, rmsprop, schedules, masks, ...): then the parameters are
+    bitwise those of the unsharded chain. ``optax.tree.norm`` (and so
+    ``optax.clip_by_global_norm``) inside `inner` sees the whole gradient: the
+    workers' partial sums of squares are added in a fixed order, which may
+    differ from ``optax.tree.norm`` of the whole gradient in the last bits. A
+    transformation that looks at a whole leaf (LAMB's or LARS's trust ratios,
+    adafactor's factored moments, Muon) or at every gradient at once
+    (``apply_if_finite``) would be wrong on chunks: ``init`` checks `inner`
+    on small stand-in parameters and raises ValueError if its updates on
+    chunks differ from those on whole leaves.
+
+    Args:
+      inner: the optax transformation to shard (an ``optax.chain`` is fine).
+      axis_name: None: the workers are the processes (one device each,
+        Horovod style). A mesh axis name (or tuple): the devices of that axis
+        inside ``jax.shard_map(..., check_vma=False)``; the state then has a
+        leading axis of one per device: shard it over `axis_name`.
+      average: mean (True) or sum (False) of the workers' gradients.
+      fusion_bytes, first_bucket_bytes: as for ``allreduce_gradients``.
+      compression: wire codec of the reduce-scatter (``"none"``, ``"bf16"``,
+        ``"fp16"``, ``"int8"``); the all-gather carries updates exactly.
+      error_feedback: with a lossy codec, add what this worker's contribution
+        lost to its next gradients (the residual is whole-sized).
+      check_inner: run the element-wise check at init (see above).
+
+    Returns:
+      An ``optax.GradientTransformation`` with ``ShardedOptimizerState``.
+
+    Examples:
+      >>> tx = herring_jax.sharded_optimizer(
+      ...     optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
+      >>> opt_state = tx.init(params)                                 # doctest: +SKIP
+      >>> updates, opt_state = tx.update(grads, opt_state, params)    # doctest: +SKIP
+    """
+    if ((fusion_bytes is not None and fusion_bytes <= 0)
+            or (first_bucket_bytes is not None and first_bucket_bytes <= 0)):
+        raise ValueError("fusion_bytes and first_bucket_bytes must be positive, got "
+                         f"{fusion_bytes} and {first_bucket_bytes}")
+    codecs.check_codec(compression)
+    feedback = error_feedback and compression != "none"
+    op = "mean" if average else "sum"
+    # With a codec each worker's part of a buffer starts at a block boundary.
+    align = codecs.BLOCK if compression != "none" else 1
+
+    def workers() -> int:
+        return _workers(axis_name)
+
+    def per_device(tree, add: bool):
+        """Inside shard_map the state carries a leading axis of one."""
+        if axis_name is None:
+            return tree
+        return jax.tree_util.tree_map(lambda x: x[None] if add else x[0], tree)
+
+    def is_f32(x) -> bool:
+        return np.dtype(x.dtype) == np.float32
+
+    def init_fn(params):
+        n = workers()
+        shard = (jax.lax.axis_index(axis_name) if axis_name is not None
+                 else runtime.process_index())
+        shard = jnp.asarray(shard, jnp.int32)
+        if check_inner and n > 1:
+            sharded_checks.check_elementwise(inner, params, n)
+        chunks = jax.tree_util.tree_map(lambda p: chunk_of(p, n, shard), params)
+        with sharded_checks.global_norms(_global_sum(axis_name)):
+            inner_state = inner.init(chunks)
+        residual = ()
+        if feedback:
+            residual = jax.tree_util.tree_map(
+                lambda p: jnp.zeros(p.shape if is_f32(p) else (), jnp.float32), params)
+        return per_device(ShardedOptimizerState(inner_state, shard, residual), add=True)
+
+    def update_fn(updates, state, params=None):
+        check_per_device_gradients(updates, axis_name, "sharded_optimizer")
+        state = per_device(state, add=False)
+        n = workers()
+        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        ready = jax_compat.production_order(leaves)
+        if feedback:
+            residual = treedef.flatten_up_to(state.residual)
+            leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
+        size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
+        first = (min(DEFAULT_FIRST_BUCKET_BYTES, size) if first_bucket_bytes is None
+                 else first_bucket_bytes)
+        buckets = fusion.plan(leaves, size, first, ready=ready)
+        layouts = [_BucketLayout(b, n, align) for b in buckets]
+        buffers = [lay.pack([leaves[i] for i in lay.leaves]) for lay in layouts]
+        # Every bucket's reduce-scatter is issued as soon as its gradients
+        # exist (on XLA:CUDA every start before any done), as
+        # allreduce_gradients issues its reductions.
+        parts = split_reductions(
+            lambda b: _reduce_scatter(b, axis_name, op, compression), buffers)
+        # The chunks this worker serves, averaged, in the inner's shapes.
+        grad_chunks = [jnp.zeros(chunk_shape(np.shape(g), n), g.dtype) for g in leaves]
+        for lay, part in zip(layouts, parts):
+            for i, chunk in zip(lay.leaves, lay.split(part)):
+                grad_chunks[i] = chunk.reshape(chunk_shape(np.shape(leaves[i]), n))
+        param_chunks = None
+        if params is not None:
+            param_chunks = jax.tree_util.tree_map(lambda p: chunk_of(p, n, state.shard), params)
+        with sharded_checks.global_norms(_global_sum(axis_name)):
+            update_chunks, inner_state = inner.update(
+                jax.tree_util.tree_unflatten(treedef, grad_chunks), state.inner, param_chunks)
+        update_chunks = treedef.flatten_up_to(update_chunks)
+        out = [jnp.zeros(np.shape(g), u.dtype) for g, u in zip(leaves, update_chunks)]
+        # One all-gather for every bucket: the updates exist together, and
+        # one call synchronizes a host's processes once, not once a bucket.
+        gathered = _all_gather([lay.join([update_chunks[i] for i in lay.leaves])
+                                for lay in layouts], axis_name)
+        for lay, rows in zip(layouts, gathered):
+            for i, value in zip(lay.leaves, lay.unpack(rows, n)):
+                out[i] = value.reshape(np.shape(leaves[i]))
+        new_state = ShardedOptimizerState(inner_state, state.shard, state.residual)
+        if feedback:
+            lost = [jnp.where(jnp.isfinite(b), b - codecs.roundtrip(compression, b), 0.0)
+                    for b in buffers]
+            kept = list(residual)
+            for lay, loss in zip(layouts, lost):
+                if lay.dtype != np.float32:
+                    continue
+                for i, value in zip(lay.leaves, lay.unpack(loss, n)):
+                    kept[i] = value.reshape(np.shape(leaves[i]))
+            new_state = new_state._replace(residual=jax.tree_util.tree_unflatten(treedef, kept))
+        return jax.tree_util.tree_unflatten(treedef, out), per_device(new_state, add=True)
+
+    # What save_sharded / restore_sharded need to know of the state.
+    init_fn.sharded_inner = inner
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _BucketLayout:
+    """A fusion bucket laid out worker by worker: row r of the (n, width)
+    buffer holds every leaf's chunk r side by side (chunk_size each), padded
+    at its end to a multiple of `align` elements."""
+
+    def __init__(self, bucket: fusion.Bucket, n: int, align: int):
+        self.dtype = np.dtype(bucket.dtype)
+        self.leaves = bucket.leaves
+        self.shapes = None
+        self.chunks = [chunk_size(s, n) for s in bucket.sizes]
+        self.sizes = bucket.sizes
+        used = sum(self.chunks)
+        self.width = -(-used // align) * align
+        self.n = n
+
+    def pack(self, leaves) -> jax.Array:
+        rows = [_rows(x, self.n) for x in leaves]
+        pad = self.width - sum(self.chunks)
+        if pad:
+            rows.append(jnp.zeros((self.n, pad), self.dtype))
+        return jnp.concatenate(rows, axis=1).reshape(-1)
+
+    def split(self, part) -> list:
+        """This worker's row (its part of the buffer) as one array per leaf."""
+        offsets = np.cumsum([0] + self.chunks)
+        return [part[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+    def join(self, chunks) -> jax.Array:
+        """Inverse of split: this worker's row from its leaves' chunks."""
+        flat = [jnp.ravel(c) for c in chunks]
+        pad = self.width - sum(self.chunks)
+        if pad:
+            flat.append(jnp.zeros((pad,), flat[0].dtype))
+        return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+    def unpack(self, buffer, n: int) -> list:
+        """The whole buffer (n rows) -> each leaf's flat elements, unpadded."""
+        rows = buffer.reshape(n, self.width)
+        offsets = np.cumsum([0] + self.chunks)
+        return [jnp.ravel(rows[:, a:b])[:size]
+                for a, b, size in zip(offsets[:-1], offsets[1:], self.sizes)]
+
+
+def _global_sum(axis_name):
+    """The sum over the workers of a scalar, in a fixed order."""
+    from herring_jax._src.allreduce import allreduce
+    from herring_jax._src.psum import psum
+
+    def total(x):
+        return allreduce(x) if axis_name is None else psum(x, axis_name)
+    return total
+
+
+def _axes(axis_name):
+    """The reduced axes as the primitive takes them (None: the processes)."""
+    if axis_name is None:
+        return None
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _reduce_scatter(buffer, axis_name, op: str, codec: str):
+    """This worker's row of the (n, width) buffer, reduced (mean or sum) over
+    the workers: the first half of herring's reduction."""
+    n = _workers(axis_name)
+    [row] = _allreduce.bind([buffer.reshape(n, -1)], op=op, axes=_axes(axis_name), codec=codec,
+                            collective="reduce_scatter")
+    return row
+
+
+def _all_gather(rows: list, axis_name) -> list:
+    """For each of this worker's rows, every worker's, stacked: the whole
+    (n * width) buffers (the second half, exact), in one call."""
+    if not rows:
+        return []
+    gathered = _allreduce.bind(rows, op="sum", axes=_axes(axis_name), collective="all_gather")
+    return [g.reshape(-1) for g in gathered]
+
+
+def _workers(axis_name) -> int:
+    if axis_name is None:
+        return runtime.process_count()
+    return int(jax.lax.axis_size(axis_name))

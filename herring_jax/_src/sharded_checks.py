@@ -1,0 +1,193 @@
+"""What sharded_optimizer needs of its inner transformation: global norms
+inside it, and the check that it treats its leaves element by element.
+
+The inner transformation sees only this worker's chunks. Element-wise
+transformations cannot tell; two kinds of transformation can:
+- those that sum over every leaf, through ``optax.tree.norm`` (and
+  ``optax.global_norm``), as ``clip_by_global_norm`` does. While the inner
+  transformation runs, those functions add the workers' partial sums
+  (global_norms), so they see the whole gradient;
+- those that look at a whole leaf (trust ratios, factored moments, matrix
+  steps) or test every gradient at once inline (``apply_if_finite``). They
+  would silently be wrong; check_elementwise finds them at init by running
+  the inner transformation on small stand-in parameters both whole and in
+  chunks (the workers simulated by jax.vmap, their sums by its psum) and
+  comparing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax import tree_utils as _tree_utils
+
+# The largest size of any axis of a stand-in parameter: small enough for a
+# quick check, large enough that shape-dependent choices (adafactor factors
+# axes of 128 or more) are taken as on the real parameters.
+_STAND_IN_AXIS = 160
+_PROBE_AXIS = "herring_jax_sharded_probe"
+# Relative difference below which chunked and whole updates agree (they may
+# differ in the last bits only through a global norm's order of sums).
+_TOLERANCE = 1e-5
+
+_patch_lock = threading.RLock()
+
+
+def _norm_with(total: Callable[[Any], Any]):
+    """optax.tree.norm, its sums taken over every worker by `total`."""
+
+    def norm(tree, ord=None, squared: bool = False):  # noqa: A002 - optax's name
+        leaves = jax.tree_util.tree_leaves(tree)
+        # In float32 whatever the leaves' dtype (optax sums 16-bit squares in
+        # their own dtype).
+        leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
+        if ord in (None, 2):
+            local = sum((jnp.sum(x * x) for x in leaves), jnp.zeros((), jnp.float32))
+            sq = total(jnp.asarray(local, jnp.float32))
+            return sq if squared else jnp.sqrt(sq)
+        if ord == 1:
+            local = sum((jnp.sum(jnp.abs(x)) for x in leaves), jnp.zeros((), jnp.float32))
+            ret = total(jnp.asarray(local, jnp.float32))
+        elif ord in (jnp.inf, "inf", "infinity"):
+            raise NotImplementedError(
+                "sharded_optimizer: optax.tree.norm(..., ord=inf) inside the inner "
+                "transformation needs a maximum over the workers, which is not supported; "
+                "use ord=2 or run it outside sharded_optimizer")
+        else:
+            raise ValueError(f"Unsupported ord: {ord}")
+        return ret * ret if squared else ret
+
+    return norm
+
+
+@contextlib.contextmanager
+def global_norms(total: Callable[[Any], Any]):
+    """Within: optax's tree norms (and global_norm) sum over every worker."""
+    norm = _norm_with(total)
+    targets = [(optax.tree, "norm"), (_tree_utils, "tree_norm"),
+               (_tree_utils, "tree_l2_norm")]
+    if hasattr(optax, "global_norm"):
+        targets.append((optax, "global_norm"))
+    with _patch_lock:
+        saved = [(mod, name, getattr(mod, name)) for mod, name in targets
+                 if hasattr(mod, name)]
+        try:
+            for mod, name, _ in saved:
+                setattr(mod, name, (lambda t, **kw: norm(t, 2)) if name == "global_norm"
+                        else norm)
+            yield
+        finally:
+            for mod, name, value in saved:
+                setattr(mod, name, value)
+
+
+def stand_in(params, seed: int):
+    """Small parameters shaped like `params` (every axis at most
+    _STAND_IN_AXIS), filled with seeded normal values."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.normal(size=tuple(min(d, _STAND_IN_AXIS)
+                                                    for d in np.shape(p))) * 3.0,
+                              dtype=p.dtype), params)
+
+
+def _chunks(tree, n: int):
+    """Every worker's chunk of every leaf, stacked: leaves of (n, *chunk_shape)."""
+    from herring_jax._src.sharded import chunk_of
+    return jax.tree_util.tree_map(
+        lambda x: jnp.stack([chunk_of(x, n, r) for r in range(n)]), tree)
+
+
+def _whole(stacked, like):
+    """Inverse of _chunks for a leaf shaped like `like`."""
+    size = int(np.prod(np.shape(like), dtype=np.int64))
+    return jnp.ravel(stacked)[:size].reshape(np.shape(like))
+
+
+def _differs(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    if a.shape != b.shape:
+        return np.inf
+    nan = np.isnan(a) | np.isnan(b)
+    if np.any(np.isnan(a) != np.isnan(b)):
+        return np.inf
+    d = np.abs(a - b)[~nan]
+    if not d.size:
+        return 0.0
+    # Relative to the leaf's largest update: an element near zero may move
+    # by the last bits of the others (a global norm's order of sums).
+    return float(d.max() / max(float(np.max(np.abs(b[~nan]))), 1e-30))
+
+
+def check_elementwise(inner: optax.GradientTransformation, params, n: int) -> None:
+    """Raises ValueError if `inner` on n workers' chunks updates otherwise
+    than on whole leaves (stand-in parameters shaped like `params`; two
+    steps, then a step with one non-finite gradient)."""
+    with jax.ensure_compile_time_eval():
+        _check(inner, params, n)
+
+
+def _check(inner, params, n: int) -> None:
+    p = stand_in(params, 0)
+    grads = [stand_in(params, 1), stand_in(params, 2)]
+    leaves, treedef = jax.tree_util.tree_flatten(grads[0])
+    if leaves:
+        # One NaN in the first element of the largest leaf: a transformation
+        # that tests every gradient at once must then decide alike on every
+        # worker, which it cannot on chunks.
+        big = max(range(len(leaves)), key=lambda i: np.size(leaves[i]))
+        bad = list(leaves)
+        bad[big] = jnp.ravel(bad[big]).at[0].set(jnp.nan).reshape(np.shape(leaves[big]))
+        grads.append(jax.tree_util.tree_unflatten(treedef, bad))
+
+    def whole_steps():
+        state = inner.init(p)
+        params_now, outs = p, []
+        for k, g in enumerate(grads):
+            s = state if k < 2 else inner.init(p)
+            u, s = inner.update(g, s, params_now if k < 2 else p)
+            if k < 2:
+                state, params_now = s, optax.apply_updates(params_now, u)
+            outs.append(u)
+        return outs
+
+    def chunk_steps(p_c, g_cs):
+        with global_norms(lambda x: jax.lax.psum(x, _PROBE_AXIS)):
+            state = inner.init(p_c)
+            params_now, outs = p_c, []
+            for k, g in enumerate(g_cs):
+                s = state if k < 2 else inner.init(p_c)
+                u, s = inner.update(g, s, params_now if k < 2 else p_c)
+                if k < 2:
+                    state, params_now = s, optax.apply_updates(params_now, u)
+                outs.append(u)
+            return outs
+
+    with global_norms(lambda x: x):
+        want = whole_steps()
+    got = jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(
+        _chunks(p, n), [_chunks(g, n) for g in grads])
+    steps = ["step 1", "step 2", "a step with one non-finite gradient"]
+    for k, (w, g) in enumerate(zip(want, got)):
+        paths = jax.tree_util.tree_flatten_with_path(w)[0]
+        for (path, wv), gv in zip(paths, jax.tree_util.tree_leaves(g)):
+            diff = _differs(_whole(gv, wv), wv)
+            if diff > _TOLERANCE:
+                raise ValueError(
+                    "herring_jax.sharded_optimizer: the inner transformation does not treat "
+                    "its parameters element by element: on chunks of them (as each of "
+                    f"{n} workers holds them) it updates {jax.tree_util.keystr(path)} "
+                    f"otherwise than on whole parameters ({steps[k]}, relative difference "
+                    f"{diff:.3g}). Transformations that look at a whole parameter (LAMB's "
+                    "and LARS's trust ratios, adafactor's factored moments, Muon, "
+                    "clip_by_block_rms) or test every gradient at once (apply_if_finite) "
+                    "cannot run on chunks: use optax.chain(herring_jax.allreduce_gradients(), "
+                    "inner) for them, or keep them outside sharded_optimizer where they "
+                    "apply to whole updates. (check_inner=False skips this check.)")

@@ -1,0 +1,75 @@
+"""sharded_optimizer: the same parameters as optax.chain(allreduce_gradients(),
+inner) on every process (bitwise for element-wise inner transformations),
+1/N of the optimizer state, the transformations it cannot run refused at
+init, and checkpoints restored onto another number of processes.
+
+The bitwise comparisons run with XLA_FLAGS=--xla_backend_optimization_level=0:
+with LLVM's optimizations XLA:CPU contracts a multiply and an add of one
+fused loop into one fused multiply-add, and the two programs fuse the
+optimizer's last step with apply_updates differently (the sharded one's
+all-gather stands between them), which changes last bits of some elements
+while the updates themselves are bitwise equal (README, "Sharded optimizer").
+"""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from multiproc import assert_all_ok, launch
+
+BITWISE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
+
+def _cases(run):
+    return {r["case"]: r for r in run.results[0]}
+
+
+@pytest.mark.parametrize("nproc,hosts", [(2, None), (4, None), (4, 2)])
+def test_the_parameters_match_the_unsharded_chain_on_every_process(nproc, hosts):
+    run = launch("sharded_worker.py", ["--refused"] if nproc == 2 else [], nproc=nproc,
+                 hosts=hosts, env=BITWISE, timeout=900)
+    digests = assert_all_ok(run)
+    # Every process ends with the same parameters.
+    assert all(len(d) == 1 for d in digests.values()), digests
+    cases = _cases(run)
+    if nproc == 4:
+        # adamw's state per process: a quarter of the unsharded one, plus
+        # the chunks' padding and adam's step count.
+        adamw = cases["float32/adamw-masked"]
+        assert adamw["state_bytes"] <= 0.26 * adamw["unsharded_state_bytes"], adamw
+
+
+def test_inside_shard_map_each_device_keeps_a_quarter():
+    # 2 processes x 2 devices, allreduce_gradients('d') against
+    # sharded_optimizer(inner, 'd'), the state sharded over 'd'.
+    run = launch("sharded_worker.py", ["--mesh", "--dtypes", "float32",
+                                       "--inners", "adamw-masked,clip+adamw"],
+                 nproc=2, devices=2, env=BITWISE, timeout=600)
+    digests = assert_all_ok(run, expected_cases=2)
+    assert all(len(d) == 1 for d in digests.values()), digests
+    adamw = _cases(run)["float32/adamw-masked"]
+    # Per device: a quarter of the state (4 devices), plus padding and counts.
+    assert adamw["state_bytes"] <= 0.26 * adamw["unsharded_state_bytes"], adamw
+
+
+@pytest.mark.parametrize("save,resume", [(4, 2), (2, 3)])
+def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, save, resume):
+    saved = launch("reshard_worker.py", ["save", "--dir", str(tmp_path)], nproc=save,
+                   env=BITWISE)
+    assert_all_ok(saved, expected_cases=1)
+    # Each process wrote its chunks of every leaf into whole, unpadded
+    # arrays that numpy reads alone: the parameters are those trained.
+    manifest = json.loads((tmp_path / "sharded" / "manifest.json").read_text())
+    assert manifest["processes"] == save
+    params = [np.load(tmp_path / "sharded" / "params" / f"{i}.npy")
+              for i in range(len(manifest["params"]))]
+    assert [list(p.shape) for p in params] == [m["shape"] for m in manifest["params"]]
+    whole = np.concatenate([np.ravel(p.astype(np.float64)) for p in params])
+    digest = hashlib.sha256(whole.tobytes()).hexdigest()[:16]
+    assert digest == saved.results[0][0]["digest"], (digest, saved.results[0])
+    resumed = launch("reshard_worker.py", ["resume", "--dir", str(tmp_path)], nproc=resume,
+                     env=BITWISE)
+    digests = assert_all_ok(resumed, expected_cases=1)
+    assert len(digests["resume"]) == 1, digests
