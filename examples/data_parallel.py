@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--reduce herring: average the gradients with herring_jax.topk "
                              "sending this share of each leaf (with error feedback) instead of "
                              "allreduce_gradients (0: off)")
+    parser.add_argument("--sharded-optimizer", action="store_true",
+                        help="--reduce herring: herring_jax.sharded_optimizer(optimizer) in place "
+                             "of allreduce_gradients + optimizer: each device keeps and updates "
+                             "1/N of the optimizer state")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -65,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def compression_name(args) -> str:
+    if getattr(args, "sharded_optimizer", False):
+        return "sharded" if args.compression == "none" else f"sharded-{args.compression}"
     if args.topk_fraction:
         return f"topk{args.topk_fraction:g}"
     if not args.powersgd_rank:
@@ -119,6 +125,15 @@ def make_trainer(mesh, args, loss_fn, init_fn):
     optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
                  else optax.adamw(args.lr))
     tx = optax.chain(grad_tx, optimizer)
+    state_spec = P()
+    if args.sharded_optimizer:
+        if args.reduce != "herring" or args.topk_fraction or args.powersgd_rank:
+            raise SystemExit("--sharded-optimizer takes --reduce herring, without --topk-fraction "
+                             "or --powersgd-rank")
+        # The optimizer's state is sharded over the devices: each keeps its
+        # chunks (a leading axis of one per device).
+        tx = herring_jax.sharded_optimizer(optimizer, "data", compression=args.compression)
+        state_spec = P("data")
 
     def local_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -127,13 +142,21 @@ def make_trainer(mesh, args, loss_fn, init_fn):
 
     # check_vma=False: gradients of the replicated parameters stay per-device
     # and the optax transformation averages them (pmap semantics).
-    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False),
+    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), state_spec, P("data")),
+                                 out_specs=(P(), state_spec, P()), check_vma=False),
                    donate_argnums=(0, 1))
     replicated = NamedSharding(mesh, P())
     params = jax.jit(init_fn, out_shardings=replicated)()
-    opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
+    opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_spec,
+                                      check_vma=False))(params)
     return params, opt_state, step
+
+
+def state_mib(opt_state) -> float:
+    """MiB of optimizer state this process holds (every local device's copy or
+    chunk)."""
+    return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(opt_state)
+               for s in leaf.addressable_shards) / 2**20
 
 
 def global_batch(mesh, local_arrays):
@@ -237,7 +260,8 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
               f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
               f"{step_s * 1e3:.1f} ms, compression {compression_name(args)}, sent {sent_mib:.3f} MiB "
-              f"per step, params sha256 {params_digest(params)}", flush=True)
+              f"per step, optimizer state {state_mib(opt_state):.3f} MiB per process, params "
+              f"sha256 {params_digest(params)}", flush=True)
     elif rank == 0:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
               f"params sha256 {params_digest(params)}", flush=True)

@@ -20,14 +20,16 @@ and on N processes: layers whose compute is a wait that uses no CPU (as a GPU
 host's CPU sees it) with real gradients of a BERT-like layer structure, and
 prints the scaling efficiency step(1) / step(N) next to its bound.
 
-With --codecs none,bf16,int8,powersgd4 it instead trains on N processes once
+With --codecs none,bf16,int8,powersgd4,sharded it instead trains on N processes once
 per wire codec of allreduce_gradients(compression=...) (powersgd<r>:
 herring_jax.powersgd of rank r instead, powersgd<r>-<codec> with its factors
 in that wire codec, ...-it<k> with k power iterations, e.g. powersgd4-bf16-it2;
-topk<f>: herring_jax.topk sending the share f of each leaf, e.g. topk0.01)
-for the same steps and prints, for each, the held-out loss (and its distance
-from the uncompressed run's), the median step and the bytes each process's
-transport sent per step; --plot draws the held-out loss against the steps.
+topk<f>: herring_jax.topk sending the share f of each leaf, e.g. topk0.01;
+sharded[-<codec>]: herring_jax.sharded_optimizer(optimizer) in place of
+allreduce_gradients + optimizer) for the same steps and prints, for each, the
+held-out loss (and its distance from the uncompressed run's), the median step,
+the bytes each process's transport sent per step and the optimizer state each
+process holds; --plot draws the held-out loss against the steps.
 With --seeds 0,1,2 every codec trains once per seed (the model's
 initialization and the batches) and the table gives the mean held-out loss
 and bytes (the median of the median steps), the distance from none as the
@@ -130,7 +132,8 @@ def _run_one(args, n: int, reducer: str) -> dict:
 
 _STEP = re.compile(r"step +(\d+) +loss \S+ +step \S+ ms +held-out loss ([\d.naif]+)")
 _CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, compression "
-                         r"(\S+), sent ([\d.]+) MiB per step")
+                         r"(\S+), sent ([\d.]+) MiB per step(?:, optimizer state ([\d.]+) MiB "
+                         r"per process)?")
 
 
 def _topk_name(name: str) -> bool:
@@ -146,6 +149,10 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
     from herring_jax._src import codecs as codecs_lib
     if codec in codecs_lib.CODECS:
         return ["--compression", codec], codec
+    m = re.fullmatch(rf"sharded(?:-({'|'.join(codecs_lib.CODECS[1:])}))?", codec)
+    if m:
+        # herring_jax.sharded_optimizer in place of allreduce_gradients.
+        return ["--sharded-optimizer", "--compression", m.group(1) or "none"], codec
     if _topk_name(codec):
         fraction = codec[len("topk"):]
         return ["--topk-fraction", fraction], f"topk{float(fraction):g}"
@@ -182,6 +189,7 @@ def _run_codec(args, codec: str, env: dict, seed: int | None) -> dict:
     curve = [(int(m.group(1)), float(m.group(2))) for m in _STEP.finditer(proc.stdout)]
     return {"codec": codec, "held_out_loss": float(done.group(1)),
             "median_step_ms": float(done.group(2)), "sent_mib_per_step": float(done.group(4)),
+            "state_mib_per_process": float(done.group(5)) if done.group(5) else float("nan"),
             "held_out_curve": curve}
 
 
@@ -198,6 +206,7 @@ def _mean_over_seeds(codec: str, runs: list[dict]) -> dict:
     return {"codec": codec, "held_out_loss": float(np.mean([r["held_out_loss"] for r in runs])),
             "median_step_ms": float(np.median([r["median_step_ms"] for r in runs])),
             "sent_mib_per_step": float(np.mean([r["sent_mib_per_step"] for r in runs])),
+            "state_mib_per_process": float(np.mean([r["state_mib_per_process"] for r in runs])),
             "held_out_curve": curve, "seeds": runs}
 
 
@@ -292,7 +301,8 @@ def run_codecs(args: argparse.Namespace) -> int:
             seeded = "" if seed is None else f" (seed {seed})"
             print(f"  {codec:>{width}}{seeded}: held-out loss {r['held_out_loss']:.4f}, "
                   f"median step {r['median_step_ms']:.1f} ms, {r['sent_mib_per_step']:.3f} MiB "
-                  "sent per step", flush=True)
+                  f"sent per step, optimizer state {r['state_mib_per_process']:.3f} MiB per "
+                  "process", flush=True)
     results = [_mean_over_seeds(codec, runs[codec]) for codec in names]
     base = next((r for r in results if r["codec"] == "none"), None)
     several = len(seeds) > 1
@@ -300,7 +310,7 @@ def run_codecs(args: argparse.Namespace) -> int:
         print(f"means over seeds {', '.join(str(x) for x in seeds)}; vs none is the mean of "
               "the per-seed distances")
     print(f"{'codec':>{width}} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
-          f"{'bytes x':>8}" + ("  vs none per seed" if several and base else ""))
+          f"{'bytes x':>8} {'state MiB':>9}" + ("  vs none per seed" if several and base else ""))
     for r in results:
         per_seed = ""
         if base:
@@ -314,8 +324,8 @@ def run_codecs(args: argparse.Namespace) -> int:
         vs = f"{r['loss_vs_none']:+.2%}" if base else "-"
         fewer = f"{r['bytes_reduction']:.2f}" if base else "-"
         print(f"{r['codec']:>{width}} {r['held_out_loss']:>9.4f} {vs:>8} "
-              f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8}"
-              + per_seed)
+              f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8} "
+              f"{r['state_mib_per_process']:>9.3f}" + per_seed)
     # The JSON first: a plot that fails must not lose the runs.
     if args.json:
         with open(args.json, "w") as f:
