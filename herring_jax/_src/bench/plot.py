@@ -26,17 +26,18 @@ def plot(json_path: str, png_path: str) -> None:
     fig, axes = plt.subplots(1, len(collectives), figsize=(7 * len(collectives), 4.5),
                              squeeze=False)
     for ax, collective in zip(axes[0], collectives):
-        for peer in report["peers"]:
+        for i, peer in enumerate(report["peers"]):
             rows = sorted((r["mib"], r["mib"] * 2**20 / r["median_s"] / 1e9)
                           for r in report["results"] if r["peer"] == peer
                           and r.get("collective", "allreduce") == collective)
             if rows:
+                # One colour per peer in every panel, also where a peer is absent.
                 ax.plot([m for m, _ in rows], [bw for _, bw in rows], marker="o", label=peer,
-                        linewidth=2.5 if peer == "herring" else 1.5)
+                        color=f"C{i % 10}", linewidth=2.5 if peer == "herring" else 1.5)
         bounds = {float(m): s for m, s in (bounds_s.get(collective) or {}).items() if s}
         if bounds:
             sizes = sorted(bounds)
-            ax.plot(sizes, [m * 2**20 / bounds[m] / 1e9 for m in sizes], "k--",
+            ax.plot(sizes, [m * 2**20 / bounds[m] / 1e9 for m in sizes], "k--", marker="x",
                     label=f"bound ({formulas.get(collective, '')})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("buffer size S, MiB (float32)")
