@@ -55,16 +55,78 @@ def test_bench_codecs_checks_the_numpy_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "2", "--sizes-mib", "1",
          "--iters", "2", "--warmup", "1", "--peers", "herring", "--codecs", "int8",
-         "--json", str(out)],
+         "--collective", "allreduce,reduce_scatter,all_gather", "--json", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env={**os.environ, "HERRING_HOST_STAGE": "0"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = {r["peer"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(runs) == {"herring", "herring_int8"}
+    runs = {(r["collective"], r["peer"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {(c, p) for c in ("allreduce", "reduce_scatter", "all_gather")
+                         for p in ("herring", "herring_int8")}
     assert all(r["correct"] for r in runs.values()), runs
-    ratio = runs["herring"]["bytes_sent_per_run"] / runs["herring_int8"]["bytes_sent_per_run"]
-    assert 3.5 < ratio < 4.1, ratio
+    for c in ("allreduce", "reduce_scatter", "all_gather"):
+        ratio = (runs[c, "herring"]["bytes_sent_per_run"]
+                 / runs[c, "herring_int8"]["bytes_sent_per_run"])
+        assert 3.5 < ratio < 4.1, (c, ratio)
+    # Each half sends (n-1)/n of the 1 MiB buffer, the all-reduce twice that.
+    sent = {c: runs[c, "herring"]["bytes_sent_per_run"] / 2**20 for c, _ in runs}
+    assert 0.5 <= sent["reduce_scatter"] < 0.52 and 0.5 <= sent["all_gather"] < 0.52, sent
+    assert 1.0 <= sent["allreduce"] < 1.02, sent
     assert "herring_int8 at 1 MiB: " in proc.stdout and "as fast as herring" in proc.stdout
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+def test_bench_collective(tmp_path, collective):
+    """Each other collective with every peer that has it, every rank's result
+    checked against numpy, and the report naming it and what lacks it."""
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "2", "--sizes-mib", "1",
+         "--iters", "2", "--warmup", "1", "--collective", collective, "--json", str(out),
+         "--plot", str(plot)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["collectives"] == [collective] and data["missing"] == {}
+    ran = {"reduce_scatter": ["herring", "jax_psum", "mpi4py", "torch_gloo"],
+           "all_gather": ["herring", "jax_psum", "mpi4jax", "mpi4py", "torch_gloo"]}[collective]
+    assert sorted(r["peer"] for r in data["results"]) == ran
+    assert all(r["collective"] == collective and r["correct"] for r in data["results"])
+    assert f"\n{collective}: " in proc.stdout and f"herring at 1 MiB: " in proc.stdout
+    if collective == "reduce_scatter":
+        assert data["unsupported"] == {collective: {"mpi4jax": "mpi4jax (0.9) has no "
+                                                               "reduce-scatter"}}
+        assert "UNSUPPORTED: mpi4jax reduce_scatter" in proc.stdout
+    # One host: (n+1)/2 * bytes through memory, a bound of half the all-reduce's
+    # n * bytes at n = 2 plus a quarter.
+    assert data["bounds_s"][collective]["1.0"] == pytest.approx(
+        1.5 * 2**20 / (data["memory_gbps"] * 1e9))
+    assert "bound_s" not in data  # the all-reduce's key, for all-reduce runs
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_collective_bounds():
+    from herring_jax._src.bench import collectives as coll
+    mib = 2**20
+    # 4 hosts over a 1 GB/s link: an all-reduce moves 2 x 3/4 of the buffer
+    # each way, either half 3/4.
+    assert coll.bound_s("allreduce", mib, 4, 1.0) == pytest.approx(1.5 * mib / 1e9)
+    for c in ("reduce_scatter", "all_gather"):
+        assert coll.bound_s(c, mib, 4, 1.0) == pytest.approx(0.75 * mib / 1e9)
+        assert coll.bound_s(c, mib, 4, 1.0, "link", hosts=2) == pytest.approx(0.5 * mib / 1e9)
+        assert coll.bound_s(c, mib, 4, 1.0, "link", hosts=1) is None
+        assert coll.bound_s(c, mib, 4, 2.0, "memory") == pytest.approx(2.5 * mib / 2e9)
+    # Sizes that do not divide by n round up, so that every peer moves the same parts.
+    assert coll.elements(1, "reduce_scatter", 3) == 87382 * 3
+    assert coll.elements(1, "allreduce", 3) == 2**18
+    n, count = 3, coll.elements(1, "all_gather", 3)
+    got = np.concatenate([coll.local_input("all_gather", count, r, n) for r in range(n)])
+    assert all(np.array_equal(coll.expected("all_gather", count, r, n), got) for r in range(n))
+    total = coll.pattern(count, 0) * 6
+    assert np.array_equal(np.concatenate(
+        [coll.expected("reduce_scatter", count, r, n) for r in range(n)]), total)
+    with pytest.raises(ValueError, match="known: allreduce, reduce_scatter, all_gather"):
+        coll.parse("allreduce,allgather")
 
 
 def test_missing_peer_is_reported_not_dropped(tmp_path, monkeypatch):
@@ -118,11 +180,11 @@ def test_a_wrong_run_fails_the_report_naming_run_size_peer_and_rank():
     bad = dict(ok, correct=False, wrong_runs=[{"run": "timed run 2 of 2", "what": "x"}])
     per_rank = [[dict(ok, mib=1.0, peer="herring"), dict(ok, mib=1.0, peer="mpi4py")],
                 [dict(ok, mib=1.0, peer="herring"), dict(bad, mib=1.0, peer="mpi4py")]]
-    results = report.summarize(["herring", "mpi4py"], [1.0], per_rank)
+    results = report.summarize(report.cases("allreduce", [1.0], ["herring", "mpi4py"]), per_rank)
     assert [r["correct"] for r in results] == [True, False]
     assert results[1]["wrong_ranks"] == [1]
     # The JSON keeps its keys: the detail goes to the printed lines.
-    assert set(results[0]) == {"mib", "peer", "median_s", "min_s", "times_s",
+    assert set(results[0]) == {"collective", "mib", "peer", "median_s", "min_s", "times_s",
                                "times_by_rank_s", "correct", "wrong_ranks"}
     assert report.wrong_lines(per_rank) == [
         "WRONG RESULT: peer mpi4py, 1 MiB, timed run 2 of 2, rank 1: x"]

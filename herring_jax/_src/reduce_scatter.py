@@ -110,7 +110,7 @@ def reduce_scatter(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def allgather(x: Any) -> Any:
+def allgather(x: Any, *, codec: str = "none") -> Any:
     """Gathers every process's array, as mpi4jax's ``allgather``: the result
     has shape ``(N, *x.shape)``, row r from the process of rank r.
 
@@ -124,6 +124,12 @@ def allgather(x: Any) -> Any:
 
     Args:
       x: an array, or a pytree of arrays (any dtype psum takes, and bool).
+      codec: how float32 leaves cross between processes (``"none"``, exact;
+        ``"bf16"``, ``"fp16"``, ``"int8"``, see ``herring_jax.allreduce``):
+        every row, its owner's too, is then the codec's rounding of the
+        values sent, the same bits on every process. With a lossy codec the
+        row's size must be a multiple of 256 elements where N > 1. Other
+        dtypes travel exactly.
 
     Returns:
       The gathered array(s), of shape ``(N, *x.shape)`` and x's dtype.
@@ -139,7 +145,16 @@ def allgather(x: Any) -> Any:
     names = _allreduce.leaf_names(x)
     was_bool = [_allreduce.is_bool(v) for v in leaves]
     leaves = [_allreduce.prepare_leaf(name, v, np.uint8) for name, v in zip(names, leaves)]
-    outs = _allreduce.bind(leaves, op="sum", axes=None, collective="all_gather")
+    codecs.check_codec(codec)
+    n = runtime.process_count()
+    for name, v in zip(names, leaves):
+        if n > 1 and _allreduce.leaf_codec(v, codec) != "none" and v.size % BLOCK:
+            raise ValueError(
+                f"herring_jax.allgather: {name} has {v.size} elements; codec {codec!r} needs "
+                f"rows of a multiple of {BLOCK} elements (its encoding's block). Pad it, or "
+                "use codec='none'")
+    outs = _allreduce.bind_grouped(leaves, ops=["sum"] * len(leaves), codec=codec, axes=None,
+                                   collective="all_gather")
     outs = [o.astype(np.bool_) if b else o for o, b in zip(outs, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, outs)
 

@@ -9,17 +9,27 @@ import os
 import sys
 import tempfile
 
+from herring_jax._src.bench import collectives as coll
 from herring_jax._src.bench.link import memory_gbps, shaped_gbps
 from herring_jax._src.bench.peers import CODEC_PEERS, PEERS, missing_peers
 
-DESCRIPTION = "herring-jax bench: herring_jax's all-reduce against its peers, in one run."
+DESCRIPTION = ("herring-jax bench: herring_jax's all-reduce, reduce-scatter and all-gather "
+               "against their peers, in one run.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The driver's options (shared with `herring-jax bench`)."""
     parser.add_argument("-n", "--num-processes", type=int, default=4)
     parser.add_argument("--sizes-mib", default="1,16,64",
-                        help="comma-separated buffer sizes in MiB (float32)")
+                        help="comma-separated buffer sizes in MiB (float32): S, the buffer "
+                             "of every collective")
+    parser.add_argument("--collective", default="allreduce", metavar="LIST",
+                        help="comma list of allreduce, reduce_scatter, all_gather, timed in "
+                             "that order for every size. Of a buffer of S MiB, allreduce: "
+                             "each process gives S and gets the sum; reduce_scatter: gives S "
+                             "and gets its 1/n part of the sum; all_gather: gives S/n and "
+                             "gets all S (S rounded up to n elements). A peer without the "
+                             "collective is reported as unsupported")
     parser.add_argument("--iters", type=int, default=10, help="timed runs per size and peer")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs first (compile)")
     parser.add_argument("--peers", default=",".join(p for p in PEERS if p not in CODEC_PEERS),
@@ -69,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if f"herring_{codec}" not in args.peers.split(","):
             args.peers += f",herring_{codec}"
+    try:
+        chosen = coll.parse(args.collective)
+    except ValueError as e:
+        print(f"herring-jax bench: --collective: {e}", file=sys.stderr)
+        return 2
     unknown = [p for p in args.peers.split(",") if p and p not in PEERS]
     if unknown:
         print(f"herring-jax bench: unknown peers {unknown}; known: {', '.join(PEERS)}",
@@ -117,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         if json_path is None and args.plot:
             json_path = os.path.join(scratch, "bench.json")
         worker = [sys.executable, "-m", "herring_jax.bench", "--worker", "--sizes-mib",
-                  args.sizes_mib, "--iters", str(args.iters), "--warmup", str(args.warmup),
+                  args.sizes_mib, "--collective", ",".join(chosen), "--iters", str(args.iters),
+                  "--warmup", str(args.warmup),
                   "--peers", ",".join(present), "--missing", json.dumps(missing)]
         if link_gbps:
             worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}",
@@ -136,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
             network += f"; Open MPI btl {args.mpi_btl or 'default (shared memory here)'}"
         env["HERRING_BENCH_NETWORK"] = network
         print(f"herring-jax bench: {args.num_processes} processes, provider "
-              f"{env.get('HERRING_FI_PROVIDER') or '(default)'}, sizes {args.sizes_mib} MiB, "
+              f"{env.get('HERRING_FI_PROVIDER') or '(default)'}, {', '.join(chosen)}, "
+              f"sizes {args.sizes_mib} MiB, "
               f"{args.iters} timed runs after {args.warmup} warm-up, peers {','.join(present)}"
               f", started by {'mpirun' if use_mpi else 'herring-jax launch'}", flush=True)
         print(f"network: {network}", flush=True)

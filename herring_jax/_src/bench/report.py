@@ -1,5 +1,6 @@
-"""Rank 0's report of `herring-jax bench`: the table, the wrong results (every
-run of every peer on every rank), and the JSON file."""
+"""Rank 0's report of `herring-jax bench`: a table per collective, the wrong
+results (every run of every peer on every rank), and the JSON file. The bounds
+and their formulas are collectives.py's."""
 
 from __future__ import annotations
 
@@ -10,31 +11,31 @@ import platform
 import statistics
 
 from herring_jax._src import codecs
+from herring_jax._src.bench import collectives as coll
 from herring_jax._src.bench.peers import PEERS
-
-# The least time an all-reduce of `bytes` can take. Over a link (the shaped
-# network, or --link-gbps): each host sends (h-1)/h of its share to the other
-# hosts' servers and gets as much back, so each direction of its link carries
-# 2(h-1)/h * bytes at least (h: hosts; every process with --link-gbps on one
-# host). On one host: every process must read its input and write its output,
-# n * bytes copied at the rate all cores copy together.
-LINK_FORMULA = "bound = 2(h-1)/h * bytes / link"
-MEMORY_FORMULA = "bound = n * bytes / memory (the rate all cores copy at together)"
-
 
 # The last record of each rank: its process's figures, not a peer's timings.
 PROCESS_RECORD = "_process"
 
 
-def summarize(names, sizes, per_rank) -> list[dict]:
-    """One JSON result per (size, peer) from every rank's records."""
+def cases(collectives, sizes, names) -> list[tuple[str, float, str]]:
+    """(collective, mib, peer) in the order every worker runs them: each
+    collective, each size, each peer that has the collective."""
+    if isinstance(collectives, str):
+        collectives = coll.parse(collectives)
+    return [(c, m, p) for c in collectives for m in sizes for p in names if PEERS[p].has(c)]
+
+
+def summarize(plan, per_rank) -> list[dict]:
+    """One JSON result per (collective, size, peer) of `plan` from every rank's records."""
     results = []
-    for i, (mib, peer) in enumerate((m, p) for m in sizes for p in names):
+    for i, (collective, mib, peer) in enumerate(plan):
         ranks = [records[i] for records in per_rank]
-        assert all(r["mib"] == mib and r["peer"] == peer for r in ranks)
+        assert all(r.get("collective", "allreduce") == collective and r["mib"] == mib
+                   and r["peer"] == peer for r in ranks)
         times = [r["times"] for r in ranks]
         results.append({
-            "mib": mib, "peer": peer,
+            "collective": collective, "mib": mib, "peer": peer,
             # Each rank's median and minimum, then the slowest rank: a
             # collective is done when its last process is.
             "median_s": max(statistics.median(t) for t in times),
@@ -52,9 +53,11 @@ def summarize(names, sizes, per_rank) -> list[dict]:
     return results
 
 
-def wrong_line(peer: str, mib: float, rank: int, wrong: dict) -> str:
-    """One wrong run, named: peer, size, run and rank."""
-    return (f"WRONG RESULT: peer {peer}, {mib:g} MiB, {wrong['run']}, rank {rank}: "
+def wrong_line(peer: str, mib: float, rank: int, wrong: dict,
+               collective: str = "allreduce") -> str:
+    """One wrong run, named: peer, collective (other than all-reduce), size, run and rank."""
+    what = "" if collective == "allreduce" else f"{collective}, "
+    return (f"WRONG RESULT: peer {peer}, {what}{mib:g} MiB, {wrong['run']}, rank {rank}: "
             f"{wrong['what']}")
 
 
@@ -64,29 +67,17 @@ def wrong_lines(per_rank) -> list[str]:
     for i in range(len(per_rank[0]) if per_rank else 0):
         for rank, records in enumerate(per_rank):
             r = records[i]
-            lines += [wrong_line(r["peer"], r["mib"], rank, w) for w in r.get("wrong_runs", ())]
+            lines += [wrong_line(r["peer"], r["mib"], rank, w, r.get("collective", "allreduce"))
+                      for w in r.get("wrong_runs", ())]
     return lines
 
 
-def bound_s(nbytes: float, n: int, link_gbps: float | None, kind: str = "link",
-            hosts: int | None = None) -> float | None:
-    """The least time the algorithm needs (see LINK_FORMULA and MEMORY_FORMULA),
-    or None without a rate."""
-    if not link_gbps or n < 2:
-        return None
-    if kind == "memory":
-        return n * nbytes / (link_gbps * 1e9)
-    h = hosts or n
-    if h < 2:
-        return None
-    return 2 * (h - 1) / h * nbytes / (link_gbps * 1e9)
-
-
 def _bound(args, n: int):
-    """bound_s for this run's figures: nbytes -> seconds or None."""
+    """collectives.bound_s for this run's figures: (collective, nbytes) -> seconds or None."""
     kind = getattr(args, "bound_kind", "link")
     hosts = n // max(1, getattr(args, "processes_per_host", 1))
-    return lambda nbytes: bound_s(nbytes, n, args.link_gbps, kind, hosts)
+    return lambda collective, nbytes: coll.bound_s(collective, nbytes, n, args.link_gbps, kind,
+                                                   hosts)
 
 
 def wire_fraction(peer: str) -> float:
@@ -96,64 +87,91 @@ def wire_fraction(peer: str) -> float:
     return codecs.wire_bytes(codec, 1 << 20) / (4 << 20)
 
 
+def _nbytes(r: dict, n: int) -> int:
+    """The bytes of result r's buffer (collectives.py: the same S for every collective)."""
+    return coll.elements(r["mib"], r.get("collective", "allreduce"), n) * 4
+
+
 def table(results, n, bound) -> str:
+    """The rows of one collective's results."""
     by = {(r["mib"], r["peer"]): r for r in results}
     rows = [f"{'size MiB':>8} {'peer':>12} {'median ms':>10} {'min ms':>8} {'algbw GB/s':>10} "
             f"{'busbw GB/s':>10} {'herring x':>10} {'bound ms':>9} {'ok':>3}"]
     for r in results:
-        nbytes = r["mib"] * 2**20
+        nbytes, collective = _nbytes(r, n), r.get("collective", "allreduce")
         algbw = nbytes / r["median_s"] / 1e9
         herring = by.get((r["mib"], "herring"))
         speedup = f"{r['median_s'] / herring['median_s']:.2f}" if herring else "-"
-        limit = bound(nbytes)
+        limit = bound(collective, nbytes)
         limit = None if limit is None else limit * wire_fraction(r["peer"])
         # "!" marks a run faster than the bound: then the rate is not what the
         # transport (or memory) can carry, and the bound is no bound.
         bound_text = "-" if limit is None else (
             f"{limit * 1e3:.1f}" + ("!" if r["median_s"] < limit else ""))
+        busbw = algbw * coll.BUS_FACTORS[collective](n)
         rows.append(f"{r['mib']:>8g} {r['peer']:>12} {r['median_s'] * 1e3:>10.1f} "
-                    f"{r['min_s'] * 1e3:>8.1f} {algbw:>10.3f} {algbw * 2 * (n - 1) / n:>10.3f} "
+                    f"{r['min_s'] * 1e3:>8.1f} {algbw:>10.3f} {busbw:>10.3f} "
                     f"{speedup:>10} {bound_text:>9} {'yes' if r['correct'] else 'NO':>3}")
     return "\n".join(rows)
 
 
+def _notes(results, n, bound) -> list[str]:
+    """The lines under a collective's table: herring's share of the bound,
+    codecs against uncompressed herring, and the transport's counters."""
+    lines = []
+    for r in results:
+        collective = r.get("collective", "allreduce")
+        limit = bound(collective, _nbytes(r, n))
+        if limit and r["peer"].startswith("herring"):
+            limit *= wire_fraction(r["peer"])
+            lines.append(f"{r['peer']} at {r['mib']:g} MiB: {limit / r['median_s']:.0%} of the "
+                         f"bound ({limit / r['min_s']:.0%} at its minimum)"
+                         + ("" if r["peer"] == "herring" else " of the bytes it sends"))
+        base = next((b for b in results if b["mib"] == r["mib"] and b["peer"] == "herring"), None)
+        if r["peer"].startswith("herring_") and base:
+            lines.append(f"{r['peer']} at {r['mib']:g} MiB: "
+                         f"{base['median_s'] / r['median_s']:.2f}x as fast as herring "
+                         f"uncompressed in this run")
+        if "messages_per_run" in r:
+            lines.append(f"{r['peer']} at {r['mib']:g} MiB, per {collective}, the busiest rank's "
+                         f"transport: {r['messages_per_run']:.0f} messages, "
+                         f"{r['bytes_sent_per_run'] / 2**20:.2f} MiB sent")
+    return lines
+
+
 def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
-    """Prints the table and every wrong run, writes --json; returns the report."""
+    """Prints a table per collective and every wrong run, writes --json; returns the report."""
     rss = [r["max_rss_mib"] for records in per_rank for r in records
            if r.get("peer") == PROCESS_RECORD]
     per_rank = [[r for r in records if r.get("peer") != PROCESS_RECORD] for records in per_rank]
-    results = summarize(names, sizes, per_rank)
+    collectives = coll.parse(getattr(args, "collective", "allreduce"))
+    results = summarize(cases(collectives, sizes, names), per_rank)
     bound = _bound(args, n)
     memory = getattr(args, "bound_kind", "link") == "memory"
-    formula = MEMORY_FORMULA if memory else LINK_FORMULA
+    formulas = coll.MEMORY_FORMULAS if memory else coll.LINK_FORMULAS
     rate = (f"{'memory' if memory else 'link'} = {args.link_gbps:.2f} GB/s from "
             f"{args.link_source}" if args.link_gbps else "no rate (pass --link-gbps)")
+    unsupported = {c: {p: PEERS[p].describe(c) for p in names if not PEERS[p].has(c)}
+                   for c in collectives}
     print(f"transport: {describe}")
-    print("peers: " + "; ".join(f"{name} = {PEERS[name].label}" for name in names))
-    print("time: median (and min) of each rank's timed runs, slowest rank; algbw = bytes / median; "
-          "busbw = algbw * 2(n-1)/n; herring x = peer median / herring median (>1: herring "
-          "faster)")
-    print(f"{formula}, {rate}")
-    print(table(results, n, bound), flush=True)
-    for r in results:
-        limit = bound(r["mib"] * 2**20)
-        if limit and r["peer"].startswith("herring"):
-            limit *= wire_fraction(r["peer"])
-            print(f"{r['peer']} at {r['mib']:g} MiB: {limit / r['median_s']:.0%} of the bound "
-                  f"({limit / r['min_s']:.0%} at its minimum)"
-                  + ("" if r["peer"] == "herring" else " of the bytes it sends"))
-        base = next((b for b in results if b["mib"] == r["mib"] and b["peer"] == "herring"), None)
-        if r["peer"].startswith("herring_") and base:
-            print(f"{r['peer']} at {r['mib']:g} MiB: {base['median_s'] / r['median_s']:.2f}x "
-                  f"as fast as herring uncompressed in this run")
-        if "messages_per_run" in r:
-            print(f"{r['peer']} at {r['mib']:g} MiB, per reduction, the busiest rank's transport: "
-                  f"{r['messages_per_run']:.0f} messages, "
-                  f"{r['bytes_sent_per_run'] / 2**20:.2f} MiB sent")
+    print("time: median (and min) of each rank's timed runs, slowest rank; bytes = the buffer "
+          "of S MiB; algbw = bytes / median; busbw = algbw * 2(n-1)/n (all-reduce) or "
+          "(n-1)/n (reduce-scatter, all-gather); herring x = peer median / herring median "
+          "(>1: herring faster)")
+    for c in collectives:
+        mine = [r for r in results if r["collective"] == c]
+        print(f"\n{c}: {coll.SEMANTICS[c]}; {formulas[c]}, {rate}")
+        print("peers: " + "; ".join(f"{p} = {PEERS[p].describe(c)}" for p in names
+                                    if PEERS[p].has(c)))
+        print(table(mine, n, bound), flush=True)
+        for line in _notes(mine, n, bound):
+            print(line)
+        for p, why in unsupported[c].items():
+            print(f"UNSUPPORTED: {p} {c}: {why}")
     if rss:
         print(f"peak memory per process (every peer's buffers, jax and the libraries): "
               f"{min(rss):.0f} to {max(rss):.0f} MiB")
-    if any(r["median_s"] < (bound(r["mib"] * 2**20) or 0) * wire_fraction(r["peer"])
+    if any(r["median_s"] < (bound(r["collective"], _nbytes(r, n)) or 0) * wire_fraction(r["peer"])
            for r in results):
         print("!: faster than the bound: the rate given is below what the transport (or "
               "memory) carries, so this bound is no bound")
@@ -166,21 +184,29 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     missing = json.loads(getattr(args, "missing", "{}"))
     for name, why in missing.items():
         print(f"MISSING peer {name}: {why}")
+    bounds = {c: {str(mib): bound(c, coll.elements(mib, c, n) * 4) for mib in sizes}
+              for c in collectives}
     result = {
-        "n": n, "sizes_mib": sizes, "peers": names, "iters": args.iters, "warmup": args.warmup,
+        "n": n, "sizes_mib": sizes, "peers": names, "collectives": collectives,
+        "iters": args.iters, "warmup": args.warmup,
         "provider": os.environ.get("HERRING_FI_PROVIDER") or "(default)", "transport": describe,
         "link_gbps": None if memory else args.link_gbps,
         "memory_gbps": args.link_gbps if memory else None,
         "link_source": args.link_source if args.link_gbps else None,
         "processes_per_host": getattr(args, "processes_per_host", 1),
-        "bound_formula": formula,
-        "bound_s": {str(mib): bound(mib * 2**20) for mib in sizes},
+        "bound_formulas": {c: formulas[c] for c in collectives}, "bounds_s": bounds,
+        "peer_labels": {c: {p: PEERS[p].describe(c) for p in names if PEERS[p].has(c)}
+                        for c in collectives},
+        "unsupported": unsupported,
         "results": results, "missing": missing, "max_rss_mib_by_rank": rss,
         "network": os.environ.get("HERRING_BENCH_NETWORK", "loopback"),
         "jax": jax.__version__, "jaxlib": _jaxlib_version(), "python": platform.python_version(),
         "host": platform.node(), "cpus": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if "allreduce" in collectives:  # the keys of the all-reduce-only reports before them
+        result["bound_formula"] = formulas["allreduce"]
+        result["bound_s"] = bounds["allreduce"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

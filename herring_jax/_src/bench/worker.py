@@ -1,6 +1,6 @@
 """The worker of `herring-jax bench`: runs in each process, times every peer
-on the same buffers in the same order, checks the result of every run, and
-rank 0 gathers everything and reports it (report.py)."""
+on the same buffers in the same order, collective by collective, checks the
+result of every run, and rank 0 gathers everything and reports it (report.py)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ import time
 
 import numpy as np
 
+from herring_jax._src.bench import collectives as coll
+from herring_jax._src.bench.collectives import pattern as pattern
 from herring_jax._src.bench.peers import PEERS
 from herring_jax._src.bench.peers.base import KV_PREFIX, KV_TIMEOUT_MS
-from herring_jax._src.bench.report import PROCESS_RECORD
+from herring_jax._src.bench.report import PROCESS_RECORD, cases
 
 
 def worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="herring-jax bench --worker")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--sizes-mib", default="1,16,64")
+    p.add_argument("--collective", default="allreduce", help="comma list, see collectives.py")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peers", default="herring,jax_psum")
@@ -32,14 +35,6 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     p.add_argument("--missing", default="{}", help="JSON: peers that could not run, and why")
     return p
-
-
-def pattern(count: int, rank: int) -> np.ndarray:
-    """Process `rank`'s buffer of `count` float32 values."""
-    # Small integers: every partial sum is exact in float32 whatever the
-    # summation order, so the check can demand equality; the ramp catches
-    # parts written to the wrong place, which a constant fill would not.
-    return ((np.arange(count, dtype=np.int64) % 251 + 1) * (rank + 1)).astype(np.float32)
 
 
 def mismatch(got: np.ndarray, expected: np.ndarray) -> str | None:
@@ -126,6 +121,16 @@ def stage_hosts(n: int) -> list[list[int]]:
     return [[r] for r in range(n)]
 
 
+def _groups(plan):
+    """(collective, mib, [peer, ...]) for each run of equal collective and size in plan."""
+    groups = []
+    for collective, mib, name in plan:
+        if not groups or groups[-1][:2] != (collective, mib):
+            groups.append((collective, mib, []))
+        groups[-1][2].append(name)
+    return groups
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """worker_main with parsed arguments."""
     from herring_jax._src.bench import report
@@ -157,30 +162,32 @@ def run_worker(args: argparse.Namespace) -> int:
     # neither depends on the code under test.
     client = jax_compat.distributed_client()
     records, done = [], 0
-    # Same sizes and peers in the same order on every rank: both libraries
-    # need collectives issued in one order everywhere.
-    for mib in sizes:
-        count = int(mib * 2**20) // 4
-        local = pattern(count, rank)
-        expected = pattern(count, 0) * np.float32(n * (n + 1) // 2)
-        for name, peer in peers.items():
-            want = expected
-            if hasattr(peer, "expected"):  # herring with a codec: the numpy model
-                want = peer.expected([pattern(count, r) for r in range(n)], stage_hosts(n),
-                                     expected)
+    total = len(cases(args.collective, sizes, names))
+    # Same collectives, sizes and peers in the same order on every rank: every
+    # library needs collectives issued in one order everywhere.
+    for collective, mib, names_here in _groups(cases(args.collective, sizes, names)):
+        count = coll.elements(mib, collective, n)
+        local = coll.local_input(collective, count, rank, n)
+        exact = coll.expected(collective, count, rank, n)
+        for name in names_here:
+            peer = peers[name]
+            peer.use(collective)
+            want = exact
+            if getattr(peer, "codec", "none") != "none":  # herring with a codec: the numpy model
+                want = peer.expected(collective, count, rank, n, stage_hosts(n))
             before = herring_jax.stats()
             times, wrong = measure(
                 peer, local, want, args.iters, args.warmup,
-                barrier=lambda k, name=name, mib=mib: client.wait_at_barrier(
-                    f"{KV_PREFIX}/{name}/{mib}/{k}", KV_TIMEOUT_MS))
+                barrier=lambda k, key=f"{KV_PREFIX}/{collective}/{name}/{mib}": (
+                    client.wait_at_barrier(f"{key}/{k}", KV_TIMEOUT_MS)))
             after = herring_jax.stats()
             for w in wrong:  # at once too, in case the job never gets to its report
-                print(f"rank {rank}: {report.wrong_line(name, mib, rank, w)}", file=sys.stderr,
-                      flush=True)
-            record = {"mib": mib, "peer": name, "times": times, "correct": not wrong,
-                      "wrong_runs": wrong}
+                print(f"rank {rank}: {report.wrong_line(name, mib, rank, w, collective)}",
+                      file=sys.stderr, flush=True)
+            record = {"collective": collective, "mib": mib, "peer": name, "times": times,
+                      "correct": not wrong, "wrong_runs": wrong}
             if name.startswith("herring"):
-                # What this rank's transport sent per reduction (heartbeats
+                # What this rank's transport sent per collective (heartbeats
                 # included; the host stage's memory reads are not messages).
                 runs = args.iters + args.warmup
                 record["messages_per_run"] = (after["messages_sent"]
@@ -189,10 +196,11 @@ def run_worker(args: argparse.Namespace) -> int:
             records.append(record)
             if rank == 0:  # progress while it runs; the table (every rank's) comes last
                 done += 1
-                print(f"[{done}/{len(sizes) * len(peers)}] {mib:g} MiB {name}: rank 0's "
-                      f"median {np.median(times) * 1e3:.2f} ms over {len(times)} runs"
+                print(f"[{done}/{total}] {collective} {mib:g} MiB {name}: rank 0's median "
+                      f"{np.median(times) * 1e3:.2f} ms over {len(times)} runs"
                       f"{', WRONG results' if wrong else ''}", flush=True)
-        del local, expected, want
+            del want
+        del local, exact
     # The last entry: this process's peak memory (every peer's buffers and
     # libraries, not herring's alone).
     records.append({"peer": PROCESS_RECORD,

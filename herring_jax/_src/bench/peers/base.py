@@ -11,12 +11,16 @@ KV_TIMEOUT_MS = 600_000
 
 
 class Peer:
-    """One all-reduce implementation, timed on the same buffers as the others.
+    """One implementation of the collectives, timed on the same buffers as the others.
 
     configure() runs before jax.distributed starts (backend choices must
     precede it); __init__(rank, n) builds what does not depend on the size;
-    prepare(local) takes this process's buffer; run() reduces it and blocks;
-    result(out) is this process's copy of the sum as numpy.
+    use(collective) picks the collective (collectives.py) of the runs that
+    follow; prepare(local) takes this process's input; run() runs the
+    collective and blocks; result(out) is this process's result as numpy.
+
+    `label` says what runs for an all-reduce, `labels` for each other
+    collective the peer has; `lacks` says why it has none of another.
 
     A peer that needs packages names them in `needs` and says how to get
     them in `install`; `mpi = True` makes the driver start the workers with
@@ -24,6 +28,8 @@ class Peer:
     """
 
     label = ""
+    labels: dict[str, str] = {}
+    lacks: dict[str, str] = {}
     needs: tuple[str, ...] = ()
     install = ""
     mpi = False
@@ -34,6 +40,31 @@ class Peer:
 
     def __init__(self, rank: int, n: int):
         self._fn = self._arg = None
+        self.collective = "allreduce"
+        self._fns: dict = {}
+
+    @classmethod
+    def has(cls, collective: str) -> bool:
+        return collective == "allreduce" or collective in cls.labels
+
+    @classmethod
+    def describe(cls, collective: str) -> str:
+        """What runs for `collective`, or why nothing does."""
+        if cls.has(collective):
+            return cls.label if collective == "allreduce" else cls.labels[collective]
+        return cls.lacks.get(collective, f"has no {collective}")
+
+    def use(self, collective: str) -> None:
+        """Untimed: the collective of the runs that follow; its function is
+        built (and, under jit, compiled at the first run) once."""
+        self.collective = collective
+        if collective not in self._fns:
+            self._fns[collective] = self.build(collective)
+        self._fn = self._fns[collective]
+
+    def build(self, collective: str):
+        """The function run() calls for `collective` (None: run() does it all)."""
+        return None
 
     def prepare(self, local: np.ndarray) -> None:
         raise NotImplementedError
