@@ -28,6 +28,18 @@ def _check(outputs, n):
     assert ranks == [f"recipe rank {r} of {n}: {expected}" for r in range(n)], outputs
 
 
+def _run_each(envs: list[dict]) -> list[str]:
+    """The job's script once per environment, all at once; their outputs."""
+    procs = [subprocess.Popen([sys.executable, "-P", SCRIPT], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for env in envs]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, out + err
+        outs.append(out)
+    return outs
+
+
 def test_mpirun():
     proc = subprocess.run(["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe",
                            "-x", "JAX_PLATFORMS", sys.executable, "-P", SCRIPT],
@@ -39,34 +51,16 @@ def test_mpirun():
 def test_srun_environment():
     # What srun sets for 2 tasks on one node; jax.distributed derives the
     # coordinator (first node, a port from the job id) and the ranks from it.
-    procs = [subprocess.Popen([sys.executable, "-P", SCRIPT], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=_env(SLURM_JOB_ID="4242", SLURM_NTASKS="2",
-                                       SLURM_PROCID=str(r), SLURM_LOCALID=str(r),
-                                       SLURM_STEP_NODELIST="localhost",
-                                       SLURM_NODELIST="localhost",
-                                       SLURM_STEP_TASKS_PER_NODE="2"))
-             for r in range(2)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, out + err
-        outs.append(out)
-    _check(outs, 2)
+    _check(_run_each([_env(SLURM_JOB_ID="4242", SLURM_NTASKS="2", SLURM_PROCID=str(r),
+                           SLURM_LOCALID=str(r), SLURM_STEP_NODELIST="localhost",
+                           SLURM_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2")
+                      for r in range(2)]), 2)
 
 
 def test_explicit_environment_without_the_launcher():
     # A Kubernetes StatefulSet (or any scheduler) sets these from the pod's
     # ordinal and a headless service's name; here, 3 processes on loopback.
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-P", SCRIPT], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env=_env(HERRING_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                       HERRING_NUM_PROCESSES="3", HERRING_PROCESS_ID=str(r)))
-             for r in range(3)]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, out + err
-        outs.append(out)
-    _check(outs, 3)
+    _check(_run_each([_env(HERRING_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                           HERRING_NUM_PROCESSES="3", HERRING_PROCESS_ID=str(r))
+                      for r in range(3)]), 3)

@@ -32,6 +32,17 @@ MIN_FUSION_BYTES = 2**18
 MAX_FUSION_BYTES = 25 * 2**20
 
 
+def plan_buckets(leaves, fusion_bytes: int | None, first_bucket_bytes: int | None,
+                 ready) -> list:
+    """The fusion buckets of gradient `leaves` (fusion.plan) for the fusion_bytes
+    and first_bucket_bytes options (None: the defaults above); `ready` is
+    jax_compat.production_order's."""
+    size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
+    first = (min(DEFAULT_FIRST_BUCKET_BYTES, size) if first_bucket_bytes is None
+             else first_bucket_bytes)
+    return fusion.plan(leaves, size, first, ready=ready)
+
+
 def auto_fusion_bytes(leaves) -> int:
     """fusion_bytes for fusion_bytes=None: see AUTO_BUCKETS."""
     per_dtype: dict = {}
@@ -134,10 +145,7 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         if feedback:
             residual = treedef.flatten_up_to(state.residual)
             leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
-        size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
-        first = (min(DEFAULT_FIRST_BUCKET_BYTES, size) if first_bucket_bytes is None
-                 else first_bucket_bytes)
-        buckets = fusion.plan(leaves, size, first, ready=ready)
+        buckets = plan_buckets(leaves, fusion_bytes, first_bucket_bytes, ready)
         buffers = fusion.pack(leaves, buckets)
         # On XLA:CUDA every bucket's start comes before any bucket's done (the
         # host wait), so the whole backward pass is enqueued first; on XLA:CPU

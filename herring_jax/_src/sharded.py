@@ -36,7 +36,7 @@ from herring_jax._src import fusion
 from herring_jax._src import jax_compat
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
-from herring_jax._src.optax_transform import DEFAULT_FIRST_BUCKET_BYTES, auto_fusion_bytes
+from herring_jax._src.optax_transform import plan_buckets
 from herring_jax._src.psum import check_per_device_gradients
 from herring_jax._src.split import split_reductions
 
@@ -191,10 +191,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         if feedback:
             residual = treedef.flatten_up_to(state.residual)
             leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
-        size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
-        first = (min(DEFAULT_FIRST_BUCKET_BYTES, size) if first_bucket_bytes is None
-                 else first_bucket_bytes)
-        buckets = fusion.plan(leaves, size, first, ready=ready)
+        buckets = plan_buckets(leaves, fusion_bytes, first_bucket_bytes, ready)
         layouts = [_BucketLayout(b, n, align) for b in buckets]
         buffers = [lay.pack([leaves[i] for i in lay.leaves]) for lay in layouts]
         # Every bucket's reduce-scatter is issued as soon as its gradients

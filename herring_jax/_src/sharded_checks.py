@@ -147,12 +147,14 @@ def _check(inner, params, n: int) -> None:
         bad[big] = jnp.ravel(bad[big]).at[0].set(jnp.nan).reshape(np.shape(leaves[big]))
         grads.append(jax.tree_util.tree_unflatten(treedef, bad))
 
-    def whole_steps():
-        state = inner.init(p)
-        params_now, outs = p, []
-        for k, g in enumerate(grads):
-            s = state if k < 2 else inner.init(p)
-            u, s = inner.update(g, s, params_now if k < 2 else p)
+    def run_steps(params, grads_list):
+        """Two steps, then one with the non-finite gradient from a fresh state;
+        the updates of each."""
+        state = inner.init(params)
+        params_now, outs = params, []
+        for k, g in enumerate(grads_list):
+            s = state if k < 2 else inner.init(params)
+            u, s = inner.update(g, s, params_now if k < 2 else params)
             if k < 2:
                 state, params_now = s, optax.apply_updates(params_now, u)
             outs.append(u)
@@ -160,18 +162,10 @@ def _check(inner, params, n: int) -> None:
 
     def chunk_steps(p_c, g_cs):
         with global_norms(lambda x: jax.lax.psum(x, _PROBE_AXIS)):
-            state = inner.init(p_c)
-            params_now, outs = p_c, []
-            for k, g in enumerate(g_cs):
-                s = state if k < 2 else inner.init(p_c)
-                u, s = inner.update(g, s, params_now if k < 2 else p_c)
-                if k < 2:
-                    state, params_now = s, optax.apply_updates(params_now, u)
-                outs.append(u)
-            return outs
+            return run_steps(p_c, g_cs)
 
     with global_norms(lambda x: x):
-        want = whole_steps()
+        want = run_steps(p, grads)
     got = jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(
         _chunks(p, n), [_chunks(g, n) for g in grads])
     steps = ["step 1", "step 2", "a step with one non-finite gradient"]
