@@ -146,7 +146,11 @@ def main() -> None:
                 got, got_state = train(herring_jax.sharded_optimizer(make()), params, rank)
             a, b = flat(got), flat(ref)
             if name in CLIPPED:
-                ok = bool(np.all(np.abs(a - b) <= 1e-6 * np.maximum(np.abs(b), 1.0)))
+                # The global norm adds the workers' partial sums in another order
+                # than optax.tree.norm: float32 parameters within 1e-6, bfloat16
+                # ones within one of their rounding steps.
+                tol = 1e-6 if dtype == "float32" else 2.0 ** -7
+                ok = bool(np.all(np.abs(a - b) <= tol * np.maximum(np.abs(b), 1.0)))
             else:
                 ok = a.tobytes() == b.tobytes()
             common.report(f"{dtype}/{name}", ok, digest=common.digest(np.asarray(a)),
