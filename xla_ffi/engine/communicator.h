@@ -351,6 +351,9 @@ class Communicator {
   void OnResult(Job* job, int part, size_t chunk, const transport::Completion& c);
   void ReduceChunk(Job* job, size_t chunk);
   void SendDone(Job* job, int to_rank, const transport::Completion& c);
+  // Sends chunk c of this server's part (`payload`, `bytes`, out_hdrs[c]
+  // as its header) to the process at position p of the group.
+  void SendResult(Job* job, int p, size_t c, const void* payload, size_t bytes);
   // Fails the batch; the first failure of this process also breaks the
   // communicator and (with `tell_peers`) is broadcast to every other rank.
   void Fail(Batch* batch, const std::string& why, bool tell_peers = true);

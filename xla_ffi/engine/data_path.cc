@@ -113,11 +113,33 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
     if (i == me) continue;
     for (size_t c = 0; c < job->Chunks(i); ++c) PostResultRecv(job, i, c);
   }
-  if (!job->Contributes()) {
-    // An all-gather: this process serves its own part at once.
+  if (!job->Contributes() && job->Encoded()) {
+    // An all-gather through a codec: server tasks encode this process's
+    // part chunk by chunk and send it.
     for (size_t c = 0; c < chunks_me; ++c) {
       batch->AddTask();
       Enqueue([this, job, c] { ReduceChunk(job, c); });
+    }
+    return Status::Ok();
+  }
+  if (!job->Contributes()) {
+    // An all-gather: this process's part is its result as it is. It goes
+    // straight from the input, chunk-major and starting at the next process
+    // (as contributions do), and into this process's own output.
+    const size_t begin = job->PartBegin(me);
+    std::memcpy(job->OutAt(begin), job->InAt(begin), job->PartLen(me) * job->elem);
+    batch->Complete(chunks_me, 0);  // every chunk "summed"
+    const uint32_t rank = static_cast<uint32_t>(config_.rank);
+    for (size_t c = 0; c < chunks_me; ++c) {
+      const size_t bytes = job->ChunkLen(me, c) * job->elem;
+      job->out_hdrs[c] = MakeHeader(*job, MsgKind::kResult, config_.token, rank, me, c, bytes,
+                                    job->req.contributors);
+    }
+    for (size_t c = 0; c < chunks_me; ++c) {
+      for (int step = 1; step < n; ++step) {
+        SendResult(job, (me + step) % n, c, job->InAt(job->ChunkBegin(me, c)),
+                   job->ChunkLen(me, c) * job->elem);
+      }
     }
     return Status::Ok();
   }
@@ -330,24 +352,31 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
   WireHeader& h = job->out_hdrs[c];
   h = MakeHeader(*job, MsgKind::kResult, config_.token, my_rank, me, c, payload_bytes,
                  static_cast<uint32_t>(contributors));
-  size_t unposted = sends;
-  for (int p = 0; p < n && sends > 0; ++p) {
-    if (p == me) continue;
-    transport::IoVec iov[2] = {{&h, sizeof(h)}, {const_cast<char*>(payload), payload_bytes}};
-    const uint64_t tag = MakeTag(MsgKind::kResult, my_rank, batch->stream, job->tag_bits, c);
-    if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[p], tag, h);
-    batch->AddInflight(1);
-    Status s = transport_->Send(batch->group[p], tag, iov, count > 0 ? 2 : 1,
-        [this, job, to = batch->group[p]](const transport::Completion& done) {
-          SendDone(job, to, done);
-        });
-    --unposted;
-    if (!s.ok()) {
-      Fail(batch, "sending to rank " + std::to_string(batch->group[p]) + ": " + s.message());
-      batch->Complete(1, 1);
-    }
+  // Starting at the next process, as contributions do: the servers do not
+  // all send to the same worker at the same moment.
+  for (int step = 1; step <= static_cast<int>(sends); ++step) {
+    SendResult(job, (me + step) % n, c, payload, payload_bytes);
   }
-  batch->CompleteTask(1 + unposted);
+  batch->CompleteTask(1);
+}
+
+void Communicator::SendResult(Job* job, int p, size_t c, const void* payload, size_t bytes) {
+  Batch* batch = job->batch;
+  const WireHeader& h = job->out_hdrs[c];
+  transport::IoVec iov[2] = {{const_cast<WireHeader*>(&h), sizeof(h)},
+                             {const_cast<void*>(payload), bytes}};
+  const uint64_t tag = MakeTag(MsgKind::kResult, static_cast<uint32_t>(config_.rank),
+                               batch->stream, job->tag_bits, c);
+  if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[p], tag, h);
+  batch->AddInflight(1);
+  Status s = transport_->Send(batch->group[p], tag, iov, bytes > 0 ? 2 : 1,
+                              [this, job, to = batch->group[p]](const transport::Completion& done) {
+                                SendDone(job, to, done);
+                              });
+  if (!s.ok()) {
+    Fail(batch, "sending to rank " + std::to_string(batch->group[p]) + ": " + s.message());
+    batch->Complete(1, 1);
+  }
 }
 
 void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completion& done) {

@@ -304,10 +304,16 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
     }
   };
 
-  // 2. reduce-scatter (not for an all-gather: nothing to sum inside the host).
-  wait(0);
+  // 2. reduce-scatter (not for an all-gather: nothing to sum inside the host,
+  // nor any input to read, so nothing to wait for: the ready step checks the
+  // peers' entries as the arrive step would).
+  const bool gather_only =
+      std::all_of(requests.begin(), requests.end(),
+                  [](const ReduceRequest& r) { return r.collective == Collective::kAllGather; });
+  if (!gather_only) wait(0);
   std::vector<uint64_t> contributors(num, 0);
-  if (ok) {
+  for (size_t k = 0; gather_only && k < num; ++k) contributors[k] = requests[k].contributors;
+  if (ok && !gather_only) {
     for (size_t k = 0; ok && k < num; ++k) {
       for (int q = 0; q < p; ++q) {
         if (!AddContributors(&contributors[k], q == me ? requests[k].contributors
