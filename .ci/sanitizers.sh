@@ -54,7 +54,6 @@ tests=(
   # sizes up to 1 MiB in short mode; 50 reductions in one jit (concurrent
   # handlers); tcp;ofi_rxm with 256 KiB chunks (several per part) and shm.
   "tests/test_allreduce.py::test_every_dtype_op_and_size[2-2]"
-  "tests/test_allreduce.py::test_every_dtype_op_and_size[4-2]"
   "tests/test_allreduce.py::test_fifty_reductions_in_one_jit"
   "tests/test_allreduce.py::test_provider_matrix[tcp;ofi_rxm-False]"
   "tests/test_allreduce.py::test_provider_matrix[shm-False]"

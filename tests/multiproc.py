@@ -33,6 +33,9 @@ class Run:
                 f"\n--- stderr (tail) ---\n{self.stderr[-6000:]}")
 
 
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
 def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
            env: dict[str, str] | None = None, timeout: float = 600,
            hosts: int | None = None, platform: str = "cpu") -> Run:
@@ -47,7 +50,10 @@ def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
     rank has the devices the platform gives it (`devices` must be 1).
     """
     full_env = dict(os.environ)
-    full_env.pop("XLA_FLAGS", None)
+    # XLA:CPU without LLVM's optimizations compiles the workers' many small
+    # programs in about half the time; a test that needs them passes its own
+    # XLA_FLAGS (an empty string for XLA's defaults).
+    full_env["XLA_FLAGS"] = FAST_COMPILE
     full_env["JAX_PLATFORMS"] = platform
     full_env.setdefault("HERRING_TIMEOUT_S", "120")
     full_env.update(env or {})

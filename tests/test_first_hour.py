@@ -65,7 +65,7 @@ def test_check_vma_true_is_refused_never_multiplied():
 def test_a_batch_size_mismatch_is_reported_as_a_stall_naming_both_call_sites():
     # Rank 1 trains on 31 examples, rank 0 on 32: two different programs.
     run = launch(WORKER, ["mismatch"], nproc=2,
-                 env={"HERRING_STALL_S": "4", "HERRING_TIMEOUT_S": "20"}, timeout=120)
+                 env={"HERRING_STALL_S": "3", "HERRING_TIMEOUT_S": "10"}, timeout=120)
     assert run.returncode != 0, run.explain()
     stall = [line for line in run.stderr.splitlines() if "made no progress for" in line]
     assert stall, run.explain()

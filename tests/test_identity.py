@@ -35,5 +35,5 @@ def test_extra_launch_on_one_rank_fails_every_rank_naming_both(nproc):
 
 
 def test_occurrence_counters_are_pruned_when_idle():
-    run = launch("identity_worker.py", ["prune"], nproc=2, env={"HERRING_TIMEOUT_S": "3"})
+    run = launch("identity_worker.py", ["prune"], nproc=2, env={"HERRING_TIMEOUT_S": "2"})
     assert_all_ok(run, expected_cases=1)
