@@ -32,6 +32,14 @@ MIN_FUSION_BYTES = 2**18
 MAX_FUSION_BYTES = 25 * 2**20
 
 
+def check_bucket_sizes(fusion_bytes, first_bucket_bytes) -> None:
+    """The transformations' bucket-size arguments: None (the default) or positive."""
+    if ((fusion_bytes is not None and fusion_bytes <= 0)
+            or (first_bucket_bytes is not None and first_bucket_bytes <= 0)):
+        raise ValueError("fusion_bytes and first_bucket_bytes must be positive, got "
+                         f"{fusion_bytes} and {first_bucket_bytes}")
+
+
 def plan_buckets(leaves, fusion_bytes: int | None, first_bucket_bytes: int | None,
                  ready) -> list:
     """The fusion buckets of gradient `leaves` (fusion.plan) for the fusion_bytes
@@ -115,10 +123,7 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
       >>> opt_state = tx.init(params)                                 # doctest: +SKIP
       >>> updates, opt_state = tx.update(grads, opt_state, params)    # doctest: +SKIP
     """
-    if ((fusion_bytes is not None and fusion_bytes <= 0)
-            or (first_bucket_bytes is not None and first_bucket_bytes <= 0)):
-        raise ValueError("fusion_bytes and first_bucket_bytes must be positive, got "
-                         f"{fusion_bytes} and {first_bucket_bytes}")
+    check_bucket_sizes(fusion_bytes, first_bucket_bytes)
     op = "mean" if average else "sum"
     codecs.check_codec(compression)
     feedback = error_feedback and compression != "none"

@@ -36,6 +36,7 @@ from herring_jax._src import codecs
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
 from herring_jax._src.codecs import BLOCK as BLOCK_ELEMENTS
+from herring_jax._src.psum import _groups as _psum_groups
 
 
 def _axes(axis_name) -> tuple:
@@ -43,15 +44,10 @@ def _axes(axis_name) -> tuple:
 
 
 def _groups(axis_index_groups, api: str):
-    """lax's checks of axis_index_groups; the groups must also be of one size
-    (lax says so for these two and fails otherwise)."""
-    if axis_index_groups is None:
-        return None
-    groups = tuple(tuple(int(i) for i in g) for g in axis_index_groups)
-    covered = sorted(i for g in groups for i in g)
-    if covered != list(range(len(covered))):
-        raise ValueError("axis_index_groups must cover all indices exactly once")
-    if len({len(g) for g in groups}) != 1:
+    """lax's checks of axis_index_groups (psum's); the groups must also be of
+    one size (lax says so for these two and fails otherwise)."""
+    groups = _psum_groups(axis_index_groups)
+    if groups is not None and len({len(g) for g in groups}) != 1:
         raise ValueError(f"{api}: all axis_index_groups must be the same size, got "
                          f"{[len(g) for g in groups]}")
     return groups

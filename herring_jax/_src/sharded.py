@@ -36,7 +36,7 @@ from herring_jax._src import fusion
 from herring_jax._src import jax_compat
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
-from herring_jax._src.optax_transform import plan_buckets
+from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
 from herring_jax._src.psum import check_per_device_gradients
 from herring_jax._src.split import split_reductions
 
@@ -144,10 +144,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
       >>> opt_state = tx.init(params)                                 # doctest: +SKIP
       >>> updates, opt_state = tx.update(grads, opt_state, params)    # doctest: +SKIP
     """
-    if ((fusion_bytes is not None and fusion_bytes <= 0)
-            or (first_bucket_bytes is not None and first_bucket_bytes <= 0)):
-        raise ValueError("fusion_bytes and first_bucket_bytes must be positive, got "
-                         f"{fusion_bytes} and {first_bucket_bytes}")
+    check_bucket_sizes(fusion_bytes, first_bucket_bytes)
     codecs.check_codec(compression)
     feedback = error_feedback and compression != "none"
     op = "mean" if average else "sum"
