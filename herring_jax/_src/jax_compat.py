@@ -6,6 +6,7 @@ jax moves these, only this file changes.
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import jax
@@ -166,6 +167,33 @@ def axis_state(aval, axes, api_name: str = "herring_jax.psum") -> str:
                          "it sums, so the operand must be unreduced for a sum "
                          f"(got {aval.str_short(True)}); reduce it with jax.lax.pmax/pmin")
     return state
+
+
+def _lax_source_says(function_names, pattern: str) -> bool:
+    """Whether the source of the first of jax.lax.parallel's functions named
+    that exists matches `pattern`: for lax behaviours that changed between
+    the jax versions herring_jax supports without a flag to ask."""
+    for name in function_names:
+        function = getattr(_parallel, name, None)
+        if function is not None:
+            try:
+                return re.search(pattern, inspect.getsource(function)) is not None
+            except (OSError, TypeError):
+                break
+    match = re.match(r"(\d+)\.(\d+)", jax.__version__)
+    return (int(match[1]), int(match[2])) >= (0, 12)
+
+
+# lax.all_gather(..., to='invarying') where shard_map does not check varying
+# axes (check_vma=False, pmap): jax 0.12 makes it a plain all_gather, whose
+# transpose sums the cotangents (psum_scatter); jax 0.10 kept it invariant,
+# each device taking its own block of the cotangent.
+INVARYING_GATHER_NEEDS_CHECK_VMA = _lax_source_says(
+    ("_all_gather_is_async", "all_gather"), r"to == 'varying' or not config\._check_vma")
+# lax.psum_scatter with a negative scatter_dimension: jax 0.12 counts it from
+# the end, as numpy; jax 0.10 traced it and failed to lower it.
+NEGATIVE_SCATTER_DIMENSION = _lax_source_says(
+    ("_psum_scatter", "psum_scatter"), r"canonicalize_axis\(scatter_dimension")
 
 
 def check_vma_enabled() -> bool:

@@ -112,7 +112,8 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
 
     Raises:
       ValueError: the scatter dimension does not fit the group size, is
-        negative, or a codec's block is not a multiple of 256.
+        negative on jax 0.10 (as lax there; jax 0.12 counts it from the end),
+        or a codec's block is not a multiple of 256.
       TypeError: bool or unsupported dtype. NameError: unbound axis.
       NotImplementedError: an unreduced operand, or see the module notes.
 
@@ -161,9 +162,12 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
 
 
 def _scatter_dimension(api, d, v, name) -> int:
+    if (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d < 0
+            and jax_compat.NEGATIVE_SCATTER_DIMENSION and d >= -v.ndim):
+        d += v.ndim  # jax 0.12 counts it from the end, as numpy
     if isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d < 0:
-        # lax traces it and then fails to lower it ("attribute 'scatter_dimension'
-        # failed to satisfy constraint ... non-negative").
+        # jax 0.10 traces it and then fails to lower it ("attribute
+        # 'scatter_dimension' failed to satisfy constraint ... non-negative").
         raise ValueError(f"{api}: scatter_dimension={d} is negative, which jax.lax.psum_scatter "
                          f"cannot lower either; pass {d} + x.ndim = {d + v.ndim} for {name}")
     return _check_dimension(api, "scatter_dimension", d, v.ndim, name)
@@ -270,8 +274,12 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
                                  "them first with herring_jax.psum or psum_scatter")
             v = jax_compat.vary_over(v, axes)
         operands.append(v)
+    # As lax: without shard_map's checks, jax 0.12's invariant all-gather is a
+    # plain one (its transpose sums the cotangents).
+    invariant = to == "invarying" and (jax_compat.check_vma_enabled()
+                                       or not jax_compat.INVARYING_GATHER_NEEDS_CHECK_VMA)
     outs = _allreduce.bind(operands, op="sum", axes=axes, groups=groups,
-                           collective="all_gather" if to == "varying" else "all_gather_invariant")
+                           collective="all_gather_invariant" if invariant else "all_gather")
     results = []
     for o, v, d, b in zip(outs, operands, dims, was_bool):
         o = jnp.moveaxis(o, 0, d)
