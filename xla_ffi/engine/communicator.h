@@ -137,6 +137,7 @@ struct CommStats {
 
 struct Job;
 struct Batch;
+struct HostWait;
 
 // Why `r` cannot be reduced in a group of `n` processes ("" if it can).
 std::string CheckRequest(const ReduceRequest& r, int n);
@@ -253,6 +254,14 @@ class Communicator {
   // way: waits up to a second for the batch to fail by it (the first error
   // stays), and names every process of the host that has exited.
   Status HostReadFailed(Batch* batch, int q, const std::string& what, const Status& s);
+  // The processes of this host (other than this one) that have exited, as
+  // "; processes of this host that have exited: rank 2, ..." ("" if none).
+  std::string ExitedHostPeers(const HostWait& w) const;
+  // A failed call's error when local peer `rank` withdrew from the host
+  // stage: the withdrawal says nothing of its cause, so it names the host's
+  // processes that have exited (usually the cause, seen by the withdrawing
+  // process first).
+  std::string WithdrawnText(const HostWait& w, int rank, const std::string& describe) const;
   // A successful host-stage call returns before the other processes have
   // said that they read its slice: its batch (staging buffers, posted
   // receives of kHostDone) lingers until then. Linger frees the lingering

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 
 namespace herring::engine {
 
@@ -18,7 +19,15 @@ bool ProcessExited(int64_t pid) {
   const size_t close = line.rfind(')');
   if (close == std::string::npos || close + 2 >= line.size()) return false;
   const char state = line[close + 2];
-  return state == 'Z' || state == 'X';
+  if (state == 'Z' || state == 'X') return true;
+  // Killed and still tearing its threads down: its memory is already gone
+  // (process_vm_readv says ESRCH) while the state is not yet 'Z'. The 23rd
+  // field, vsize, is then 0.
+  std::istringstream fields(line.substr(close + 2));
+  std::string field;
+  for (int i = 0; i <= 20 && (fields >> field); ++i) {
+  }
+  return !fields.fail() && field == "0";
 }
 
 Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len) {

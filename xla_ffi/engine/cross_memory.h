@@ -20,8 +20,9 @@ using transport::Status;
 // permitted: EPERM, see SetPtracer).
 Status ReadProcessMemory(int64_t pid, uint64_t remote, void* local, size_t len);
 
-// Whether process `pid` has exited: it is gone, or a zombie (an exited child
-// its parent has not reaped yet, whose memory can no longer be read).
+// Whether process `pid` has exited: it is gone, a zombie (an exited child
+// its parent has not reaped yet, whose memory can no longer be read), or
+// killed and still ending its threads, its memory already gone.
 bool ProcessExited(int64_t pid);
 
 // Where Yama restricts ptrace to descendants (kernel.yama.ptrace_scope = 1,

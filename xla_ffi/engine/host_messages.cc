@@ -132,9 +132,7 @@ void Communicator::OnHostMessage(Batch* batch, int step, int q,
     // inputs' owner may stop waiting for it, done above), and its own inputs
     // are going away. Everything of this process fails, the cross-host step
     // of this call included: it cannot succeed without that process.
-    FailAll("rank " + std::to_string(from) + " withdrew from the host stage of " +
-                job.Describe() + " (its reduction failed)",
-            /*tell_peers=*/true);
+    FailAll(WithdrawnText(w, from, job.Describe()), /*tell_peers=*/true);
   }
   batch->Complete(1, 1);
 }
@@ -235,8 +233,7 @@ int Communicator::NextPosted(Batch* batch, int step, const std::vector<bool>& ha
       const int k = board_->Find(w.board_index[q], w.key, step, &entries, &version);
       if (k == HostBoard::kWithdrawnPosting) {
         // Its call failed; whoever caused that may not have told anyone.
-        Fail(batch, "rank " + std::to_string(w.local[q]) + " withdrew from the host stage of " +
-                        batch->jobs.front()->Describe() + " (its reduction failed)");
+        Fail(batch, WithdrawnText(w, w.local[q], batch->jobs.front()->Describe()));
         return -1;
       }
       if (k < 0) continue;

@@ -194,13 +194,23 @@ Status Communicator::HostReadFailed(Batch* batch, int q, const std::string& what
                                                         std::chrono::seconds(1)),
                          [&] { return batch->failed; });
   }
+  return Status::Error(text + ExitedHostPeers(w));
+}
+
+std::string Communicator::ExitedHostPeers(const HostWait& w) const {
   std::string exited;
   for (int i = 0; i < w.size(); ++i) {
     if (i != w.me && ProcessExited(w.pids[i])) {
       exited += (exited.empty() ? "" : ", ") + std::string("rank ") + std::to_string(w.local[i]);
     }
   }
-  return Status::Error(text + "; processes of this host that have exited: " + exited);
+  return exited.empty() ? "" : "; processes of this host that have exited: " + exited;
+}
+
+std::string Communicator::WithdrawnText(const HostWait& w, int rank,
+                                        const std::string& describe) const {
+  return "rank " + std::to_string(rank) + " withdrew from the host stage of " + describe +
+         " (its reduction failed)" + ExitedHostPeers(w);
 }
 
 }  // namespace herring::engine
