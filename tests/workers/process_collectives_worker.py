@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
+from compat_worker import raises  # noqa: E402
 import herring_jax  # noqa: E402
 
 # (name, dtype, shape) of the leaves reduce_scatter takes; sizes 10, 7, 1, 0,
@@ -165,16 +166,6 @@ def run_cases(me: int, nproc: int) -> None:
 
     errors(nproc, v)
     common.report("stats", True, stats=herring_jax.stats())
-
-
-def raises(exc_type, fn, *args):
-    try:
-        fn(*args)
-    except exc_type as e:
-        return True, f"{type(e).__name__}: {e}"[:200]
-    except Exception as e:  # noqa: BLE001 - any other type is a failure
-        return False, f"{type(e).__name__}: {e}"[:200]
-    return False, "no error"
 
 
 def errors(nproc, v):
