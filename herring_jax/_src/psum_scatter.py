@@ -162,14 +162,13 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
 
 
 def _scatter_dimension(api, d, v, name) -> int:
-    if (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d < 0
-            and jax_compat.NEGATIVE_SCATTER_DIMENSION and d >= -v.ndim):
-        d += v.ndim  # jax 0.12 counts it from the end, as numpy
-    if isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d < 0:
+    if (not jax_compat.NEGATIVE_SCATTER_DIMENSION and isinstance(d, (int, np.integer))
+            and not isinstance(d, bool) and d < 0):
         # jax 0.10 traces it and then fails to lower it ("attribute
         # 'scatter_dimension' failed to satisfy constraint ... non-negative").
         raise ValueError(f"{api}: scatter_dimension={d} is negative, which jax.lax.psum_scatter "
                          f"cannot lower either; pass {d} + x.ndim = {d + v.ndim} for {name}")
+    # Counts a negative one from the end, as jax 0.12's lax (numpy's rule).
     return _check_dimension(api, "scatter_dimension", d, v.ndim, name)
 
 
