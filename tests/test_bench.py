@@ -106,7 +106,7 @@ def test_bench_collective(tmp_path, collective):
 
 
 def test_collective_bounds():
-    from herring_jax._src.bench import collectives as coll
+    from herring_jax._src.tools.bench import collectives as coll
     mib = 2**20
     # 4 hosts over a 1 GB/s link: an all-reduce moves 2 x 3/4 of the buffer
     # each way, either half 3/4.
@@ -130,7 +130,7 @@ def test_collective_bounds():
 
 
 def test_missing_peer_is_reported_not_dropped(tmp_path, monkeypatch):
-    from herring_jax._src.bench import peers
+    from herring_jax._src.tools.bench import peers
     monkeypatch.setattr(peers.importlib_util, "find_spec",
                         lambda name: None if name == "torch" else object())
     assert peers.missing_peers(["herring", "torch_gloo"]) == {
@@ -164,7 +164,7 @@ class _FlakyPeer:
 
 @pytest.mark.parametrize("bad, run", [(3, "timed run 2 of 3"), (1, "warm-up run 1 of 1")])
 def test_every_run_is_checked_not_only_the_last(bad, run):
-    from herring_jax._src.bench.worker import measure, pattern
+    from herring_jax._src.tools.bench.worker import measure, pattern
     local = pattern(1000, 1)
     peer = _FlakyPeer(bad)
     peer.expected = pattern(1000, 0) * np.float32(3)
@@ -175,7 +175,7 @@ def test_every_run_is_checked_not_only_the_last(bad, run):
 
 
 def test_a_wrong_run_fails_the_report_naming_run_size_peer_and_rank():
-    from herring_jax._src.bench import report
+    from herring_jax._src.tools.bench import report
     ok = {"times": [1.0, 2.0], "correct": True, "wrong_runs": []}
     bad = dict(ok, correct=False, wrong_runs=[{"run": "timed run 2 of 2", "what": "x"}])
     per_rank = [[dict(ok, mib=1.0, peer="herring"), dict(ok, mib=1.0, peer="mpi4py")],

@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from herring_jax._src.bench.plot import plot  # noqa: E402
+from herring_jax._src.tools.bench.plot import plot  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

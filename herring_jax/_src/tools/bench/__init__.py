@@ -26,9 +26,9 @@ install it; one without a collective, as unsupported for it. A peer is a
 class in peers.PEERS.
 """
 
-from herring_jax._src.bench.driver import add_arguments as add_arguments
-from herring_jax._src.bench.driver import main as main
-from herring_jax._src.bench.driver import run as run
-from herring_jax._src.bench.peers import PEERS as PEERS
-from herring_jax._src.bench.peers import missing_peers as missing_peers
-from herring_jax._src.bench.worker import worker_main as worker_main
+from herring_jax._src.tools.bench.driver import add_arguments as add_arguments
+from herring_jax._src.tools.bench.driver import main as main
+from herring_jax._src.tools.bench.driver import run as run
+from herring_jax._src.tools.bench.peers import PEERS as PEERS
+from herring_jax._src.tools.bench.peers import missing_peers as missing_peers
+from herring_jax._src.tools.bench.worker import worker_main as worker_main

@@ -7,7 +7,7 @@ import os
 import sys
 import tempfile
 
-from herring_jax._src.bench.workers import run_workers
+from herring_jax._src.tools.bench.workers import run_workers
 from herring_jax._src.launch import free_port
 
 

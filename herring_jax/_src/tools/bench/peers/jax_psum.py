@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from herring_jax._src.bench.peers.base import Peer
+from herring_jax._src.tools.bench.peers.base import Peer
 
 _IN_SHARD_MAP = "in jitted shard_map, one device per process (gloo)"
 

@@ -13,11 +13,11 @@ import time
 
 import numpy as np
 
-from herring_jax._src.bench import collectives as coll
-from herring_jax._src.bench.collectives import pattern as pattern
-from herring_jax._src.bench.peers import PEERS
-from herring_jax._src.bench.peers.base import KV_PREFIX, KV_TIMEOUT_MS
-from herring_jax._src.bench.report import PROCESS_RECORD, cases
+from herring_jax._src.tools.bench import collectives as coll
+from herring_jax._src.tools.bench.collectives import pattern as pattern
+from herring_jax._src.tools.bench.peers import PEERS
+from herring_jax._src.tools.bench.peers.base import KV_PREFIX, KV_TIMEOUT_MS
+from herring_jax._src.tools.bench.report import PROCESS_RECORD, cases
 
 
 def worker_parser() -> argparse.ArgumentParser:
@@ -133,7 +133,7 @@ def _groups(plan):
 
 def run_worker(args: argparse.Namespace) -> int:
     """worker_main with parsed arguments."""
-    from herring_jax._src.bench import report
+    from herring_jax._src.tools.bench import report
 
     names = [p for p in args.peers.split(",") if p]
     unknown = [p for p in names if p not in PEERS]

@@ -9,9 +9,9 @@ import os
 import sys
 import tempfile
 
-from herring_jax._src.bench import collectives as coll
-from herring_jax._src.bench.link import memory_gbps, shaped_gbps
-from herring_jax._src.bench.peers import CODEC_PEERS, PEERS, missing_peers
+from herring_jax._src.tools.bench import collectives as coll
+from herring_jax._src.tools.bench.link import memory_gbps, shaped_gbps
+from herring_jax._src.tools.bench.peers import CODEC_PEERS, PEERS, missing_peers
 
 DESCRIPTION = ("herring-jax bench: herring_jax's all-reduce, reduce-scatter and all-gather "
                "against their peers, in one run.")
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark (or, with --worker, one worker). Returns an exit code."""
     if args.worker:  # started by a launcher other than this driver
-        from herring_jax._src.bench.worker import run_worker
+        from herring_jax._src.tools.bench.worker import run_worker
         return run_worker(args)
     env = dict(os.environ)
     if args.provider:
@@ -162,13 +162,13 @@ def run(args: argparse.Namespace) -> int:
         if not link_gbps:
             print(f"link: {link_source}", flush=True)
         if use_mpi:
-            from herring_jax._src.bench.mpirun import launch_mpi
+            from herring_jax._src.tools.bench.mpirun import launch_mpi
             code = launch_mpi(args, worker, env)
         else:
-            from herring_jax._src.bench.workers import launch
+            from herring_jax._src.tools.bench.workers import launch
             code = launch(args, worker, env)
         if code == 0 and args.plot and json_path:
-            from herring_jax._src.bench.plot import plot
+            from herring_jax._src.tools.bench.plot import plot
             plot(json_path, args.plot)
     return code
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m herring_jax.bench`: the driver, or a worker with --worker."""
     argv = sys.argv[1:] if argv is None else argv
     if "--worker" in argv:
-        from herring_jax._src.bench.worker import worker_main
+        from herring_jax._src.tools.bench.worker import worker_main
         return worker_main(argv)
     from herring_jax._src.cli import HelpFormatter  # here: cli imports this package
     parser = argparse.ArgumentParser(prog="herring-jax bench", description=DESCRIPTION,

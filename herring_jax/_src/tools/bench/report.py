@@ -11,8 +11,8 @@ import platform
 import statistics
 
 from herring_jax._src import codecs
-from herring_jax._src.bench import collectives as coll
-from herring_jax._src.bench.peers import PEERS
+from herring_jax._src.tools.bench import collectives as coll
+from herring_jax._src.tools.bench.peers import PEERS
 
 # The last record of each rank: its process's figures, not a peer's timings.
 PROCESS_RECORD = "_process"

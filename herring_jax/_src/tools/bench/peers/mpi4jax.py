@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from herring_jax._src.bench.peers.base import Peer, check_mpi_world
+from herring_jax._src.tools.bench.peers.base import Peer, check_mpi_world
 
 
 class Mpi4jaxPeer(Peer):

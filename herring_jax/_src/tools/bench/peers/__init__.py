@@ -10,12 +10,12 @@ from __future__ import annotations
 import importlib.util as importlib_util
 import shutil
 
-from herring_jax._src.bench.peers.base import Peer
-from herring_jax._src.bench.peers.herring import HerringPeer, codec_peer
-from herring_jax._src.bench.peers.jax_psum import JaxPsumPeer
-from herring_jax._src.bench.peers.mpi4jax import Mpi4jaxPeer
-from herring_jax._src.bench.peers.mpi4py import Mpi4pyPeer
-from herring_jax._src.bench.peers.torch_gloo import TorchGlooPeer
+from herring_jax._src.tools.bench.peers.base import Peer
+from herring_jax._src.tools.bench.peers.herring import HerringPeer, codec_peer
+from herring_jax._src.tools.bench.peers.jax_psum import JaxPsumPeer
+from herring_jax._src.tools.bench.peers.mpi4jax import Mpi4jaxPeer
+from herring_jax._src.tools.bench.peers.mpi4py import Mpi4pyPeer
+from herring_jax._src.tools.bench.peers.torch_gloo import TorchGlooPeer
 
 # In the order every worker runs them.
 PEERS: dict[str, type[Peer]] = {

@@ -8,7 +8,7 @@ import socket
 
 import numpy as np
 
-from herring_jax._src.bench.peers.base import KV_PREFIX, KV_TIMEOUT_MS, Peer
+from herring_jax._src.tools.bench.peers.base import KV_PREFIX, KV_TIMEOUT_MS, Peer
 
 
 class TorchGlooPeer(Peer):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from herring_jax._src import codecs
-from herring_jax._src.bench import collectives as coll
-from herring_jax._src.bench.peers.base import Peer
+from herring_jax._src.tools.bench import collectives as coll
+from herring_jax._src.tools.bench.peers.base import Peer
 
 
 class HerringPeer(Peer):
