@@ -18,7 +18,7 @@ are prefixed with "[rank i] ".
 
 With --netns each process runs as its own "host": a network namespace on a
 bridge, rate-limited with --host-rate (each host's egress) and --flow-rate
-(each host-to-host flow), see herring_jax/_src/netns.py. With
+(each host-to-host flow), see herring_jax/_src/tools/netns.py. With
 --processes-per-host P, P consecutive ranks share each namespace (N/P hosts)
 and HERRING_LOCAL_RANK is the rank's index on its host. The coordinator is
 then rank 0's address. Everything created is removed when the job ends, also
@@ -435,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     net = None
     if netns:
-        from herring_jax._src.netns import SimulatedNetwork
+        from herring_jax._src.tools.netns import SimulatedNetwork
         try:
             net = SimulatedNetwork(n // per_host, args.host_rate, args.flow_rate)
         except ValueError as e:
@@ -458,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     message = failed_rank = None
     try:
         if net is not None:
-            from herring_jax._src.netns import NetnsError
+            from herring_jax._src.tools.netns import NetnsError
             try:
                 net.create()
             except NetnsError as e:
