@@ -39,7 +39,7 @@ seed to seed. On one host (no --netns in --launch-args) it sets
 HERRING_HOST_STAGE=0, since a codec applies only to what crosses the
 transport.
 
-With --overlap it instead runs herring_jax/_src/overlap_worker.py on N
+With --overlap it instead runs herring_jax/_src/tools/overlap_worker.py on N
 processes: compute alone, reduction alone and the standard step of an MLP,
 the hidden fraction, a bitwise check against the reduction done outside the
 step, and (--plot) a timeline PNG of the last steps on every rank.
@@ -364,7 +364,7 @@ def run_overlap(args: argparse.Namespace) -> int:
         prefix = os.path.join(tmp, "timeline")
         try:
             found = _launch_worker(args, args.num_processes, args.launch_args,
-                                   "herring_jax._src.overlap_worker",
+                                   "herring_jax._src.tools.overlap_worker",
                                    ["--timeline", prefix, *args.script_args],
                                    "OVERLAP_RESULT", tmp)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
