@@ -15,7 +15,7 @@ and prints each run's median step time with two efficiencies:
              cores than they need (this project's 2-core CI machine), compute
              alone cannot scale and `comm` is the figure to read.
 
-With --simulated-accelerator it runs herring_jax/_src/simulated_worker.py on 1
+With --simulated-accelerator it runs herring_jax/_src/tools/simulated_worker.py on 1
 and on N processes: layers whose compute is a wait that uses no CPU (as a GPU
 host's CPU sees it) with real gradients of a BERT-like layer structure, and
 prints the scaling efficiency step(1) / step(N) next to its bound.
@@ -399,7 +399,7 @@ def run_overlap(args: argparse.Namespace) -> int:
 
 def _simulated(args, n: int, launch_args: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        return _launch_worker(args, n, launch_args, "herring_jax._src.simulated_worker",
+        return _launch_worker(args, n, launch_args, "herring_jax._src.tools.simulated_worker",
                               args.script_args, "SIMULATED_RESULT", tmp)[0]
 
 
