@@ -359,7 +359,7 @@ def _launch_worker(args, n: int, launch_args: str, module: str, worker_args: lis
 
 def run_overlap(args: argparse.Namespace) -> int:
     """--overlap: one job on N processes; prints the figures, writes JSON and PNG."""
-    from herring_jax._src import overlap_plot
+    from herring_jax._src.tools import overlap_plot
     with tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "timeline")
         try:
