@@ -32,7 +32,7 @@ def test_train_bench_smoke(tmp_path):
 
 def test_train_bench_rejects_a_missing_script(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "herring_jax._src.train_bench", "--script", "nope.py"],
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "--script", "nope.py"],
         cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "no training script" in proc.stderr, proc.stderr
 
@@ -42,7 +42,7 @@ def test_train_bench_codecs_smoke(tmp_path):
     # bytes each step sent (int8 about a quarter of none's), the JSON.
     out = tmp_path / "codecs.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "herring_jax._src.train_bench", "-n", "2", "--steps", "6",
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "6",
          "--codecs", "none,int8", "--log-every", "2", "--script",
          str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
          "--layers", "1", "--text-bytes", str(1 << 18)],
@@ -64,7 +64,7 @@ def test_train_bench_codecs_over_seeds(tmp_path):
     # two seeds: each seed reaches the script, and the row is their mean.
     out = tmp_path / "seeds.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "herring_jax._src.train_bench", "-n", "2", "--steps", "4",
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "4",
          "--codecs", "none,powersgd2-bf16-it2", "--seeds", "0,1", "--log-every", "2",
          "--script", str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--plot",
          str(tmp_path / "seeds.png"), "--", "--dim", "32", "--layers", "1", "--text-bytes",
@@ -100,7 +100,7 @@ def test_train_bench_rejects_bad_codecs_and_seeds(tmp_path):
                             "give the seeds with --seeds"),
                            (["--seeds", "0,1"], "--seeds goes with --codecs")):
         proc = subprocess.run(
-            [sys.executable, "-m", "herring_jax._src.train_bench", "--script", script, *extra],
+            [sys.executable, "-m", "herring_jax._src.tools.train_bench", "--script", script, *extra],
             cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 2 and message in proc.stderr, (extra, proc.stderr)
 
@@ -112,7 +112,7 @@ def test_train_bench_names_a_script_that_trained_something_else(tmp_path):
     script.write_text("print('done: held-out loss 2.0000, median step 1.0 ms, compression "
                       "powersgd4, sent 0.100 MiB per step', flush=True)\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "herring_jax._src.train_bench", "-n", "2", "--steps", "2",
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "2",
          "--codecs", "powersgd4-bf16", "--script", str(script)],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -19,8 +19,8 @@ import argparse
 import copy
 from collections.abc import Callable
 
-from herring_jax._src import launch, timeline, train_bench
-from herring_jax._src.tools import bench
+from herring_jax._src import launch, timeline
+from herring_jax._src.tools import bench, train_bench
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]

@@ -493,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m herring_jax._src.train_bench`."""
+    """`python -m herring_jax._src.tools.train_bench`."""
     from herring_jax._src.cli import HelpFormatter
     parser = argparse.ArgumentParser(prog="herring-jax train-bench",
                                      description=__doc__.split("\n")[0],
