@@ -32,7 +32,7 @@ def test_train_bench_help_describes_the_modes_it_names(tmp_path):
 
 def test_train_bench_default_script_ships_with_the_package(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-P", "-c", "import herring_jax, os; from herring_jax._src import "
+        [sys.executable, "-P", "-c", "import herring_jax, os; from herring_jax._src.tools import "
          "train_bench as t; s = t.default_script(); print(s); print(os.path.isfile(s)); "
          "print(os.path.isfile(os.path.join(os.path.dirname(s), 'data_parallel.py')))"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120)
