@@ -69,3 +69,63 @@ def test_bench_prints_progress_before_it_ends(tmp_path):
     # The progress comes before the table of every rank's figures.
     table = next(i for i, l in enumerate(lines) if "herring x" in l)
     assert lines.index(progress[-1]) < table, out
+
+
+# The library's modules: herring_jax/_src without the tools subpackage and the
+# command line (cli.py), which dispatches to the tools' commands.
+_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "herring_jax",
+                    "_src")
+# Where a library module may reach into the tools, and only when asked to:
+# `herring-jax launch --netns` builds its simulated network with tools.netns.
+_ALLOWED_LAZY = {("launch.py", "herring_jax._src.tools.netns")}
+
+
+def _library_modules():
+    return sorted(name[:-3] for name in os.listdir(_SRC)
+                  if name.endswith(".py") and name not in ("cli.py", "__init__.py"))
+
+
+def test_the_library_imports_nothing_from_its_tools(tmp_path):
+    # Imported with the tools made unimportable, every library module loads,
+    # and no module of the tools is in sys.modules after.
+    modules = _library_modules()
+    assert len(modules) > 20 and "runtime" in modules and "train_bench" not in modules, modules
+    code = (
+        "import importlib, importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'herring_jax._src.tools' or name.startswith('herring_jax._src.tools.'):\n"
+        "            raise ImportError('the library imported ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import herring_jax, herring_jax.launch\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module('herring_jax._src.' + m)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('herring_jax._src.tools')))\n")
+    proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_no_library_module_names_the_tools_but_where_allowed():
+    # Catches imports inside functions too, which the test above cannot run.
+    import ast
+    found = set()
+    for module in _library_modules():
+        path = os.path.join(_SRC, module + ".py")
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                # `from herring_jax._src import tools` names the package
+                # through its alias.
+                names = [node.module] + ([f"{node.module}.{a.name}" for a in node.names]
+                                         if node.module == "herring_jax._src" else [])
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name == "herring_jax._src.tools" or name.startswith("herring_jax._src.tools."):
+                    found.add((module + ".py", name))
+    assert found == _ALLOWED_LAZY, found
