@@ -87,9 +87,14 @@ def test_bench_collective(tmp_path, collective):
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert data["collectives"] == [collective] and data["missing"] == {}
+    # As in the test above: every peer but torch_gloo on Python 3.12 and later.
+    no_torch = sys.version_info[:2] != (3, 11) and importlib_util.find_spec("torch") is None
+    assert data["collectives"] == [collective]
+    assert data["missing"] == ({"torch_gloo": "torch not installed (pip install torch==2.13.0)"}
+                               if no_torch else {}), data["missing"]
     ran = {"reduce_scatter": ["herring", "jax_psum", "mpi4py", "torch_gloo"],
            "all_gather": ["herring", "jax_psum", "mpi4jax", "mpi4py", "torch_gloo"]}[collective]
+    ran = [p for p in ran if not (no_torch and p == "torch_gloo")]
     assert sorted(r["peer"] for r in data["results"]) == ran
     assert all(r["collective"] == collective and r["correct"] for r in data["results"])
     assert f"\n{collective}: " in proc.stdout and f"herring at 1 MiB: " in proc.stdout
