@@ -1,7 +1,8 @@
 """allreduce on real processes: every dtype, op and size, bitwise against the
 numpy reference, for 2 processes with 2 devices and 4 processes with 1 and 2
-devices. They share one host, so this is the host stage (tests/test_host_stage.py
-covers the transport-only path and simulated hosts)."""
+devices. They share one host, so this is the host stage, both its direct path
+(small buffers) and its two steps (tests/test_host_stage.py covers the
+transport-only path and simulated hosts)."""
 
 import os
 
@@ -42,6 +43,10 @@ def test_every_dtype_op_and_size(nproc, devices):
     for rank, results in run.results.items():
         [stats] = [r["stats"] for r in results if r["case"] == "stats"]
         assert stats["host_stage_calls"] == stats["reductions"] > 0, (rank, stats)
+        # Both of its paths: the direct one (counts up to 4097, within the
+        # default HERRING_HOST_DIRECT_BYTES of 256 KiB) and the two steps (the
+        # MiB sizes).
+        assert 0 < stats["host_direct_calls"] < stats["host_stage_calls"], (rank, stats)
 
 
 def test_fifty_reductions_in_one_jit():

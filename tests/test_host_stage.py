@@ -104,8 +104,14 @@ def test_on_one_host_the_boards_carry_every_step_and_messages_only_heartbeats():
         for d in _extra(run, "describe"):
             assert f"4 processes on it, host stage through memory, {STEPS[board]}" \
                 in d["describe"], d
+            # The direct path needs the boards; its default limit is named.
+            direct = ", all-reduces up to 256 KiB in one wait (direct path)"
+            assert (direct in d["describe"]) == (board == "1"), d
         stats = [s["stats"] for s in _extra(run, "stats")]
         assert all(s["host_stage_calls"] == s["reductions"] > 0 for s in stats), stats
+        # 4097 elements go the direct way with the boards, 1 MiB the two steps.
+        assert all(s["host_direct_calls"] == (s["reductions"] // 2 if board == "1" else 0)
+                   for s in stats), stats
         sent[board] = [(s["messages_sent"] - s["heartbeats_sent"], s["reductions"])
                        for s in stats]
     # (At most one heartbeat is counted as sent and not yet as a heartbeat.)
@@ -171,8 +177,8 @@ def _fault_run(args, nproc, env=None):
     return run, reduces, stats
 
 
-@pytest.mark.parametrize("board", ["1", "0"])
-def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(board):
+@pytest.mark.parametrize("board,direct", [("1", "0"), ("0", "0"), ("1", "1")])
+def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(board, direct):
     # Rank 1 publishes its slice of the result, then fails without telling
     # anyone (as when another rank's abort reaches it first) and returns; its
     # inputs are then overwritten, as when XLA reuses their memory. Rank 2
@@ -182,14 +188,30 @@ def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(b
     # it returns (its board posting marked, or a withdrawal message it waits
     # on), and whoever read them must find that out before using the slice:
     # every rank fails, naming the withdrawal, long before the timeout.
-    run, reduces, _ = _fault_run(
+    #
+    # On the direct path (direct="1": the 256 KiB buffer is within
+    # HERRING_HOST_DIRECT_BYTES; the others set it to 0) each process reads
+    # staged copies and there is no ready step: rank 1 fails after its own
+    # reads, and rank 2 finds the withdrawal after its slow reads. Rank 0 may
+    # have read everything before rank 1 withdrew: the copies it read are
+    # exact, so it either returns the exact sum or fails naming the withdrawal.
+    run, reduces, stats = _fault_run(
         ["reduce", "--env", "1:HERRING_TEST_FAULT=withdraw-after-ready",
-         "--env", "2:HERRING_TEST_READ_DELAY_MS=500"], 3, env={"HERRING_HOST_BOARD": board})
+         "--env", "2:HERRING_TEST_READ_DELAY_MS=500"], 3,
+        env={"HERRING_HOST_BOARD": board,
+             "HERRING_HOST_DIRECT_BYTES": "262144" if direct == "1" else "0"})
     for rank, [got] in reduces.items():
-        assert got["raised"], (rank, got, run.explain())
         assert got["seconds"] < 30, (rank, got)
+        if direct == "1" and rank == 0 and not got["raised"]:
+            assert got["exact"], (rank, got, run.explain())
+            continue
+        assert got["raised"], (rank, got, run.explain())
+    for rank, s in stats.items():
+        assert s["host_direct_calls"] == (1 if direct == "1" else 0), (rank, s)
     assert "test fault withdraw-after-ready" in reduces[1][0]["message"], reduces
     for rank in (0, 2):
+        if not reduces[rank][0]["raised"]:
+            continue  # rank 0 on the direct path, exact (checked above)
         # The withdrawal, or a read of the inputs that XLA has already freed
         # (EFAULT; seen under ThreadSanitizer), which fails as well.
         message = reduces[rank][0]["message"]

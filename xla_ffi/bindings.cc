@@ -114,7 +114,7 @@ NB_MODULE(_herring_ffi, m) {
          bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
          int progress_slice_us, double stall_s, double done_grace_s,
          const std::string& test_fault, int test_read_delay_ms, int test_activate_delay_ms,
-         int test_forge_as) {
+         int test_forge_as, size_t host_direct_bytes) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -138,6 +138,7 @@ NB_MODULE(_herring_ffi, m) {
         config.test_read_delay_ms = test_read_delay_ms;
         config.test_activate_delay_ms = test_activate_delay_ms;
         config.test_forge_as = test_forge_as;
+        config.host_direct_bytes = host_direct_bytes;
         engine::Status status;
         std::unique_ptr<engine::Communicator> comm;
         {
@@ -156,6 +157,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("stall_s") = 60.0, nb::arg("done_grace_s") = 300.0,
       nb::arg("test_fault") = "", nb::arg("test_read_delay_ms") = 0,
       nb::arg("test_activate_delay_ms") = 0, nb::arg("test_forge_as") = -1,
+      nb::arg("host_direct_bytes") = 0,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {
@@ -239,6 +241,7 @@ NB_MODULE(_herring_ffi, m) {
     d["failed_batches_kept"] = s.failed_batches_kept;
     d["host_stage_calls"] = s.host_stage_calls;
     d["host_bytes_read"] = s.host_bytes_read;
+    d["host_direct_calls"] = s.host_direct_calls;
     d["batches_in_flight"] = s.batches_in_flight;
     d["posts_queued"] = s.transport.posts_queued;
     d["duplicate_completions"] = s.transport.duplicate_completions;

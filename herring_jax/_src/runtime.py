@@ -207,9 +207,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                      "1" if knobs.get("HERRING_HOST_STAGE") else "0")
                 client.key_value_set(f"{prefix}/host_board",
                                      "1" if knobs.get("HERRING_HOST_BOARD") else "0")
+                client.key_value_set(f"{prefix}/host_direct_bytes",
+                                     str(knobs.get("HERRING_HOST_DIRECT_BYTES")))
             token = int(client.blocking_key_value_get(f"{prefix}/token", timeout_ms))
             host_stage = client.blocking_key_value_get(f"{prefix}/host_stage", timeout_ms) == "1"
             host_board = client.blocking_key_value_get(f"{prefix}/host_board", timeout_ms) == "1"
+            host_direct_bytes = int(client.blocking_key_value_get(f"{prefix}/host_direct_bytes",
+                                                                  timeout_ms))
 
             provider = knobs.get("HERRING_FI_PROVIDER")
             interface = knobs.get("HERRING_FI_IFACE")
@@ -229,7 +233,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_FAULT"),
                 knobs.get("HERRING_TEST_READ_DELAY_MS"),
                 knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
-                _or(knobs.get("HERRING_TEST_FORGE_AS"), -1))
+                _or(knobs.get("HERRING_TEST_FORGE_AS"), -1), host_direct_bytes)
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(
@@ -238,6 +242,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     handle=handle, boards=host_board,
                     deny_boards=knobs.get("HERRING_TEST_DENY_BOARDS"),
                     refuse_reads=not knobs.get("HERRING_ALLOW_MEMORY_READS"))
+                topology = dataclasses.replace(topology, direct_bytes=host_direct_bytes)
                 _ext.set_topology(handle, topology.host_of, topology.pid_of,
                                   topology.memory_shared, topology.board_shared)
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)

@@ -44,6 +44,7 @@ class Topology:
     board_shared: list[bool] = dataclasses.field(default_factory=list)  # [host] boards mapped
     board_reasons: list[str] = dataclasses.field(default_factory=list)  # [host] why not
     readers: str = ""  # whom this process let read its memory ("": no declaration made)
+    direct_bytes: int = 0  # HERRING_HOST_DIRECT_BYTES as the job holds it (rank 0's)
 
     def local_ranks(self, rank: int) -> list[int]:
         """The ranks on `rank`'s host (itself included), in rank order."""
@@ -59,12 +60,23 @@ class Topology:
                 text += ", host stage off: " + self.reasons[host]
             elif self.board_shared and self.board_shared[host]:
                 text += ", host stage through memory, steps on shared-memory boards"
+                if self.direct_bytes and len(self.memory_shared) == 1:
+                    # The engine's direct path (host_stage.cc): one host only.
+                    text += (f", all-reduces up to {_size(self.direct_bytes)} in one wait "
+                             "(direct path)")
             else:
                 why = self.board_reasons[host] if self.board_reasons else "no boards"
                 text += f", host stage through memory, steps as messages ({why})"
         if self.readers:
             text += f"; memory readable by {self.readers}"
         return text
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
 
 
 def host_identity() -> str:

@@ -223,6 +223,9 @@ struct HostWait {
   // indices, and per peer the posting (and its version) whose slices this
   // process reads, acked once it has read them (step 2).
   bool board = false;
+  // The direct path (CommConfig::host_direct_bytes): the arrive entries name
+  // staged copies of the whole inputs, which every peer reads and sums.
+  bool direct = false;
   BoardKey key;
   int posting = -1;
   std::vector<int> board_index;    // [local index]

@@ -53,6 +53,12 @@ struct CommConfig {
   // done wait, since the device may take that long to reach the start's copy.
   // Kept here because it is per job, like every other knob the handlers read.
   double done_grace_s = 300.0;
+  // A host-stage all-reduce on one host whose buffers hold at most this many
+  // bytes together takes the direct path (host_stage.cc): every process reads
+  // every peer's whole input, staged, and sums it itself, so the call waits
+  // for its peers once instead of twice. 0: never. Must be the same on every
+  // process of a host (herring_jax passes rank 0's value to all).
+  size_t host_direct_bytes = 0;
   transport::TransportOptions transport;
   // Tests only: before every data message, send one copy with a stale job
   // token, which the receiver must drop (and re-post its receive for).
@@ -131,6 +137,7 @@ struct CommStats {
   uint64_t failed_batches_kept = 0;  // failed batches whose operations never drained
   uint64_t host_stage_calls = 0;     // calls reduced through the host stage
   uint64_t host_bytes_read = 0;      // bytes read from other processes' memory
+  uint64_t host_direct_calls = 0;    // of host_stage_calls, those of the direct path
   uint64_t batches_in_flight = 0;    // batches visible to aborts now (0 between calls)
   transport::TransportStats transport;
 };
@@ -211,6 +218,9 @@ class Communicator {
   bool RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& plan,
                     const std::vector<ReduceRequest>& requests, const std::vector<Identity>& ids,
                     bool* timed_out);
+  // The direct path's steps after the arrive (host_stage.cc), likewise.
+  bool RunHostDirect(Batch* batch, const std::vector<ReduceRequest>& requests,
+                     bool* timed_out);
   // Where a call's inputs are published and withdrawn (host_posting.cc): its
   // staging, arrive entries and board posting; whether every input this
   // process read is still its owner's (an error naming the one withdrawn);
@@ -478,6 +488,7 @@ class Communicator {
   std::atomic<uint64_t> heartbeats_sent_{0};
   std::atomic<uint64_t> kept_batches_{0};
   std::atomic<uint64_t> host_calls_{0};
+  std::atomic<uint64_t> host_direct_calls_{0};
   std::atomic<uint64_t> host_bytes_read_{0};
   std::atomic<bool> fault_fired_{false};
   std::atomic<bool> forged_{false};

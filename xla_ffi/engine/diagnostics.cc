@@ -171,6 +171,7 @@ CommStats Communicator::Stats() const {
   stats.failed_batches_kept = kept_batches_.load();
   stats.host_stage_calls = host_calls_.load();
   stats.host_bytes_read = host_bytes_read_.load();
+  stats.host_direct_calls = host_direct_calls_.load();
   {
     std::lock_guard<std::mutex> lock(active_mu_);
     stats.batches_in_flight = active_.size();

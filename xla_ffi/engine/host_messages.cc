@@ -49,8 +49,16 @@ std::string EntriesMismatch(const Batch& batch, int from, int me,
              "; every process must run the same reductions (shapes, dtypes, ops, codecs) in "
              "the same executables";
     }
+    const uint8_t direct = batch.host && batch.host->direct ? 1 : 0;
+    if (e.reserved <= 1 && e.reserved != direct) {
+      return "mismatched host-stage paths: rank " + std::to_string(from) +
+             (e.reserved ? " takes" : " does not take") + " the direct path for " +
+             batch.jobs[k]->Describe() + " where rank " + std::to_string(me) +
+             (direct ? " does" : " does not") + "; HERRING_HOST_DIRECT_BYTES must be the same "
+             "on every process (herring_jax.initialize() passes rank 0's to all)";
+    }
     if (e.addr == 0 || e.contributors == 0 || e.contributors > kMaxContributors ||
-        e.reserved != 0) {
+        e.reserved > 1) {
       return "rank " + std::to_string(from) + " sent a malformed host-stage entry for " +
              batch.jobs[k]->Describe();
     }

@@ -43,6 +43,13 @@ Status Communicator::PrepareHostCall(Batch* batch, const GroupPlan& plan,
     }
     HostEntry e{};
     e.addr = reinterpret_cast<uint64_t>(r.in);
+    if (w.direct) {
+      // The peers read this copy, never the input: it stays until every one
+      // of them has acked it (Linger), however soon this call returns.
+      std::memcpy(w.staging.back().data(), r.in, r.count * ElementSize(r.dtype));
+      e.addr = reinterpret_cast<uint64_t>(w.staging.back().data());
+      e.reserved = 1;
+    }
     e.key = r.key;
     e.count = r.count;
     e.contributors = r.contributors;
