@@ -87,6 +87,52 @@ void SlowDestructorDoesNotHoldUpRun() {
   Check(handed->WaitFor(std::chrono::seconds(30)), "the handed-over task never ran");
 }
 
+// Tasks that each block until all of them have started (as reductions wait
+// for each other across processes) all run: one thread per task in flight.
+void BlockingTasksEachGetAThread() {
+  constexpr int kTasks = 16;
+  auto mu = std::make_shared<std::mutex>();
+  auto cv = std::make_shared<std::condition_variable>();
+  auto started = std::make_shared<int>(0);
+  auto finished = std::make_shared<int>(0);
+  for (int i = 0; i < kTasks; ++i) {
+    AsyncRunner::Get().Run([mu, cv, started, finished] {
+      std::unique_lock<std::mutex> lock(*mu);
+      ++*started;
+      cv->notify_all();
+      if (cv->wait_for(lock, std::chrono::seconds(20), [&] { return *started == kTasks; })) {
+        ++*finished;
+        cv->notify_all();
+      }
+    });
+  }
+  std::unique_lock<std::mutex> lock(*mu);
+  Check(cv->wait_for(lock, std::chrono::seconds(30), [&] { return *finished == kTasks; }),
+        "tasks that wait for each other did not all run at once (too few threads)");
+}
+
+// One task at a time, each handed over once the previous one has ended (a
+// training loop's reductions): the idle threads take them, however the
+// hand-overs and wake-ups interleave. The runner once counted a notified
+// thread as busy even when another thread took its task first, and started a
+// new thread for most tasks: hundreds a second, each living kIdleExit.
+void SequentialTasksReuseThreads() {
+  const size_t before = AsyncRunner::Get().ThreadsStarted();
+  for (int i = 0; i < 5000; ++i) {
+    auto done = std::make_shared<Latch>();
+    AsyncRunner::Get().Run([done] { done->Set(); });
+    // Two at once now and then: a thread that finishes its task takes the
+    // one an idle thread was woken for.
+    if (i % 7 == 0) AsyncRunner::Get().Run([] {});
+    Check(done->WaitFor(std::chrono::seconds(20)), "a task never ran");
+  }
+  const size_t started = AsyncRunner::Get().ThreadsStarted() - before;
+  if (started > 4) {
+    std::fprintf(stderr, "5000 tasks, at most two at a time, started %zu threads\n", started);
+  }
+  Check(started <= 4, "the runner started a thread for tasks that idle threads could take");
+}
+
 }  // namespace
 }  // namespace herring::engine
 
@@ -99,5 +145,7 @@ int main() {
   }).detach();
   herring::engine::DestructorHandsOverWork();
   herring::engine::SlowDestructorDoesNotHoldUpRun();
+  herring::engine::BlockingTasksEachGetAThread();
+  herring::engine::SequentialTasksReuseThreads();
   return herring::test::Finish("ASYNC_RUNNER");
 }

@@ -30,12 +30,25 @@ class AsyncRunner {
   void Run(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mu_);
     tasks_.push_back(std::move(task));
-    if (idle_ > 0) {
+    // Every queued task needs a thread of its own (see above): a waiting one
+    // for each, else a new one. `idle_` counts the threads inside the wait
+    // exactly, so a notified thread whose task another one took first (a
+    // thread that had just finished its own) still counts as idle. (Counting
+    // a notified thread out at once undercounted the idle ones after every
+    // such steal: a new thread per reduction, hundreds a second, each living
+    // kIdleExit.)
+    if (tasks_.size() <= idle_) {
       cv_.notify_one();
-      --idle_;  // spoken for: the next task starts a thread of its own
       return;
     }
+    ++started_;
     std::thread([this] { Loop(); }).detach();
+  }
+
+  // Threads started so far (tests).
+  size_t ThreadsStarted() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return started_;
   }
 
  private:
@@ -56,10 +69,9 @@ class AsyncRunner {
         lock.lock();
       }
       ++idle_;
-      if (!cv_.wait_for(lock, kIdleExit, [&] { return !tasks_.empty(); })) {
-        --idle_;
-        return;
-      }
+      const bool woken = cv_.wait_for(lock, kIdleExit, [&] { return !tasks_.empty(); });
+      --idle_;
+      if (!woken) return;
     }
   }
 
@@ -67,7 +79,8 @@ class AsyncRunner {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
-  int idle_ = 0;  // threads waiting for a task, not yet spoken for
+  size_t idle_ = 0;     // threads inside the wait for a task
+  size_t started_ = 0;  // threads started
 };
 
 }  // namespace herring::engine
