@@ -43,8 +43,8 @@ def test_every_dtype_op_and_size(nproc, devices):
     for rank, results in run.results.items():
         [stats] = [r["stats"] for r in results if r["case"] == "stats"]
         assert stats["host_stage_calls"] == stats["reductions"] > 0, (rank, stats)
-        # Both of its paths: the direct one (counts up to 4097, within the
-        # default HERRING_HOST_DIRECT_BYTES of 256 KiB) and the two steps (the
+        # Both of its paths: the direct one (the small counts, within the
+        # default HERRING_HOST_DIRECT_BYTES of 32 KiB) and the two steps (the
         # MiB sizes).
         assert 0 < stats["host_direct_calls"] < stats["host_stage_calls"], (rank, stats)
 

@@ -105,7 +105,7 @@ def test_on_one_host_the_boards_carry_every_step_and_messages_only_heartbeats():
             assert f"4 processes on it, host stage through memory, {STEPS[board]}" \
                 in d["describe"], d
             # The direct path needs the boards; its default limit is named.
-            direct = ", all-reduces up to 256 KiB in one wait (direct path)"
+            direct = ", all-reduces up to 32 KiB in one wait (direct path)"
             assert (direct in d["describe"]) == (board == "1"), d
         stats = [s["stats"] for s in _extra(run, "stats")]
         assert all(s["host_stage_calls"] == s["reductions"] > 0 for s in stats), stats
@@ -189,8 +189,8 @@ def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(b
     # on), and whoever read them must find that out before using the slice:
     # every rank fails, naming the withdrawal, long before the timeout.
     #
-    # On the direct path (direct="1": the 256 KiB buffer is within
-    # HERRING_HOST_DIRECT_BYTES; the others set it to 0) each process reads
+    # On the direct path (direct="1": HERRING_HOST_DIRECT_BYTES raised to the
+    # buffer's 256 KiB; the others set it to 0) each process reads
     # staged copies and there is no ready step: rank 1 fails after its own
     # reads, and rank 2 finds the withdrawal after its slow reads. Rank 0 may
     # have read everything before rank 1 withdrew: the copies it read are

@@ -117,10 +117,11 @@ KNOBS: dict[str, Knob] = {
              "1: processes of one host reduce through memory (process_vm_readv) and only "
              "each host's share crosses the network; 0: every process talks to every "
              "other over the transport. Rank 0's value holds for the whole job."),
-        Knob("HERRING_HOST_DIRECT_BYTES", 262144, _non_negative_int,
+        Knob("HERRING_HOST_DIRECT_BYTES", 32768, _non_negative_int,
              "A host-stage all-reduce on one host of at most this many bytes (all its "
              "buffers together) takes the direct path: each process reads every other's "
-             "whole input and sums it itself, waiting for its peers once instead of twice. "
+             "whole input and sums it itself, waiting for its peers once instead of twice "
+             "(it pays for small buffers only, where the wait costs more than the bytes). "
              "0: never. Rank 0's value holds for the whole job."),
         Knob("HERRING_HOST_BOARD", True, _bool,
              "1: the host stage's steps (where inputs and result slices are) go through a "
