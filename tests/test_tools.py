@@ -129,3 +129,19 @@ def test_no_library_module_names_the_tools_but_where_allowed():
                 if name == "herring_jax._src.tools" or name.startswith("herring_jax._src.tools."):
                     found.add((module + ".py", name))
     assert found == _ALLOWED_LAZY, found
+
+
+def test_latency_phases_prints_each_phase(tmp_path):
+    # The tool behind BENCHMARKS.md's small-buffer phases: a short run on 2
+    # processes prints every phase, each a number of microseconds.
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "herring_jax.launch", "-n", "2", "--", sys.executable, "-P",
+         "-m", "herring_jax._src.tools.latency_phases", "--count", "1", "--iters", "20"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [line] = [l for l in proc.stdout.splitlines() if "processes, 4 bytes, 20 runs" in l]
+    import re
+    phases = dict(re.findall(r"(skew|dispatch|hop|first end|last end|ready|total) (\d+)", line))
+    assert set(phases) == {"skew", "dispatch", "hop", "first end", "last end", "ready",
+                           "total"}, line
+    assert int(phases["total"]) > 0, line
