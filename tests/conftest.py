@@ -13,14 +13,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pyproject.toml gives every test.
 LONG_TESTS = os.environ.get("HERRING_LONG_TESTS") == "1"
 
+# The extended part of the suite: the tools (bench, train-bench, the GPU
+# kit's dry run, the latency tool) and the long-haul runs (soak, chaos,
+# resume after a kill). `bash tests/run.sh` runs everything else, about 15
+# minutes on 2 cores; `bash tests/run.sh -m extended` runs these, as .ci/run
+# does after it, and `bash tests/run.sh -m ""` both.
+EXTENDED = {"test_bench.py", "test_train_bench.py", "test_tools.py", "test_gpu_check.py",
+            "test_soak.py", "test_chaos.py", "test_resume.py"}
+
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "long_timeout(seconds): with HERRING_LONG_TESTS=1 this test's pytest "
         "timeout is `seconds` instead of the global one")
+    config.addinivalue_line(
+        "markers", "extended: the suite's extended part (conftest.EXTENDED), which "
+        "`bash tests/run.sh` leaves to `bash tests/run.sh -m extended`")
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in EXTENDED:
+            item.add_marker(pytest.mark.extended)
     if not LONG_TESTS:
         return
     for item in items:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing, builds herring_jax, runs the suite
-# (real multi-process jobs on this machine). Extra arguments go to pytest.
+# (real multi-process jobs on this machine) but its extended part (the tools'
+# and the long-haul tests, tests/conftest.py's EXTENDED), which .ci/run runs
+# after it. Extra arguments go to pytest: `-m extended` runs the extended part
+# instead, `-m ""` everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash .ci/install.sh
 # -P: the source tree's herring_jax (no compiled extension) must not shadow
 # the installed package.
-exec python3 -P -m pytest tests -q -rfEs --durations=10 "$@"
+exec python3 -P -m pytest tests -q -rfEs --durations=10 -m "not extended" "$@"
