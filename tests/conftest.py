@@ -15,9 +15,9 @@ LONG_TESTS = os.environ.get("HERRING_LONG_TESTS") == "1"
 
 # The extended part of the suite: the tools (bench, train-bench, the GPU
 # kit's dry run, the latency tool) and the long-haul runs (soak, chaos,
-# resume after a kill). `bash tests/run.sh` runs everything else, about 17
-# minutes on 2 cores (the extended part 5); `bash tests/run.sh -m extended` runs these, as .ci/run
-# does after it, and `bash tests/run.sh -m ""` both.
+# resume after a kill). `bash tests/run.sh` runs everything else, 17 to 19
+# minutes on 2 cores (the extended part: 5); `bash tests/run.sh -m extended`
+# runs these, as .ci/run does after it, and `bash tests/run.sh -m ""` both.
 EXTENDED = {"test_bench.py", "test_train_bench.py", "test_tools.py", "test_gpu_check.py",
             "test_soak.py", "test_chaos.py", "test_resume.py"}
 

@@ -4,6 +4,7 @@ modes it refers to. (That train-bench finds its default training script from
 any directory: test_train_bench.test_train_bench_smoke.)"""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -140,7 +141,6 @@ def test_latency_phases_prints_each_phase(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [line] = [l for l in proc.stdout.splitlines() if "processes, 4 bytes, 20 runs" in l]
-    import re
     phases = dict(re.findall(r"(skew|dispatch|hop|first end|last end|ready|total) (\d+)", line))
     assert set(phases) == {"skew", "dispatch", "hop", "first end", "last end", "ready",
                            "total"}, line

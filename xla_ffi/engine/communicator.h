@@ -218,6 +218,14 @@ class Communicator {
   bool RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& plan,
                     const std::vector<ReduceRequest>& requests, const std::vector<Identity>& ids,
                     bool* timed_out);
+  // Step 2's pieces, shared by both paths (host_stage.cc): the devices the
+  // host's processes count together in buffer k (an error past
+  // kMaxContributors), and `bytes` at byte `at` of every other process's input
+  // k read into `pieces` (kPieceBytes apart), `own` standing for this
+  // process's, as `srcs` for the sum.
+  Status HostContributors(Batch* batch, size_t k, uint64_t* total);
+  Status ReadInputPiece(Batch* batch, size_t k, size_t at, size_t bytes, const void* own,
+                        char* pieces, std::vector<const void*>* srcs);
   // The direct path's steps after the arrive (host_stage.cc), likewise.
   bool RunHostDirect(Batch* batch, const std::vector<ReduceRequest>& requests,
                      bool* timed_out);

@@ -190,6 +190,40 @@ Status Communicator::GatherFrom(Batch* batch, int q, const std::vector<ReduceReq
   return Status::Ok();
 }
 
+Status Communicator::HostContributors(Batch* batch, size_t k, uint64_t* total) {
+  const HostWait& w = *batch->host;
+  *total = 0;
+  for (int q = 0; q < w.size(); ++q) {
+    if (!AddContributors(total, q == w.me ? batch->jobs[k]->req.contributors
+                                          : w.in_entries[0 * w.size() + q][k].contributors)) {
+      return Status::Error("rank " + std::to_string(config_.rank) + ": the processes of this "
+                           "host count more than " + std::to_string(kMaxContributors) +
+                           " devices in " + batch->jobs[k]->Describe());
+    }
+  }
+  return Status::Ok();
+}
+
+Status Communicator::ReadInputPiece(Batch* batch, size_t k, size_t at, size_t bytes,
+                                    const void* own, char* pieces,
+                                    std::vector<const void*>* srcs) {
+  const HostWait& w = *batch->host;
+  for (int q = 0, slot = 0; q < w.size(); ++q) {
+    if (q == w.me) {
+      (*srcs)[q] = own;
+      continue;
+    }
+    // The arrive entries of process q (step 0).
+    char* into = pieces + (slot++) * kPieceBytes;
+    Status s = ReadProcessMemory(w.pids[q], w.in_entries[0 * w.size() + q][k].addr + at, into,
+                                 bytes);
+    if (!s.ok()) return HostReadFailed(batch, q, "input of " + batch->jobs[k]->Describe(), s);
+    host_bytes_read_ += bytes;
+    (*srcs)[q] = into;
+  }
+  return Status::Ok();
+}
+
 Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
                                    const std::vector<ReduceRequest>& requests,
                                    const std::vector<Identity>& ids) {
@@ -329,18 +363,8 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
   if (!gather_only) wait(0);
   std::vector<uint64_t> contributors(num, 0);
   for (size_t k = 0; gather_only && k < num; ++k) contributors[k] = requests[k].contributors;
-  if (ok && !gather_only) {
-    for (size_t k = 0; ok && k < num; ++k) {
-      for (int q = 0; q < p; ++q) {
-        if (!AddContributors(&contributors[k], q == me ? requests[k].contributors
-                                                       : w.in_entries[0 * p + q][k].contributors)) {
-          fail(Status::Error("rank " + std::to_string(config_.rank) + ": the processes of this "
-                             "host count more than " + std::to_string(kMaxContributors) +
-                             " devices in " + batch->jobs[k]->Describe()), true);
-          break;
-        }
-      }
-    }
+  for (size_t k = 0; ok && !gather_only && k < num; ++k) {
+    fail(HostContributors(batch, k, &contributors[k]), true);
   }
   if (ok && config_.test_read_delay_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(config_.test_read_delay_ms));
@@ -364,23 +388,9 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
              off += piece, ok = ok && !batch->Failed()) {
           const size_t n = std::min(piece, range.len - off);
           const size_t at = (range.begin + off) * elem;
-          for (int q = 0, slot = 0; ok && q < p; ++q) {
-            if (q == me) {
-              srcs[q] = static_cast<const char*>(r.in) + at;
-              continue;
-            }
-            // The arrive entries of process q (step 0).
-            const uint64_t from = w.in_entries[0 * p + q][k].addr + at;
-            char* into = pieces.data() + (slot++) * kPieceBytes;
-            Status s = ReadProcessMemory(w.pids[q], from, into, n * elem);
-            if (!s.ok()) {
-              fail(HostReadFailed(batch, q, "input of " + batch->jobs[k]->Describe(), s),
-                   true);
-              break;
-            }
-            host_bytes_read_ += n * elem;
-            srcs[q] = into;
-          }
+          fail(ReadInputPiece(batch, k, at, n * elem, static_cast<const char*>(r.in) + at,
+                              pieces.data(), &srcs),
+               true);
           if (!ok) break;
           char* slice = w.staging[k].data() + (staged + off) * elem;
           if (w.hosts > 1) {
@@ -533,36 +543,16 @@ bool Communicator::RunHostDirect(Batch* batch, const std::vector<ReduceRequest>&
   for (size_t k = 0; ok && k < requests.size(); ++k) {
     const ReduceRequest& r = requests[k];
     uint64_t contributors = 0;
-    for (int q = 0; ok && q < p; ++q) {
-      if (!AddContributors(&contributors, q == me ? r.contributors
-                                                  : w.in_entries[0 * p + q][k].contributors)) {
-        fail(Status::Error("rank " + std::to_string(config_.rank) + ": the processes of this "
-                           "host count more than " + std::to_string(kMaxContributors) +
-                           " devices in " + batch->jobs[k]->Describe()));
-      }
-    }
+    fail(HostContributors(batch, k, &contributors));
     const size_t elem = ElementSize(r.dtype);
     const size_t piece = std::max<size_t>(1, kPieceBytes / elem);
     const double divisor = r.op == ReduceOp::kMean ? static_cast<double>(contributors) : 1.0;
     for (size_t off = 0; ok && off < r.count; off += piece) {
       const size_t n = std::min(piece, r.count - off);
       const size_t at = off * elem;
-      for (int q = 0, slot = 0; ok && q < p; ++q) {
-        if (q == me) {
-          // Its own staged copy: the output may be the input (in place).
-          srcs[q] = w.staging[k].data() + at;
-          continue;
-        }
-        char* into = pieces.data() + (slot++) * kPieceBytes;
-        Status s = ReadProcessMemory(w.pids[q], w.in_entries[0 * p + q][k].addr + at, into,
-                                     n * elem);
-        if (!s.ok()) {
-          fail(HostReadFailed(batch, q, "input of " + batch->jobs[k]->Describe(), s));
-          break;
-        }
-        host_bytes_read_ += n * elem;
-        srcs[q] = into;
-      }
+      // Its own staged copy: the output may be the input (in place).
+      fail(ReadInputPiece(batch, k, at, n * elem, w.staging[k].data() + at, pieces.data(),
+                          &srcs));
       if (!ok) break;
       ReduceOpInto(r.op, r.dtype, static_cast<char*>(r.out) + at, nullptr, srcs.data(), p, n,
                    divisor);
