@@ -5,6 +5,7 @@ set by hand), or takes them from HERRING_* variables (Kubernetes and any
 other scheduler)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -22,8 +23,10 @@ def _env(**extra):
 
 
 def _check(outputs, n):
-    ranks = sorted(line for out in outputs for line in out.splitlines()
-                   if line.startswith("recipe rank"))
+    # Found anywhere, not per line: mpirun forwards each rank's stdout in its
+    # own chunks, and one rank's line can arrive with another's newline.
+    ranks = sorted(m.group(0) for out in outputs
+                   for m in re.finditer(r"recipe rank \d+ of \d+: [0-9.]+", out))
     expected = float(sum(range(1, n + 1)))
     assert ranks == [f"recipe rank {r} of {n}: {expected}" for r in range(n)], outputs
 
