@@ -79,6 +79,8 @@ def test_provider_matrix(provider, force_mr):
         assert ("registered buffers" in text) == force_mr, text
         # Heartbeats are on by default, except over shm (see HERRING_HEARTBEAT_S).
         transport = text.split("; host ")[0]
-        assert transport.endswith("no heartbeats" if provider == "shm"
-                                  else "heartbeats every 1 s"), text
+        assert (", no heartbeats," if provider == "shm"
+                else ", heartbeats every 1 s,") in transport, text
+        # HERRING_CHUNK_BYTES above, and the smallest chunk's default.
+        assert transport.endswith("parts in chunks of 1/4, 16 KiB to 256 KiB"), text
         assert text.endswith("host stage off: HERRING_HOST_STAGE=0"), text

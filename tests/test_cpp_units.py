@@ -74,3 +74,10 @@ def test_reduce_kernels(sanitizer):
     # element-by-element sum in source order.
     _build_and_run("reduce_kernels_test", sanitizer, "REDUCE_KERNELS_OK",
                    extra_sources=["engine/reduce_kernels.cc"])
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_chunking(sanitizer):
+    # A quarter of the part between the two limits, rounded to 64 bytes (a
+    # codec's block), never above the transport's message limit.
+    _build_and_run("chunking_test", sanitizer, "CHUNKING_OK")

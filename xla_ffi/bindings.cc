@@ -114,12 +114,13 @@ NB_MODULE(_herring_ffi, m) {
          bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
          int progress_slice_us, double stall_s, double done_grace_s,
          const std::string& test_fault, int test_read_delay_ms, int test_activate_delay_ms,
-         int test_forge_as, size_t host_direct_bytes) {
+         int test_forge_as, size_t host_direct_bytes, size_t min_chunk_bytes) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
         config.token = token;
         config.chunk_bytes = chunk_bytes;
+        config.min_chunk_bytes = min_chunk_bytes;
         config.server_threads = server_threads;
         config.timeout_s = timeout_s;
         config.heartbeat_s = heartbeat_s;
@@ -157,7 +158,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("stall_s") = 60.0, nb::arg("done_grace_s") = 300.0,
       nb::arg("test_fault") = "", nb::arg("test_read_delay_ms") = 0,
       nb::arg("test_activate_delay_ms") = 0, nb::arg("test_forge_as") = -1,
-      nb::arg("host_direct_bytes") = 0,
+      nb::arg("host_direct_bytes") = 0, nb::arg("min_chunk_bytes") = 16 << 10,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {

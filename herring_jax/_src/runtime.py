@@ -209,11 +209,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                      "1" if knobs.get("HERRING_HOST_BOARD") else "0")
                 client.key_value_set(f"{prefix}/host_direct_bytes",
                                      str(knobs.get("HERRING_HOST_DIRECT_BYTES")))
+                # Chunks must be cut alike too: the wire checks each one.
+                client.key_value_set(f"{prefix}/chunk_bytes",
+                                     f'{knobs.get("HERRING_CHUNK_BYTES")} '
+                                     f'{knobs.get("HERRING_MIN_CHUNK_BYTES")}')
             token = int(client.blocking_key_value_get(f"{prefix}/token", timeout_ms))
             host_stage = client.blocking_key_value_get(f"{prefix}/host_stage", timeout_ms) == "1"
             host_board = client.blocking_key_value_get(f"{prefix}/host_board", timeout_ms) == "1"
             host_direct_bytes = int(client.blocking_key_value_get(f"{prefix}/host_direct_bytes",
                                                                   timeout_ms))
+            chunk_bytes, min_chunk_bytes = map(int, client.blocking_key_value_get(
+                f"{prefix}/chunk_bytes", timeout_ms).split())
 
             provider = knobs.get("HERRING_FI_PROVIDER")
             interface = knobs.get("HERRING_FI_IFACE")
@@ -222,7 +228,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     coordinator_address or getattr(client, "coordinator_address", None))
             handle = _ext.create_communicator(
                 rank, size, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
-                knobs.get("HERRING_CHUNK_BYTES"), knobs.get("HERRING_SERVER_THREADS"),
+                chunk_bytes, knobs.get("HERRING_SERVER_THREADS"),
                 knobs.get("HERRING_TIMEOUT_S"), _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
                 knobs.get("HERRING_PEER_TIMEOUT_S"), knobs.get("HERRING_MAX_POSTED"),
                 knobs.get("HERRING_TEST_STALE_COPIES"),
@@ -233,7 +239,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_FAULT"),
                 knobs.get("HERRING_TEST_READ_DELAY_MS"),
                 knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
-                _or(knobs.get("HERRING_TEST_FORGE_AS"), -1), host_direct_bytes)
+                _or(knobs.get("HERRING_TEST_FORGE_AS"), -1), host_direct_bytes,
+                min_chunk_bytes)
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 topology = topology_lib.exchange(

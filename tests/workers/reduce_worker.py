@@ -71,6 +71,9 @@ def main() -> int:
                         help="this rank waits --slow-reader-ms in every host-stage call "
                              "before it reads the others' result slices")
     parser.add_argument("--slow-reader-ms", type=int, default=800)
+    parser.add_argument("--rank-env", action="append", default=[], metavar="R:KEY=VALUE",
+                        help="rank R sets KEY=VALUE in its environment before initialize() "
+                             "(a knob that differs between processes)")
     parser.add_argument("--exit-after-shutdown", action="store_true",
                         help="end with os._exit(0) right after herring_jax.shutdown(): "
                              "no jax.distributed shutdown barrier holds the memory of a "
@@ -86,6 +89,11 @@ def main() -> int:
         os.environ["HERRING_TEST_DENY_BOARDS"] = "1"
     if os.environ.get("HERRING_PROCESS_ID") == str(args.slow_reader_rank):
         os.environ["HERRING_TEST_GATHER_DELAY_MS"] = str(args.slow_reader_ms)
+    for item in args.rank_env:
+        who, setting = item.split(":", 1)
+        if os.environ.get("HERRING_PROCESS_ID") == who:
+            key, value = setting.split("=", 1)
+            os.environ[key] = value
     herring_jax.initialize()
     rank, nproc = herring_jax.process_index(), herring_jax.process_count()
     ndev = args.devices

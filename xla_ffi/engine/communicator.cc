@@ -365,10 +365,8 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     if (j.req.collective == Collective::kReduceScatter) j.out_base = j.PartBegin(me);
     size_t largest = 0;
     for (int i = 0; i < n; ++i) largest = std::max(largest, j.PartLen(i));
-    j.chunk_elems = std::max<size_t>(1, config_.chunk_bytes / j.elem);
-    j.chunk_elems = std::max(j.chunk_elems, (largest + kMaxChunksPerPart - 1) /
-                                                kMaxChunksPerPart);
-    if (j.Encoded()) j.chunk_elems = (j.chunk_elems + align - 1) / align * align;
+    j.chunk_elems = ChunkElems(largest, j.elem, align, config_.chunk_bytes,
+                               config_.min_chunk_bytes);
     j.wire_stride = j.Encoded() ? EncodedBytes(j.req.codec, j.chunk_elems)
                                 : j.chunk_elems * j.elem;
     j.max_chunks = largest == 0 ? 0 : (largest + j.chunk_elems - 1) / j.chunk_elems;

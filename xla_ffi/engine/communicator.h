@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "engine/buffer_pool.h"
+#include "engine/chunking.h"
 #include "engine/codec.h"
 #include "engine/dtype.h"
 #include "engine/host_board.h"
@@ -36,7 +37,13 @@ struct CommConfig {
   int rank = 0;
   int size = 1;
   uint64_t token = 0;            // job token; every message carries it
-  size_t chunk_bytes = 1 << 20;  // pipelining unit inside a part
+  // The pipelining unit inside a part: each part travels in chunks of about
+  // a kChunksPerPart-th of the part, between min_chunk_bytes and chunk_bytes
+  // (chunking.h), so that a small part's results flow while its later
+  // chunks' contributions still arrive. Both must be the same on every
+  // process (herring_jax passes rank 0's values to all).
+  size_t chunk_bytes = 1 << 20;
+  size_t min_chunk_bytes = 16 << 10;
   int server_threads = 1;
   double timeout_s = 300.0;      // no reduction waits longer
   // Liveness: every rank sends a heartbeat to every other rank each

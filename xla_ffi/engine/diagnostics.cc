@@ -19,6 +19,13 @@ std::string RankList(const std::set<int>& ranks) {
   return "[" + s + "]";
 }
 
+// 16 KiB, 1 MiB, 100 B: a byte count as people write it.
+std::string SizeText(size_t bytes) {
+  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
+  if (bytes >= (1u << 10) && bytes % (1u << 10) == 0) return std::to_string(bytes >> 10) + " KiB";
+  return std::to_string(bytes) + " B";
+}
+
 }  // namespace
 
 std::string Communicator::OldestWait(WireHeader* h) {
@@ -156,8 +163,14 @@ std::string Communicator::Describe() const {
   if (connected_ && config_.heartbeat_s > 0) {
     std::snprintf(heartbeat, sizeof(heartbeat), "heartbeats every %g s", config_.heartbeat_s);
   }
+  const size_t least = std::min(config_.min_chunk_bytes, config_.chunk_bytes);
+  const std::string chunks =
+      least == config_.chunk_bytes
+          ? "parts in chunks of " + SizeText(config_.chunk_bytes)
+          : "parts in chunks of 1/" + std::to_string(kChunksPerPart) + ", " + SizeText(least) +
+                " to " + SizeText(config_.chunk_bytes);
   return "rank " + std::to_string(config_.rank) + " of " + std::to_string(config_.size) +
-         " over " + transport_->Describe() + ", " + heartbeat;
+         " over " + transport_->Describe() + ", " + heartbeat + ", " + chunks;
 }
 
 CommStats Communicator::Stats() const {
