@@ -82,5 +82,6 @@ def test_provider_matrix(provider, force_mr):
         assert (", no heartbeats," if provider == "shm"
                 else ", heartbeats every 1 s,") in transport, text
         # HERRING_CHUNK_BYTES above, and the smallest chunk's default.
-        assert transport.endswith("parts in chunks of 1/4, 16 KiB to 256 KiB"), text
+        assert transport.endswith("parts in chunks of 256 KiB, across hosts of 1/4 of the "
+                                  "part down to 16 KiB"), text
         assert text.endswith("host stage off: HERRING_HOST_STAGE=0"), text

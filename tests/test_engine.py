@@ -149,21 +149,24 @@ def test_messages_forged_to_come_from_another_rank_are_never_taken_for_its_own()
         run.explain()
 
 
-@pytest.mark.parametrize("rank0_min_chunk, messages", [("16384", 4), ("1048576", 1)])
-def test_parts_travel_in_chunks_of_a_quarter_cut_alike_on_every_process(rank0_min_chunk,
-                                                                          messages):
+@pytest.mark.parametrize("hosts, rank0_min_chunk, messages",
+                         [(2, "16384", 4), (2, "1048576", 1), (None, "16384", 1)])
+def test_parts_cross_hosts_in_chunks_of_a_quarter_cut_alike_on_every_process(
+        hosts, rank0_min_chunk, messages):
     # A 1 MiB float32 all-reduce on 2 processes over the transport: 512 KiB
-    # parts. With 16 KiB chunks at least, each part travels in 4 chunks of
-    # 128 KiB (its results flow while its last contributions arrive); with
-    # 1 MiB at least, in one, the geometry before small parts were cut. Rank
-    # 1 asks for the other geometry: rank 0's must hold on both, or the
+    # parts. Between 2 simulated hosts, with 16 KiB chunks at least, each part
+    # travels in 4 chunks of 128 KiB (its results flow while its last
+    # contributions arrive); with 1 MiB at least, in one, the geometry before
+    # small parts were cut. On one host, in one whatever the smallest chunk.
+    # Rank 1 asks for the other geometry: rank 0's must hold on both, or the
     # chunks' headers would not match (a failed or hung reduction).
     other = "1048576" if rank0_min_chunk == "16384" else "16384"
     run = launch("reduce_worker.py",
                  ["--dtypes", "float32", "--ops", "sum", "--counts", "", "--mib", "1",
                   "--stats", "--describe", "--rank-env", f"1:HERRING_MIN_CHUNK_BYTES={other}"],
-                 nproc=2, env={"HERRING_HOST_STAGE": "0", "HERRING_HEARTBEAT_S": "0",
-                               "HERRING_MIN_CHUNK_BYTES": rank0_min_chunk})
+                 nproc=2, hosts=hosts,
+                 env={"HERRING_HOST_STAGE": "0", "HERRING_HEARTBEAT_S": "0",
+                      "HERRING_MIN_CHUNK_BYTES": rank0_min_chunk})
     digests = assert_all_ok(run, expected_cases=3)
     assert all(len(d) == 1 for case, d in digests.items() if case not in ("stats", "describe"))
     for rank, r in _stats(run).items():
@@ -171,8 +174,9 @@ def test_parts_travel_in_chunks_of_a_quarter_cut_alike_on_every_process(rank0_mi
         # part's result, each in `messages` chunks; nothing else (no
         # heartbeats, no control messages in a healthy run).
         assert r["stats"]["messages_sent"] == 2 * messages, (rank, r["stats"])
-    described = _stats(run, "describe")[1]["describe"]
+    described = _stats(run, "describe")[1]["describe"].split("; host ")[0]
     if rank0_min_chunk == "16384":
-        assert "parts in chunks of 1/4, 16 KiB to 1 MiB" in described, described
+        assert described.endswith("parts in chunks of 1 MiB, across hosts of 1/4 of the part "
+                                  "down to 16 KiB"), described
     else:
-        assert "parts in chunks of 1 MiB" in described, described
+        assert described.endswith("parts in chunks of 1 MiB"), described

@@ -80,13 +80,15 @@ KNOBS: dict[str, Knob] = {
              "1: register every buffer with fi_mr_reg and pass descriptors even "
              "if the provider does not ask for it (the path EFA takes)."),
         Knob("HERRING_CHUNK_BYTES", 1 << 20, _positive_int,
-             "Pipelining unit, at most: each server part is sent in messages of about a "
-             "quarter of the part, between HERRING_MIN_CHUNK_BYTES and this. Rank 0's "
-             "value holds for the whole job."),
+             "Pipelining unit: each server part is sent in messages of this size; between "
+             "hosts, of about a quarter of the part, between HERRING_MIN_CHUNK_BYTES and "
+             "this. Rank 0's value holds for the whole job."),
         Knob("HERRING_MIN_CHUNK_BYTES", 16 << 10, _positive_int,
-             "Pipelining unit, at least (unless HERRING_CHUNK_BYTES is smaller): small "
-             "parts still travel in several messages, so that their results flow while "
-             "their last contributions arrive. Rank 0's value holds for the whole job."),
+             "Smallest pipelining unit between hosts (unless HERRING_CHUNK_BYTES is "
+             "smaller): small parts still travel in several messages, so that their "
+             "results flow while their last contributions arrive; on a fast fabric, where "
+             "a message costs more than that, raise it to HERRING_CHUNK_BYTES. Rank 0's "
+             "value holds for the whole job."),
         Knob("HERRING_SERVER_THREADS", 1, _positive_int,
              "Threads per process that sum the parts this process serves."),
         Knob("HERRING_TIMEOUT_S", 300.0, _positive_float,

@@ -344,6 +344,13 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
   const int n = static_cast<int>(order.size());
   const int me =
       static_cast<int>(std::find(order.begin(), order.end(), config_.rank) - order.begin());
+  // Inside one host (the transport over loopback or shared memory) a message
+  // costs more than the wait for a part's last bytes: whole chunks there.
+  const bool one_host =
+      !topology_.empty() &&
+      std::all_of(order.begin(), order.end(),
+                  [&](int r) { return topology_.host_of[r] == topology_.host_of[order[0]]; });
+  const size_t min_chunk_bytes = one_host ? config_.chunk_bytes : config_.min_chunk_bytes;
   // Geometry first, so that `remaining` is complete before anything is posted.
   for (auto& job : batch->jobs) {
     Job& j = *job;
@@ -365,8 +372,7 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     if (j.req.collective == Collective::kReduceScatter) j.out_base = j.PartBegin(me);
     size_t largest = 0;
     for (int i = 0; i < n; ++i) largest = std::max(largest, j.PartLen(i));
-    j.chunk_elems = ChunkElems(largest, j.elem, align, config_.chunk_bytes,
-                               config_.min_chunk_bytes);
+    j.chunk_elems = ChunkElems(largest, j.elem, align, config_.chunk_bytes, min_chunk_bytes);
     j.wire_stride = j.Encoded() ? EncodedBytes(j.req.codec, j.chunk_elems)
                                 : j.chunk_elems * j.elem;
     j.max_chunks = largest == 0 ? 0 : (largest + j.chunk_elems - 1) / j.chunk_elems;

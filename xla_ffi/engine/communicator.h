@@ -37,11 +37,12 @@ struct CommConfig {
   int rank = 0;
   int size = 1;
   uint64_t token = 0;            // job token; every message carries it
-  // The pipelining unit inside a part: each part travels in chunks of about
-  // a kChunksPerPart-th of the part, between min_chunk_bytes and chunk_bytes
-  // (chunking.h), so that a small part's results flow while its later
-  // chunks' contributions still arrive. Both must be the same on every
-  // process (herring_jax passes rank 0's values to all).
+  // The pipelining unit inside a part. Between hosts each part travels in
+  // chunks of about a kChunksPerPart-th of the part, between min_chunk_bytes
+  // and chunk_bytes (chunking.h), so that a small part's results flow while
+  // its later chunks' contributions still arrive; inside one host, where a
+  // message costs more than that wait, in chunks of chunk_bytes. Both must be
+  // the same on every process (herring_jax passes rank 0's values to all).
   size_t chunk_bytes = 1 << 20;
   size_t min_chunk_bytes = 16 << 10;
   int server_threads = 1;

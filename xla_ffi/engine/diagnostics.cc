@@ -164,11 +164,11 @@ std::string Communicator::Describe() const {
     std::snprintf(heartbeat, sizeof(heartbeat), "heartbeats every %g s", config_.heartbeat_s);
   }
   const size_t least = std::min(config_.min_chunk_bytes, config_.chunk_bytes);
-  const std::string chunks =
-      least == config_.chunk_bytes
-          ? "parts in chunks of " + SizeText(config_.chunk_bytes)
-          : "parts in chunks of 1/" + std::to_string(kChunksPerPart) + ", " + SizeText(least) +
-                " to " + SizeText(config_.chunk_bytes);
+  std::string chunks = "parts in chunks of " + SizeText(config_.chunk_bytes);
+  if (least < config_.chunk_bytes) {
+    chunks += ", across hosts of 1/" + std::to_string(kChunksPerPart) + " of the part down to " +
+              SizeText(least);
+  }
   return "rank " + std::to_string(config_.rank) + " of " + std::to_string(config_.size) +
          " over " + transport_->Describe() + ", " + heartbeat + ", " + chunks;
 }
