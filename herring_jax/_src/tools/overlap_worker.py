@@ -14,11 +14,14 @@ optax.sgd(...))`` in one ``jax.jit``. Measured in the same job, medians:
              step's reductions need that step's gradients, so none can start
              before the forward pass ends, and the step takes at least
              max(compute, forward + reduction).
-  first      when the step's first reduction was issued (its first gradient
-             ready: the forward pass, which inside the step also keeps what
-             the backward pass needs, and the last layer's backward), from
-             the engine's timeline; with it in place of the forward pass the
-             bound is what this step's dataflow allows.
+  first gradient  the forward pass and the last layer's gradients alone (XLA
+             prunes the rest of the backward pass): no reduction of a bucket
+             of the last layer can start earlier, so with it in place of the
+             forward pass the bound is what this model's dataflow allows.
+  first      when the step's first reduction was issued, from the engine's
+             timeline; with it in place of the forward pass the bound is what
+             this step's schedule allowed (XLA places each reduction's call
+             among the backward pass's operations).
 It also checks that a step's reduced gradients are bitwise its local
 gradients reduced outside the step, and writes every rank's
 timeline (step boundaries from Python, each reduction's issue / start / end
@@ -106,6 +109,11 @@ def main(argv=None) -> int:
 
     grads_of = jax.jit(jax.grad(loss_fn))
     forward = jax.jit(loss_fn)
+
+    @jax.jit
+    def first_gradient(p, x, y):  # the last layer's gradients only
+        return jax.grad(lambda last: loss_fn(p[:-1] + [last], x, y))(p[-1])
+
     reduce_only = jax.jit(lambda g: reducer.update(g, reducer.init(g))[0])
 
     def timed(fn, n):
@@ -120,8 +128,10 @@ def main(argv=None) -> int:
     g0 = grads_of(params, x, y)
     # Warm up (compile) every function, then time each kind in turn.
     jax.block_until_ready((step(params, state, x, y), compute_only(params, sgd_state, x, y),
-                           reduce_only(g0), forward(params, x, y)))
+                           reduce_only(g0), forward(params, x, y),
+                           first_gradient(params, x, y)))
     t_forward = timed(lambda: forward(params, x, y), args.steps)
+    t_first_gradient = timed(lambda: first_gradient(params, x, y), args.steps)
     t_compute = timed(lambda: compute_only(params, sgd_state, x, y), args.steps)
     t_reduce = timed(lambda: reduce_only(g0), args.steps)
     runtime.take_timeline()  # forget the warm-up and the reduction-alone runs
@@ -146,8 +156,8 @@ def main(argv=None) -> int:
             for e in events:
                 f.write(json.dumps({"kind": "reduction", **e}) + "\n")
 
-    compute, reduction, stepped, fwd = (statistics.median(t)
-                                        for t in (t_compute, t_reduce, t_step, t_forward))
+    compute, reduction, stepped, fwd, first_gradient_ms = (
+        statistics.median(t) for t in (t_compute, t_reduce, t_step, t_forward, t_first_gradient))
     # Each step's first reduction issued, from the step's start.
     firsts = []
     for a, b in steps_log:
@@ -166,6 +176,8 @@ def main(argv=None) -> int:
               "layers": args.layers, "width": args.width, "batch": args.batch,
               "compute_ms": compute, "forward_ms": fwd, "reduction_ms": reduction,
               "step_ms": stepped, "hidden_fraction": hidden, "hidden_fraction_bound": bound,
+              "first_gradient_ms": first_gradient_ms,
+              "hidden_fraction_bound_at_first_gradient": bound_after(first_gradient_ms),
               "first_issue_ms": first, "hidden_fraction_bound_at_first_issue": bound_after(first),
               "bitwise_equal_to_unoverlapped": same,
               "reductions_per_step": len(events) / max(1, args.steps)}

@@ -376,6 +376,8 @@ def run_overlap(args: argparse.Namespace) -> int:
                   f"{r['forward_ms']:.1f}), reduction {r['reduction_ms']:.1f} ms, step "
                   f"{r['step_ms']:.1f} ms, hidden fraction {r['hidden_fraction']:.2f} (bound "
                   f"{r['hidden_fraction_bound']:.2f} after the forward pass alone, "
+                  f"{r['hidden_fraction_bound_at_first_gradient']:.2f} after the forward pass "
+                  f"and the last layer's gradients alone, {r['first_gradient_ms']:.1f} ms, "
                   f"{r['hidden_fraction_bound_at_first_issue']:.2f} after the step's first "
                   f"reduction was issued at {r['first_issue_ms']:.1f} ms), "
                   f"{r['reductions_per_step']:.0f} reductions "
