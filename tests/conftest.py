@@ -14,12 +14,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 LONG_TESTS = os.environ.get("HERRING_LONG_TESTS") == "1"
 
 # The extended part of the suite: the tools (bench, train-bench, the GPU
-# kit's dry run, the latency tool) and the long-haul runs (soak, chaos,
-# resume after a kill). `bash tests/run.sh` runs everything else, 17 to 19
-# minutes on 2 cores (the extended part: 5); `bash tests/run.sh -m extended`
-# runs these, as .ci/run does after it, and `bash tests/run.sh -m ""` both.
+# kit's dry run, the latency tool), the long-haul runs (soak, chaos, resume
+# after a kill), and the largest layouts of tests whose other layouts stay in
+# the main part (4 processes of one device each, the sharded chain on 2x2
+# simulated hosts). `bash tests/run.sh` runs everything else;
+# `bash tests/run.sh -m extended` runs these, as .ci/run does after it, and
+# `bash tests/run.sh -m ""` both.
 EXTENDED = {"test_bench.py", "test_train_bench.py", "test_tools.py", "test_gpu_check.py",
             "test_soak.py", "test_chaos.py", "test_resume.py"}
+EXTENDED_CASES = {
+    "test_allreduce.py::test_every_dtype_op_and_size[4-1]",
+    "test_compat.py::test_lax_compatibility[4-1]",
+    "test_collectives.py::test_lax_compatibility_and_process_collectives[4-1]",
+    "test_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[4-2]",
+}
 
 
 def pytest_configure(config):
@@ -33,7 +41,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in EXTENDED:
+        if item.path.name in EXTENDED or f"{item.path.name}::{item.name}" in EXTENDED_CASES:
             item.add_marker(pytest.mark.extended)
     if not LONG_TESTS:
         return
