@@ -30,6 +30,34 @@ def test_train_bench_smoke(tmp_path):
     assert runs[("herring", 2)]["final_loss"] != runs[("none", 2)]["final_loss"]
 
 
+def test_train_bench_overlap_smoke(tmp_path):
+    # --overlap on 2 processes of one host, a tiny MLP: every rank reports its
+    # times, the three bounds and the bitwise check, and the timeline PNG is
+    # written. Every bound is a hidden fraction: at most 1. (Times are not
+    # compared: they are only meaningful as ratios in one run.)
+    out, plot = tmp_path / "overlap.json", tmp_path / "overlap.png"
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "herring_jax._src.cli", "train-bench", "-n", "2",
+         "--overlap", "--json", str(out), "--plot", str(plot), "--", "--steps", "3",
+         "--layers", "3", "--width", "64", "--batch", "64"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "after the forward pass and the last layer's gradients alone" in proc.stdout, \
+        proc.stdout
+    data = json.loads(out.read_text())
+    results = data["results"]
+    assert sorted(r["rank"] for r in results) == [0, 1], results
+    for r in results:
+        assert r["bitwise_equal_to_unoverlapped"] is True, r
+        assert r["reductions_per_step"] >= 1, r
+        for key in ("forward_ms", "first_gradient_ms", "first_issue_ms", "step_ms"):
+            assert r[key] > 0, (key, r)
+        for key in ("hidden_fraction_bound", "hidden_fraction_bound_at_first_gradient",
+                    "hidden_fraction_bound_at_first_issue"):
+            assert r[key] <= 1.0 + 1e-9, (key, r)
+    assert plot.stat().st_size > 0
+
+
 def test_train_bench_rejects_a_missing_script(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "herring_jax._src.tools.train_bench", "--script", "nope.py"],
