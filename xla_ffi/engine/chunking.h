@@ -15,8 +15,9 @@ namespace herring::engine {
 // part's result only after the part's last contribution has arrived whole, so
 // each flow sits idle between the two; with 4, results flow while the last
 // chunks' contributions arrive. 4 simulated hosts (1 Gbit hosts, 250 Mbit
-// flows): 256 KiB all-reduces went from 66-68% to 83-94% of the bound, 1 MiB
-// from 81-84% to 86-88% (BENCHMARKS.md, "Small buffers across hosts").
+// flows), two runs each: 256 KiB all-reduces went from 73/60% to 93/83% of
+// the bound, 1 MiB from 81/79% to 87/88% (BENCHMARKS.md, "Small buffers
+// across hosts").
 constexpr size_t kChunksPerPart = 4;
 
 // Elements per chunk of a job whose largest part holds `largest` elements of
