@@ -80,3 +80,15 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path):
                      env=BITWISE)
     digests = assert_all_ok(resumed, expected_cases=1)
     assert len(digests["resume"]) == 1, digests
+
+
+def test_a_jitted_init_compiles_one_program_on_every_process():
+    # sharded_optimizer's and topk's init inside jax.jit beside herring
+    # reductions (the user's, or optax.tree.norm's inside the inner init):
+    # the rank must be a value of the program, not a constant, or each
+    # process compiles its own program and the reductions never pair (the
+    # job then hung until HERRING_TIMEOUT_S).
+    run = launch("jitted_init_worker.py", [], nproc=2, env={"HERRING_TIMEOUT_S": "40"},
+                 timeout=120)
+    assert_all_ok(run, expected_cases=3)
+    assert [r["shard"] for r in _cases(run).values()] == [0, 0, 0]

@@ -177,3 +177,22 @@ def barrier() -> None:
     [out] = _allreduce.bind([jnp.zeros((), jnp.int32)], op="sum", axes=None)
     if not isinstance(out, jax.core.Tracer):
         jax.block_until_ready(out)
+
+
+def shard_index():
+    """This process's rank as an int32 scalar, fit to go into a program.
+
+    Outside a trace it is ``process_index()``. While a trace is being made
+    (``jax.jit``, ``jax.eval_shape``, ...) a constant would make each process
+    compile a different program, and programs that differ never pair their
+    reductions (XLA's run id covers the whole program): the rank then comes
+    from a reduce-scatter of ``arange(N)`` instead, whose part r is ``N * r``
+    on process r, the same program on every process.
+    """
+    n = runtime.process_count()
+    probe = jnp.zeros((), jnp.int32)
+    if n == 1 or not isinstance(probe, jax.core.Tracer):
+        return jnp.asarray(runtime.process_index(), jnp.int32)
+    [part] = _allreduce.bind([jnp.arange(n, dtype=jnp.int32).reshape(n, 1)], op="sum",
+                             axes=None, collective="reduce_scatter")
+    return part.reshape(()) // n

@@ -34,6 +34,7 @@ from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
 from herring_jax._src import fusion
 from herring_jax._src import jax_compat
+from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
 from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
@@ -165,8 +166,10 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
 
     def init_fn(params):
         n = workers()
+        # Never a constant of this process's rank under jit: every process
+        # must compile the same program (reduce_scatter.shard_index).
         shard = (jax.lax.axis_index(axis_name) if axis_name is not None
-                 else runtime.process_index())
+                 else _reduce_scatter_mod.shard_index())
         shard = jnp.asarray(shard, jnp.int32)
         if check_inner and n > 1:
             sharded_checks.check_elementwise(inner, params, n)

@@ -35,6 +35,7 @@ from herring_jax._src import runtime
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.powersgd import workers_mean
 from herring_jax._src.psum import check_per_device_gradients, psum
+from herring_jax._src.reduce_scatter import shard_index
 
 
 class TopKState(NamedTuple):
@@ -112,8 +113,11 @@ def topk(fraction: float, axis_name=None, *, min_compression: float = 2.0,
                     f"is worth sparsifying (the gathered pairs would take more than "
                     f"1/{min_compression} of its bytes), so every gradient is averaged "
                     "exactly; use a smaller fraction", stacklevel=2)
-        return TopKState(jax.tree_util.tree_map(residual, params),
-                         jnp.asarray(runtime.process_index(), jnp.int32))
+        # The rank is a value of the program, not a constant, under jit: every
+        # process must compile the same program (reduce_scatter.shard_index).
+        # Over a mesh axis the step takes the axis index instead: 0 here.
+        process = shard_index() if axis_name is None else jnp.zeros((), jnp.int32)
+        return TopKState(jax.tree_util.tree_map(residual, params), process)
 
     def gather(rows, process):
         """(2k,) uint32 of this worker -> (n, 2k) with every worker's row."""
