@@ -44,6 +44,15 @@ def test_process_collectives_on_three_processes_over_the_transport():
     assert _host_stage_calls(run) == [0, 0, 0], run.explain()
 
 
+def test_process_collectives_on_one_host_through_the_boards():
+    # 3 processes of one host (parts of unequal size): the all-gathers read no
+    # input in the host stage, only the peers' result slices; .ci/sanitizers.sh
+    # runs this under UBSan, which caught them reading a posting at index -1.
+    run = launch("process_collectives_worker.py", [], nproc=3)
+    assert_all_ok(run, expected_cases=PROCESS_CASES)
+    assert all(calls > 0 for calls in _host_stage_calls(run)), run.explain()
+
+
 def test_process_collectives_on_two_simulated_hosts():
     # 2 network namespaces x 2 processes: the host stage, then the stage
     # across hosts; the reference sums in that order (HERRING_TEST_HOSTS).

@@ -107,8 +107,16 @@ Status Communicator::CheckInputsStillPosted(Batch* batch) {
     return batch->failed ? Status::Error(batch->error) : Status::Ok();
   }
   for (int q = 0; q < w.size(); ++q) {
-    if (q == w.me || board_->StillPosted(w.board_index[q], w.arrive_posting[q],
-                                         w.arrive_version[q])) {
+    if (q == w.me) continue;
+    // Only the postings found in the arrive wait can be checked; reading at
+    // index -1 would read another table of the peer's board.
+    if (w.arrive_posting[q] < 0 || w.arrive_posting[q] >= HostBoard::kPostings) {
+      return Status::Error("rank " + std::to_string(config_.rank) + ": internal error: no " +
+                           "posting of rank " + std::to_string(w.local[q]) + " was found " +
+                           "for " + batch->jobs.front()->Describe() + " before its inputs " +
+                           "were checked (please report this)");
+    }
+    if (board_->StillPosted(w.board_index[q], w.arrive_posting[q], w.arrive_version[q])) {
       continue;
     }
     return Status::Error("rank " + std::to_string(w.local[q]) + " withdrew its inputs to the " +

@@ -409,8 +409,9 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
       }
     }
   }
-  // The last read of the others' inputs is done: were they still there?
-  if (ok) fail(CheckInputsStillPosted(batch), true);
+  // The last read of the others' inputs is done: were they still there? (An
+  // all-gather read none, and found no peer's arrive posting to check.)
+  if (ok && !gather_only) fail(CheckInputsStillPosted(batch), true);
 
   // 3. across hosts: this process's slice with the same slice of every host
   // (a reduce-scatter's result lands in its output; an all-gather's parts
