@@ -46,13 +46,15 @@ KILLS, PARTITIONS = (20, 5) if LONG else (1, 1) if SANITIZER else (3, 1)
 TRIAL_MAX_S = 120 + 4 * (PEER_TIMEOUT_S + SLACK_S)
 
 
-def _trial(rng: random.Random, net: SimulatedNetwork | None = None) -> tuple[int, list[float]]:
+def _trial(rng: random.Random, net: SimulatedNetwork | None = None,
+           env: dict[str, str] | None = None) -> tuple[int, list[float]]:
     """One fault: a random rank of 1..3 is SIGKILLed, or with `net`, cut off
     the network (its link to the bridge goes down). Returns the victim and
-    the seconds until each survivor exited."""
+    the seconds until each survivor exited. `env`: more variables for every
+    rank."""
     port = 29400 if net else free_port()
     base = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_TIMEOUT_S="120",
-                HERRING_PEER_TIMEOUT_S=str(PEER_TIMEOUT_S))
+                HERRING_PEER_TIMEOUT_S=str(PEER_TIMEOUT_S), **(env or {}))
     base.pop("XLA_FLAGS", None)
     command = [sys.executable, "-P", str(WORKER)]
     procs = [subprocess.Popen(net.wrap(r, command) if net else command,
@@ -142,6 +144,18 @@ def test_killed_peer_fails_every_survivor_with_herring_error():
     print(f"{trials} kills, {len(all_detect)} survivors failed with HerringError, "
           f"time to exit min/median/max {min(all_detect):.1f}/"
           f"{statistics.median(all_detect):.1f}/{max(all_detect):.1f} s, wrong results 0")
+
+
+@pytest.mark.long_timeout(TRIAL_MAX_S)
+def test_killed_peer_over_shm_without_heartbeats_fails_every_survivor_long_before_the_timeout():
+    """Over shm no heartbeats flow (they are off there by default), and on
+    one host the reductions' steps go through the shared-memory boards: the
+    survivors must notice the killed process itself while they wait on the
+    boards (it never posts), not after HERRING_TIMEOUT_S (120 s here; each
+    survivor gets PEER_TIMEOUT_S + SLACK_S)."""
+    victim, detect = _trial(random.Random(99), env={"HERRING_FI_PROVIDER": "shm"})
+    print(f"shm: killed rank {victim}, survivors exited after "
+          f"{', '.join(f'{d:.1f}' for d in detect)} s")
 
 
 @pytest.mark.long_timeout(PARTITIONS * TRIAL_MAX_S)

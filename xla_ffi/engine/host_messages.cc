@@ -1,12 +1,14 @@
 // The host stage's messages (host_stage.cc): each step's small message to and
 // from every other process of the host through the transport, their checks,
 // and the wait for a step's messages from all of them.
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "engine/batch.h"
 #include "engine/communicator.h"
+#include "engine/cross_memory.h"
 
 namespace herring::engine {
 
@@ -69,6 +71,8 @@ std::string EntriesMismatch(const Batch& batch, int from, int me,
 // How long a board wait sleeps before it looks at the call's state again
 // (failed by a peer's abort or the peer watch, or past its deadline).
 constexpr int kBoardSliceUs = 2000;
+// How often a board wait looks for peers of the host that have exited.
+constexpr std::chrono::milliseconds kExitCheckEvery(100);
 
 }  // namespace
 
@@ -227,6 +231,7 @@ int Communicator::NextPosted(Batch* batch, int step, const std::vector<bool>& ha
   w.waiting = step;
   std::vector<int> boards;
   std::vector<uint32_t> seen;
+  auto next_exit_check = std::chrono::steady_clock::now() + kExitCheckEvery;
   for (;;) {
     if (batch->Failed()) return -1;
     boards.clear();
@@ -254,9 +259,26 @@ int Communicator::NextPosted(Batch* batch, int step, const std::vector<bool>& ha
       }
       return CheckHostEntries(batch, step, q, entries) ? q : -1;
     }
-    if (boards.empty() || std::chrono::steady_clock::now() >= deadline) {
+    const auto now = std::chrono::steady_clock::now();
+    if (boards.empty() || now >= deadline) {
       *timed_out = !boards.empty();
       return -1;
+    }
+    // A peer that has exited never posts (a posting outlives its owner's
+    // call until every reader acks it, so one that finished is found above).
+    // Without this, where no heartbeats flow (shm) nothing else would notice
+    // before HERRING_TIMEOUT_S.
+    if (now >= next_exit_check) {
+      next_exit_check = now + kExitCheckEvery;
+      for (int q = 0; q < w.size(); ++q) {
+        if (have[q] || !ProcessExited(w.pids[q])) continue;
+        Fail(batch, "rank " + std::to_string(w.local[q]) + " of this host exited before it " +
+                        "posted its " + (step == 0 ? "inputs" : "result slices") + " for " +
+                        batch->jobs.front()->Describe() + " (rank " +
+                        std::to_string(config_.rank) + " waited for it on the host's boards)" +
+                        ExitedHostPeers(w));
+        return -1;
+      }
     }
     board_->WaitAny(boards, seen, kBoardSliceUs);
   }
