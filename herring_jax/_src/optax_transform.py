@@ -15,7 +15,7 @@ from herring_jax._src import fusion
 from herring_jax._src import jax_compat
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.split import split_reductions
-from herring_jax._src.psum import check_per_device_gradients, pmean, psum
+from herring_jax._src.psum import check_gradients, pmean, psum
 
 # The first buffer of each dtype holds at most this much, and no more than the
 # others (first_bucket_bytes=None), so that the first reduction starts early.
@@ -144,7 +144,7 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
 
     def update_fn(updates, state, params=None):
         del params
-        check_per_device_gradients(updates, axis_name, "allreduce_gradients")
+        check_gradients(updates, axis_name, "allreduce_gradients", average=average)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         ready = jax_compat.production_order(leaves)
         if feedback:

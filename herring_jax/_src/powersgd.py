@@ -33,7 +33,7 @@ import optax
 
 from herring_jax._src import codecs
 from herring_jax._src.allreduce import allreduce
-from herring_jax._src.psum import check_per_device_gradients, pmean
+from herring_jax._src.psum import check_gradients, pmean
 
 
 class PowerSGDState(NamedTuple):
@@ -141,7 +141,7 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
 
     def update_fn(updates, state, params=None):
         del params
-        check_per_device_gradients(updates, axis_name, "powersgd")
+        check_gradients(updates, axis_name, "powersgd")
         if state.count is None:
             raise ValueError("this PowerSGDState has no update count: make it with "
                              "herring_jax.powersgd(...).init(params)")

@@ -124,6 +124,41 @@ def _bind(leaves, axes, groups, op, codec, api):
     return _allreduce.bind_grouped(leaves, ops=ops, codec=codec, axes=axes, groups=groups)
 
 
+def check_axes_bound(axis_name, api: str) -> None:
+    """NameError, naming `api` (the function the user called), for a mesh
+    axis that no enclosing shard_map, pmap or vmap binds (None: processes)."""
+    if axis_name is None:
+        return
+    axes = _axes(axis_name)
+    if not any(isinstance(a, int) for a in axes):
+        jax_compat.check_axis_names(axes, f"herring_jax.{api}({axis_name!r})")
+
+
+def check_gradients(tree: Any, axis_name, api: str, *, average: bool = True) -> None:
+    """What every gradient transformation checks first, in the words of the
+    transformation the user called (`api`, e.g. "allreduce_gradients"): the
+    axis names are bound, every leaf can be averaged, and the gradients are
+    per device (check_per_device_gradients)."""
+    check_axes_bound(axis_name, api)
+    if average:
+        paths = [(jax.tree_util.keystr(path), np.dtype(g.dtype).name)
+                 for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]
+                 if not _allreduce.is_floating(g)]
+        if paths:
+            shown = ", ".join(f"{p} ({d})" for p, d in paths[:3])
+            shown += f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+            raise TypeError(
+                f"herring_jax.{api}: the gradients {shown} are not floating point, and "
+                "averaging them across workers needs a floating dtype. Integer and bool "
+                "leaves are usually state rather than trainable parameters: leave them out "
+                "of the tree given to the optimizer (optax.masked, or a filter such as "
+                "nnx.Param in nnx.Optimizer(..., wrt=...)), or cast them to float"
+                + (" (allreduce_gradients and sharded_optimizer with average=False sum "
+                   "them exactly)" if api in ("allreduce_gradients", "sharded_optimizer")
+                   else "") + ".")
+    check_per_device_gradients(tree, axis_name, api)
+
+
 def check_per_device_gradients(tree: Any, axis_name, api: str) -> None:
     """Refuses gradients that jax has already reduced over `axis_name`.
 

@@ -38,7 +38,7 @@ from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
 from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
-from herring_jax._src.psum import check_per_device_gradients
+from herring_jax._src.psum import check_axes_bound, check_gradients
 from herring_jax._src.split import split_reductions
 
 
@@ -165,14 +165,17 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         return np.dtype(x.dtype) == np.float32
 
     def init_fn(params):
+        check_axes_bound(axis_name, "sharded_optimizer")
         n = workers()
         # Never a constant of this process's rank under jit: every process
         # must compile the same program (reduce_scatter.shard_index).
         shard = (jax.lax.axis_index(axis_name) if axis_name is not None
                  else _reduce_scatter_mod.shard_index())
         shard = jnp.asarray(shard, jnp.int32)
-        if check_inner and n > 1:
-            sharded_checks.check_elementwise(inner, params, n)
+        if check_inner:
+            # As for 2 workers at least: a script tried on one process first
+            # must fail there too, not only once it is scaled up.
+            sharded_checks.check_elementwise(inner, params, max(n, 2))
         chunks = jax.tree_util.tree_map(lambda p: chunk_of(p, n, shard), params)
         with sharded_checks.global_norms(_global_sum(axis_name)):
             inner_state = inner.init(chunks)
@@ -183,7 +186,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         return per_device(ShardedOptimizerState(inner_state, shard, residual), add=True)
 
     def update_fn(updates, state, params=None):
-        check_per_device_gradients(updates, axis_name, "sharded_optimizer")
+        check_gradients(updates, axis_name, "sharded_optimizer", average=average)
         state = per_device(state, add=False)
         n = workers()
         leaves, treedef = jax.tree_util.tree_flatten(updates)

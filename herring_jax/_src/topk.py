@@ -34,7 +34,7 @@ import optax
 from herring_jax._src import runtime
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.powersgd import workers_mean
-from herring_jax._src.psum import check_per_device_gradients, psum
+from herring_jax._src.psum import check_gradients, psum
 from herring_jax._src.reduce_scatter import shard_index
 
 
@@ -132,7 +132,7 @@ def topk(fraction: float, axis_name=None, *, min_compression: float = 2.0,
 
     def update_fn(updates, state, params=None):
         del params
-        check_per_device_gradients(updates, axis_name, "topk")
+        check_gradients(updates, axis_name, "topk")
         n = workers()
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         residuals = treedef.flatten_up_to(state.residual)
