@@ -48,9 +48,16 @@ def test_peer_that_skips_a_reduction_is_reported_alive_and_idle():
     assert result["ok"], result
 
 
+# The dead-peer tests below run over the transport, as between hosts, where
+# heartbeats are what tells a dead peer: on one host a process waiting on the
+# host stage's boards notices an exited peer within 0.1 s (tests/test_chaos.py).
+OVER_THE_TRANSPORT = {"HERRING_HOST_STAGE": "0"}
+
+
 def test_dead_peer_is_detected_by_heartbeats_long_before_the_timeout():
     run = launch("failure_worker.py", ["dead-peer"], nproc=2,
-                 env={"HERRING_TIMEOUT_S": "120", "HERRING_PEER_TIMEOUT_S": "3"})
+                 env={"HERRING_TIMEOUT_S": "120", "HERRING_PEER_TIMEOUT_S": "3",
+                      **OVER_THE_TRANSPORT})
     assert run.returncode == 0, run.explain()
     [result] = run.results[0]
     assert result["ok"], result
@@ -69,7 +76,8 @@ def test_slow_but_alive_peer_is_not_declared_dead():
 
 
 def test_dead_peer_is_named_within_the_timeout():
-    run = launch("failure_worker.py", ["dead-peer"], nproc=2, env={"HERRING_TIMEOUT_S": "5"})
+    run = launch("failure_worker.py", ["dead-peer"], nproc=2,
+                 env={"HERRING_TIMEOUT_S": "5", **OVER_THE_TRANSPORT})
     assert run.returncode == 0, run.explain()
     [result] = run.results[0]
     assert result["ok"], result
@@ -77,7 +85,7 @@ def test_dead_peer_is_named_within_the_timeout():
 
 
 def test_failure_inside_the_users_jit_raises_herring_error():
-    env = {"HERRING_TIMEOUT_S": "120", "HERRING_PEER_TIMEOUT_S": "3"}
+    env = {"HERRING_TIMEOUT_S": "120", "HERRING_PEER_TIMEOUT_S": "3", **OVER_THE_TRANSPORT}
     run = launch("failure_worker.py", ["jit-dead-peer", "caught"], nproc=2, env=env)
     assert run.returncode == 0, run.explain()
     [result] = run.results[0]
@@ -86,7 +94,7 @@ def test_failure_inside_the_users_jit_raises_herring_error():
 
 
 def test_uncaught_failure_inside_jit_prints_herring_error_and_fails_the_job():
-    env = {"HERRING_TIMEOUT_S": "120", "HERRING_PEER_TIMEOUT_S": "3"}
+    env = {"HERRING_TIMEOUT_S": "120", "HERRING_PEER_TIMEOUT_S": "3", **OVER_THE_TRANSPORT}
     run = launch("failure_worker.py", ["jit-dead-peer", "uncaught"], nproc=2, env=env)
     assert run.returncode != 0, run.explain()
     assert not run.results.get(0), run.explain()  # rank 0 died before reporting
