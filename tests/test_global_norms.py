@@ -10,8 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from herring_jax._src import sharded, sharded_checks
+
+# The test names every alias optax still serves, the deprecated ones too.
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 AXIS = "w"  # the metrics thread's own named axis, as inside its shard_map
 TREE = {"a": jnp.arange(3.0), "b": jnp.full((2, 2), 2.0)}
