@@ -6,6 +6,7 @@ axis_index_groups, unreduced and invariant inputs, lax's errors; and
 herring_jax.allreduce against its documented (mpi4jax) convention. See
 tests/workers/compat_worker.py."""
 
+import json
 import os
 import subprocess
 import sys
@@ -110,3 +111,148 @@ def test_no_collectives_forbids_herring_psum_as_it_forbids_lax_psum():
         with jax.sharding.no_collectives({"i"}), pytest.raises(
                 Exception, match=f"forbidden by `no_collectives`, but {name} acts on axis 'i'"):
             step(x)
+
+
+# -- lax behaviours told apart by tracing lax, not by reading its source ------
+
+# What lax does, per jax release herring_jax knows: whether all_gather(...,
+# to='invarying') without check_vma is a plain all_gather (its transpose sums
+# the cotangents), and whether psum_scatter counts a negative
+# scatter_dimension from the end.
+KNOWN_LAX = {(0, 10): (False, False), (0, 11): (False, True), (0, 12): (True, True)}
+
+
+def _herring_and_lax_bind(gather_or_scatter: str):
+    """The equations (name, collective, scatter_dimension) that lax and
+    herring_jax bind for one call, inside a shard_map without check_vma."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    import herring_jax
+
+    def equations(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name != "shard_map":
+                yield e.primitive.name, e.params.get("collective"), e.params.get(
+                    "scatter_dimension")
+            for v in e.params.values():
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+    mesh = jax.sharding.AbstractMesh((2,), ("i",))
+    out = []
+    for lib in (jax.lax, herring_jax):
+        if gather_or_scatter == "gather":
+            body = lambda v: lib.all_gather(v, "i", to="invarying")  # noqa: E731
+        else:
+            body = lambda v: lib.psum_scatter(v, "i", scatter_dimension=-1, tiled=True)  # noqa: E731
+        f = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+        out.append(list(equations(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((4, 4), jnp.float32))
+                                  .jaxpr)))
+    return out
+
+
+def test_lax_behaviours_are_those_of_the_jax_installed():
+    import jax
+    from herring_jax._src import jax_compat
+    release = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    got = (jax_compat.invariant_gather_needs_check_vma(), jax_compat.negative_scatter_dimension())
+    assert got == KNOWN_LAX[release], (jax.__version__, got)
+    # And herring_jax follows lax on it.
+    lax_eqns, herring_eqns = _herring_and_lax_bind("gather")
+    herring_eqns = [(n, c) for n, c, _ in herring_eqns if n.startswith("herring")]
+    assert [n for n, _ in herring_eqns] == ["herring_allreduce"], herring_eqns
+    assert [n for n, _, _ in lax_eqns] == [herring_eqns[0][1]], (lax_eqns, herring_eqns)
+
+
+# Run before herring_jax is imported: lax's all_gather and psum_scatter made
+# to behave as jax 0.12's, written as a patch release might write them.
+_REFORMATTED_LAX = '''
+import numpy as np
+from jax._src import config
+from jax._src.lax import parallel
+
+_gather, _scatter = parallel._all_gather_is_async, parallel._psum_scatter
+
+def _all_gather_is_async(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False,
+                         to="varying", is_async=False):
+    if (to == "varying"
+            or not config._check_vma.value):
+        to = "varying"
+    return _gather(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled,
+                   to=to, is_async=is_async)
+
+def _psum_scatter(x, axis_name, *, scatter_dimension, axis_index_groups, tiled, is_async):
+    if scatter_dimension < 0:
+        scatter_dimension = int(
+            scatter_dimension) + np.ndim(x)
+    return _scatter(x, axis_name, scatter_dimension=scatter_dimension,
+                    axis_index_groups=axis_index_groups, tiled=tiled, is_async=is_async)
+
+parallel._all_gather_is_async, parallel._psum_scatter = _all_gather_is_async, _psum_scatter
+'''
+
+
+def test_a_lax_laid_out_otherwise_is_told_by_what_it_does(tmp_path):
+    """jax_compat once matched regular expressions over lax's source, and a
+    release that laid the line out otherwise fell back silently to jax
+    0.10's behaviour: herring_jax's all_gather(to='invarying') then kept an
+    invariant gather where lax's is plain (wrong gradients), and refused a
+    negative scatter_dimension that lax takes."""
+    patch = tmp_path / "reformatted_lax.py"
+    patch.write_text(_REFORMATTED_LAX)
+    code = ("import sys, json; sys.path.insert(0, %r); import reformatted_lax\n"
+            "sys.path.insert(0, %r); import test_compat\n"
+            "print(json.dumps([test_compat._herring_and_lax_bind(k) "
+            "for k in ('gather', 'scatter')]))\n") % (str(tmp_path), os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (lax_gather, herring_gather), (lax_scatter, herring_scatter) = json.loads(
+        proc.stdout.splitlines()[-1])
+    assert [n for n, _, _ in lax_gather] == ["all_gather"], lax_gather
+    assert [(n, c) for n, c, _ in herring_gather if n.startswith("herring")] == [
+        ("herring_allreduce", "all_gather")], herring_gather
+    assert lax_scatter == [["reduce_scatter", None, 1]], lax_scatter
+    assert [(n, c) for n, c, _ in herring_scatter if n.startswith("herring")] == [
+        ("herring_allreduce", "reduce_scatter")], herring_scatter
+
+
+@pytest.fixture
+def fresh_lax_answers():
+    from herring_jax._src import jax_compat
+    jax_compat.invariant_gather_needs_check_vma.cache_clear()
+    jax_compat.negative_scatter_dimension.cache_clear()
+    yield jax_compat
+    jax_compat.invariant_gather_needs_check_vma.cache_clear()
+    jax_compat.negative_scatter_dimension.cache_clear()
+
+
+def test_a_lax_that_behaves_as_no_known_release_stops_herring(fresh_lax_answers, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+    from jax._src.lax import parallel
+    from jax.sharding import PartitionSpec as P
+    import herring_jax
+    jax_compat = fresh_lax_answers
+    # An all_gather that binds neither of the two known primitives, and a
+    # psum_scatter that loses the scatter dimension.
+    monkeypatch.setattr(parallel, "_all_gather_is_async",
+                        lambda x, axis_name, **kw: jnp.stack([x, x]))
+    scatter = parallel._psum_scatter
+    monkeypatch.setattr(parallel, "_psum_scatter",
+                        lambda x, a, *, scatter_dimension, **kw: scatter(x, a, scatter_dimension=0,
+                                                                         **kw))
+    with pytest.raises(RuntimeError, match=r"cannot tell how jax .*'s lax\.all_gather\(\.\.\., "
+                       r"to='invarying'\) without check_vma behaves.*Rather than guess"):
+        jax_compat.invariant_gather_needs_check_vma()
+    with pytest.raises(RuntimeError, match=r"lax\.psum_scatter\(\.\.\., scatter_dimension=-1\) "
+                       r"behaves: lax bound reduce_scatter with scatter_dimension \[0\]"):
+        jax_compat.negative_scatter_dimension()
+    # A user's call reaches the same error, not a guess.
+    mesh = jax.sharding.AbstractMesh((2,), ("i",))
+    f = jax.shard_map(lambda v: herring_jax.all_gather(v, "i", to="invarying"), mesh=mesh,
+                      in_specs=P(), out_specs=P(), check_vma=False)
+    with pytest.raises(RuntimeError, match="cannot tell how jax"):
+        jax.make_jaxpr(f)(jax.ShapeDtypeStruct((4, 4), jnp.float32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 
@@ -101,6 +102,41 @@ def set_abort_peers(abort) -> None:
     _abort_peers = abort
 
 
+# Set by runtime.initialize(): what must happen before a fast exit skips the
+# exit handlers (the timeline's last events written); None before.
+_before_exit = None
+
+
+def set_before_exit(before) -> None:
+    global _before_exit
+    _before_exit = before
+
+
+def exit_now(exc: BaseException) -> None:
+    """Ends the process at once without its exit handlers (HERRING_FAST_EXIT)
+    as the uncaught `exc` would end it: by SIGINT for a KeyboardInterrupt,
+    as CPython does (so a shell or the launcher sees the Ctrl-C: status 130),
+    else with status 1."""
+    if _before_exit is not None:
+        try:
+            _before_exit()
+        except Exception as e:  # noqa: BLE001 - the exit must still happen
+            sys.stderr.write(f"herring_jax: before exiting: {type(e).__name__}: {e}\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not block the exit
+            pass
+    if isinstance(exc, KeyboardInterrupt):
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        except (OSError, ValueError):  # ValueError: not the main thread
+            pass
+        os._exit(128 + signal.SIGINT)  # CPython's own status where the signal did not end it
+    os._exit(1)
+
+
 def failure_reason(exc: BaseException) -> str:
     """What the other ranks' errors quote: the exception's type and message."""
     text = f"{type(exc).__name__}: {exc}".strip()
@@ -117,7 +153,9 @@ def install_excepthook(fast_exit: bool = True) -> None:
     exception ("rank 1 failed: RuntimeError: ..."), so that none waits for
     this rank until a timeout; a failed reduction prints as HerringError.
     With `fast_exit` (HERRING_FAST_EXIT) the process then ends at once with
-    status 1 instead of running its exit handlers: jax.distributed's shutdown
+    status 1 (by SIGINT for a KeyboardInterrupt, as Python's own exit; see
+    exit_now) instead of running its exit handlers, having written the
+    timeline's last events (HERRING_TIMELINE): jax.distributed's shutdown
     barrier would otherwise wait up to 5 minutes for ranks that have failed
     too. `herring-jax launch` sees the failure and stops the other ranks.
     """
@@ -143,12 +181,7 @@ def install_excepthook(fast_exit: bool = True) -> None:
                 sys.stderr.write(f"herring_jax: exiting at once after an uncaught "
                                  f"{type(herring).__name__} (HERRING_FAST_EXIT=0 runs exit "
                                  "handlers instead)\n")
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except Exception:  # noqa: BLE001 - a closed stream must not block the exit
-                        pass
-                os._exit(1)
+                exit_now(herring)
 
         sys.excepthook = hook
         _hook_installed = True

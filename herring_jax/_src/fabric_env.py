@@ -15,6 +15,15 @@ import os
 
 from herring_jax._src import knobs
 
+# libfabric's psm provider links libinfinipath, whose constructor (run as
+# the extension loads) replaces the handlers of SIGINT, SIGTERM, SIGSEGV,
+# SIGBUS, SIGILL and SIGABRT with one that calls exit(1) (after writing a
+# backtrace file to the working directory for the last four): Ctrl-C then
+# ended a process with status 1 and no KeyboardInterrupt, a crash left a
+# .btr file instead of Python's report. This variable turns that off; it is
+# read only by that constructor, so it must be set before the import.
+os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
+
 try:
     from herring_jax import _herring_ffi
 except ImportError:

@@ -6,10 +6,12 @@ jax moves these, only this file changes.
 
 from __future__ import annotations
 
-import inspect
+import functools
 import re
+import threading
 
 import jax
+import numpy as np
 
 # The jax releases whose private names below were read, and herring_jax
 # tested with: 0.10 (the newest for Python 3.11; the whole suite on 0.10.2),
@@ -169,31 +171,101 @@ def axis_state(aval, axes, api_name: str = "herring_jax.psum") -> str:
     return state
 
 
-def _lax_source_says(function_names, pattern: str) -> bool:
-    """Whether the source of the first of jax.lax.parallel's functions named
-    that exists matches `pattern`: for lax behaviours that changed between
-    the jax versions herring_jax supports without a flag to ask."""
-    for name in function_names:
-        function = getattr(_parallel, name, None)
-        if function is not None:
-            try:
-                return re.search(pattern, inspect.getsource(function)) is not None
-            except (OSError, TypeError):
-                break
-    match = re.match(r"(\d+)\.(\d+)", jax.__version__)
-    return (int(match[1]), int(match[2])) >= (0, 12)
+# -- lax behaviours that changed between the supported jax releases ----------
+# There is no flag to ask, and the source of lax may be reformatted by any
+# patch release; so each is told by tracing lax itself once, and a form no
+# release is known to take fails loudly rather than guessing one.
+
+_PROBE_AXIS = "herring_jax_probe"
 
 
-# lax.all_gather(..., to='invarying') where shard_map does not check varying
-# axes (check_vma=False, pmap): jax 0.12 makes it a plain all_gather, whose
-# transpose sums the cotangents (psum_scatter); jax 0.10 kept it invariant,
-# each device taking its own block of the cotangent.
-INVARYING_GATHER_NEEDS_CHECK_VMA = _lax_source_says(
-    ("_all_gather_is_async", "all_gather"), r"to == 'varying' or not config\._check_vma")
-# lax.psum_scatter with a negative scatter_dimension: jax 0.12 counts it from
-# the end, as numpy; jax 0.10 traced it and failed to lower it.
-NEGATIVE_SCATTER_DIMENSION = _lax_source_says(
-    ("_psum_scatter", "psum_scatter"), r"canonicalize_axis\(scatter_dimension")
+def _traced_by_lax(body) -> list:
+    """The equations (primitive name, params) of `body` traced inside a
+    shard_map over an abstract 2-device mesh that does not check varying
+    axes (as pmap and check_vma=False)."""
+    from jax.sharding import PartitionSpec
+
+    def equations(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name, eqn.params
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+    def trace():
+        mesh = jax.sharding.AbstractMesh((2,), (_PROBE_AXIS,))
+        f = jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                          check_vma=False)
+        return list(equations(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((4, 4), np.float32)).jaxpr))
+
+    # On a thread of its own: the caller may be inside a trace, a shard_map
+    # over another mesh or one that checks varying axes, all of which jax
+    # keeps per thread and which would change (or refuse) this trace. An
+    # abstract mesh and abstract inputs touch no device, so the first use may
+    # come before jax.distributed.initialize.
+    box: dict = {}
+
+    def run():
+        try:
+            box["equations"] = trace()
+        except Exception as e:  # noqa: BLE001 - handed to the caller below
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="herring_jax-lax-probe")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["equations"]
+
+
+def _unknown_lax(what: str, found: str) -> RuntimeError:
+    return RuntimeError(
+        f"herring_jax cannot tell how jax {jax.__version__}'s {what} behaves: {found}, which "
+        "matches the behaviour of no jax release herring_jax knows (tested: 0.10.2, 0.11.2, "
+        "0.12.0.1). Rather than guess (a wrong guess gives wrong gradients or refuses valid "
+        "calls), it stops: use one of those releases, or report this jax version to "
+        "herring_jax")
+
+
+@functools.cache
+def invariant_gather_needs_check_vma() -> bool:
+    """lax.all_gather(..., to='invarying') where shard_map does not check
+    varying axes (check_vma=False, pmap): True where lax makes it a plain
+    all_gather, whose transpose sums the cotangents (psum_scatter; jax 0.12);
+    False where it stays invariant, each device taking its own block of the
+    cotangent (jax 0.10 and 0.11)."""
+    what = "lax.all_gather(..., to='invarying') without check_vma"
+    try:
+        names = [name for name, _ in _traced_by_lax(
+            lambda v: jax.lax.all_gather(v, _PROBE_AXIS, to="invarying"))]
+    except Exception as e:
+        raise _unknown_lax(what, f"tracing it failed with {e!r}") from e
+    if "all_gather_invariant" in names:
+        return False
+    if "all_gather" in names:
+        return True
+    raise _unknown_lax(what, f"lax bound {names}")
+
+
+@functools.cache
+def negative_scatter_dimension() -> bool:
+    """lax.psum_scatter with a negative scatter_dimension: True where lax
+    counts it from the end, as numpy (jax 0.11 and 0.12); False where it
+    binds it negative and fails to lower it (jax 0.10)."""
+    what = "lax.psum_scatter(..., scatter_dimension=-1)"
+    try:
+        dims = [params.get("scatter_dimension") for name, params in _traced_by_lax(
+            lambda v: jax.lax.psum_scatter(v, _PROBE_AXIS, scatter_dimension=-1, tiled=True))
+            if name == "reduce_scatter"]
+    except Exception as e:
+        raise _unknown_lax(what, f"tracing it failed with {e!r}") from e
+    if dims == [1]:
+        return True
+    if dims == [-1]:
+        return False
+    raise _unknown_lax(what, f"lax bound reduce_scatter with scatter_dimension {dims}")
 
 
 def check_vma_enabled() -> bool:

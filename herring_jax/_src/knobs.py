@@ -187,8 +187,9 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_FAST_EXIT", True, _bool,
              "1: an uncaught HerringError, and in a job of several processes any uncaught "
              "exception (after every other rank was told), ends the process at once (status "
-             "1) instead of running exit handlers, which would wait up to 5 minutes in "
-             "jax.distributed's shutdown for the other processes."),
+             "1; by SIGINT, status 130, for a KeyboardInterrupt, as Python) instead of running "
+             "exit handlers, which would wait up to 5 minutes in jax.distributed's shutdown "
+             "for the other processes. The HERRING_TIMELINE trace is written first."),
         Knob("HERRING_LAUNCH_GRACE_S", 10.0, _non_negative_float,
              "herring-jax launch: seconds between SIGTERM and SIGKILL when it stops a job "
              "(a rank failed, --timeout, Ctrl-C); the launcher says when it waits."),

@@ -162,8 +162,8 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
 
 
 def _scatter_dimension(api, d, v, name) -> int:
-    if (not jax_compat.NEGATIVE_SCATTER_DIMENSION and isinstance(d, (int, np.integer))
-            and not isinstance(d, bool) and d < 0):
+    if (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d < 0
+            and not jax_compat.negative_scatter_dimension()):
         # jax 0.10 traces it and then fails to lower it ("attribute
         # 'scatter_dimension' failed to satisfy constraint ... non-negative").
         raise ValueError(f"{api}: scatter_dimension={d} is negative, which jax.lax.psum_scatter "
@@ -276,7 +276,7 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
     # As lax: without shard_map's checks, jax 0.12's invariant all-gather is a
     # plain one (its transpose sums the cotangents).
     invariant = to == "invarying" and (jax_compat.check_vma_enabled()
-                                       or not jax_compat.INVARYING_GATHER_NEEDS_CHECK_VMA)
+                                       or not jax_compat.invariant_gather_needs_check_vma())
     outs = _allreduce.bind(operands, op="sum", axes=axes, groups=groups,
                            collective="all_gather_invariant" if invariant else "all_gather")
     results = []

@@ -274,6 +274,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _register_targets()
         _state = _State(handle, rank, size, provider, _generation, args, topology)
         errors.set_abort_peers(_abort_peers)
+        errors.set_before_exit(_before_fast_exit)
         install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _shutdown_at_exit()
         timeline.start(rank, size, f"{_ext.describe(handle)}; {topology.describe(rank)}",
@@ -362,7 +363,24 @@ def _exit_handler() -> None:
     except BaseException as e:  # noqa: BLE001 - the program is ending; say why and fail
         print(f"herring_jax: at exit: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if knobs.get("HERRING_FAST_EXIT"):
-            os._exit(1)
+            errors.exit_now(e)
+
+
+# How long a fast exit waits for the reductions in flight, which the abort
+# has failed, to end and so be in the timeline.
+_EXIT_DRAIN_S = 0.5
+
+
+def _before_fast_exit() -> None:
+    """Before errors.exit_now skips the exit handlers: the timeline's last
+    events written, the failed reductions' slices among them."""
+    current = _state
+    if current is not None and timeline.writing():
+        deadline = time.monotonic() + _EXIT_DRAIN_S
+        while (time.monotonic() < deadline
+               and _ext.stats(current.handle)["batches_in_flight"]):
+            time.sleep(0.01)
+    timeline.flush_before_exit()
 
 
 def _or(value, default):

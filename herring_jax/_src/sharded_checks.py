@@ -5,8 +5,9 @@ The inner transformation sees only this worker's chunks. Element-wise
 transformations cannot tell; two kinds of transformation can:
 - those that sum over every leaf, through ``optax.tree.norm`` (and
   ``optax.global_norm``), as ``clip_by_global_norm`` does. While the inner
-  transformation runs, those functions add the workers' partial sums
-  (global_norms), so they see the whole gradient;
+  transformation is traced, those functions add the workers' partial sums
+  (global_norms) on the tracing thread, so they see the whole gradient;
+  other threads keep optax's own;
 - those that look at a whole leaf (trust ratios, factored moments, matrix
   steps) or test every gradient at once inline (``apply_if_finite``). They
   would silently be wrong; check_elementwise finds them at init by running
@@ -18,7 +19,9 @@ transformations cannot tell; two kinds of transformation can:
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -35,8 +38,6 @@ _PROBE_AXIS = "herring_jax_sharded_probe"
 # Relative difference below which chunked and whole updates agree (they may
 # differ in the last bits only through a global norm's order of sums).
 _TOLERANCE = 1e-5
-
-_patch_lock = threading.RLock()
 
 
 def _norm_with(total: Callable[[Any], Any]):
@@ -66,25 +67,91 @@ def _norm_with(total: Callable[[Any], Any]):
     return norm
 
 
+def _norm_targets():
+    """The functions global_norms redirects: (module, name, optax's function)."""
+    targets = [(optax.tree, "norm"), (_tree_utils, "tree_norm"), (_tree_utils, "tree_l2_norm"),
+               (optax, "global_norm")]
+    # Reading a deprecated name warns the user of something they did not write.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return [(mod, name, getattr(mod, name)) for mod, name in targets if hasattr(mod, name)]
+
+
+# The norms in force on this thread, innermost last. Only the thread tracing
+# the inner transformation may see herring's sums: another thread (a metrics
+# thread computing optax.tree.norm meanwhile) would trace a reduction that no
+# other process joins, and hang.
+_this_thread = threading.local()
+# Guards _installed and the module attributes.
+_patch_lock = threading.Lock()
+# (module, name) -> (optax's function, the dispatcher put in its place,
+# whether the module held it itself), for as long as any thread is inside
+# global_norms.
+_installed: dict = {}
+_users = 0
+
+
+def _dispatcher(original, name: str):
+    """In place of optax's `original`: herring's norm on a thread inside
+    global_norms, optax's own everywhere else."""
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        stack = getattr(_this_thread, "norms", None)
+        if not stack:
+            return original(*args, **kwargs)
+        if name == "global_norm":
+            return stack[-1](args[0] if args else kwargs["updates"], 2)
+        return stack[-1](*args, **kwargs)
+
+    return dispatch
+
+
+def _install():
+    global _users
+    with _patch_lock:
+        if not _users:
+            for mod, name, original in _norm_targets():
+                dispatch = _dispatcher(original, name)
+                # A deprecated name that optax serves through its module's
+                # __getattr__ (with its warning) goes back to being served so.
+                _installed[(mod, name)] = (original, dispatch, name in vars(mod))
+                setattr(mod, name, dispatch)
+        _users += 1
+
+
+def _uninstall():
+    global _users
+    with _patch_lock:
+        _users -= 1
+        if _users:
+            return
+        for (mod, name), (original, dispatch, own) in _installed.items():
+            # Someone who replaced it since keeps theirs.
+            if vars(mod).get(name) is not dispatch:
+                continue
+            if own:
+                setattr(mod, name, original)
+            else:
+                delattr(mod, name)
+        _installed.clear()
+
+
 @contextlib.contextmanager
 def global_norms(total: Callable[[Any], Any]):
-    """Within: optax's tree norms (and global_norm) sum over every worker."""
+    """Within, on this thread only: optax's tree norms (and global_norm) sum
+    over every worker through `total`. Nested uses take the innermost."""
     norm = _norm_with(total)
-    targets = [(optax.tree, "norm"), (_tree_utils, "tree_norm"),
-               (_tree_utils, "tree_l2_norm")]
-    if hasattr(optax, "global_norm"):
-        targets.append((optax, "global_norm"))
-    with _patch_lock:
-        saved = [(mod, name, getattr(mod, name)) for mod, name in targets
-                 if hasattr(mod, name)]
-        try:
-            for mod, name, _ in saved:
-                setattr(mod, name, (lambda t, **kw: norm(t, 2)) if name == "global_norm"
-                        else norm)
-            yield
-        finally:
-            for mod, name, value in saved:
-                setattr(mod, name, value)
+    stack = getattr(_this_thread, "norms", None)
+    if stack is None:
+        stack = _this_thread.norms = []
+    _install()
+    stack.append(norm)
+    try:
+        yield
+    finally:
+        stack.pop()
+        _uninstall()
 
 
 def stand_in(params, seed: int):

@@ -12,7 +12,9 @@ stage and wire). Overlapping reductions go to separate rows ("threads").
 
 The engine records the events (xla_ffi/engine/timeline.h, the last 16384);
 a thread of this module takes them every second and appends them, and
-shutdown() and the interpreter's exit take the rest. After every append the
+shutdown() and the interpreter's exit take the rest; so does the fast exit
+after an uncaught exception (HERRING_FAST_EXIT), which skips the exit
+handlers, its failed reduction's slice among them. After every append the
 file is a complete JSON array; a process that dies between appends leaves the
 closing bracket out, which both viewers accept.
 """
@@ -96,6 +98,28 @@ def flush() -> None:
     with _lock:
         if _writer is not None:
             _take_locked()
+
+
+def writing() -> bool:
+    """Whether this process writes a trace (HERRING_TIMELINE)."""
+    return _writer is not None and not _writer.closed
+
+
+def flush_before_exit(timeout_s: float = 2.0) -> None:
+    """The last flush of a process that ends without its exit handlers
+    (errors.exit_now, after an uncaught exception): appends what the engine
+    recorded, the failed reduction's slice among it, and closes the file, so
+    that no periodic append is cut short by the exit. A flush that holds the
+    file longer than `timeout_s` (a file system that hangs) is given up on:
+    the exit must not wait for it."""
+    if not _lock.acquire(timeout=timeout_s):
+        return
+    try:
+        if _writer is not None and not _writer.closed:
+            _take_locked()
+            _writer.close()
+    finally:
+        _lock.release()
 
 
 def take() -> list[dict]:

@@ -250,7 +250,9 @@ class Communicator {
                      bool timed_out);
   // Before a failed call returns (and XLA frees its inputs): on the boards,
   // marks its posting withdrawn; as messages, sends every local peer a
-  // withdrawal and waits until each has said it is done reading or has exited.
+  // withdrawal and waits until each has said it is done reading or has exited
+  // (up to HERRING_TIMEOUT_S for a peer that has arrived in the call, 1 s,
+  // kArriveGrace, for one that has not).
   void WithdrawHost(Batch* batch);
   // Host-stage messages (host_stage.cc).
   void PostHostRecv(Batch* batch, int step, int peer);

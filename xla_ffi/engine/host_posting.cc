@@ -92,7 +92,7 @@ Status Communicator::PrepareHostCall(Batch* batch, const GroupPlan& plan,
   w.out_headers[0] = MakeHeader(first, MsgKind::kHostArrive, config_.token, my_rank, w.me, 0,
                                 num * sizeof(HostEntry), 1);
   w.out_headers[2] = MakeHeader(first, MsgKind::kHostDone, config_.token, my_rank, w.me, 0, 0, 1);
-  // A withdrawal (host_withdraw.cc) is a kHostDone that says so.
+  // A withdrawal (WithdrawHost, below) is a kHostDone that says so.
   w.withdrawal = MakeHeader(first, MsgKind::kHostDone, config_.token, my_rank, w.me, 0, 0,
                             kHostWithdrawn);
   return Status::Ok();

@@ -52,7 +52,7 @@
 // - Inputs are no longer read once their owner returns: it returns after
 //   gathering every peer's slice, i.e. after every peer's kHostReady, which a
 //   peer sends after its step 2, its last read of inputs.
-// - A failed call withdraws its inputs before it returns (host_withdraw.cc),
+// - A failed call withdraws its inputs before it returns (host_posting.cc),
 //   and nobody publishes or uses a slice read from inputs that were withdrawn:
 //   on the boards the owner marks its posting withdrawn, and each reader,
 //   after its last read of inputs and before it uses the slice (step 3 or 4),
@@ -60,7 +60,10 @@
 //   mark made later came after the reads, while the inputs were still
 //   there); as messages the owner sends each local peer a withdrawal and
 //   waits until each has said it is done reading (kHostReady, kHostDone, a
-//   withdrawal of its own) or has exited, up to HERRING_TIMEOUT_S.
+//   withdrawal of its own) or has exited: up to HERRING_TIMEOUT_S for a peer
+//   whose arrive it has (that peer may be reading), 1 s (kArriveGrace,
+//   host_posting.cc) for one whose arrive it has not (one that enters the
+//   call later finds the withdrawal waiting).
 // - Where XLA reduces in place (the input is the output), an input slice is
 //   overwritten only when nobody reads it any more: process q reads only slice
 //   q of the others' inputs; each process writes its own slice (steps 2 and 4)
@@ -465,7 +468,7 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
     }
   }
   // Tests: this call fails here without telling anyone, as when another
-  // rank's abort reached this process first (host_withdraw.cc).
+  // rank's abort reached this process first (WithdrawHost, host_posting.cc).
   if (ok && TestFault("withdraw-after-ready")) {
     fail(Status::Error("rank " + std::to_string(config_.rank) +
                            ": test fault withdraw-after-ready (HERRING_TEST_FAULT)"),
