@@ -43,3 +43,10 @@ def from_rows(rows, shape):
     """Inverse of to_rows: the leaf of `shape` from its (n, c) rows."""
     size = int(np.prod(shape, dtype=np.int64))
     return jnp.ravel(rows)[:size].reshape(shape)
+
+
+def chunk_range(size: int, n: int, r: int) -> tuple[int, int]:
+    """Worker r's elements [lo, hi) of a flattened leaf of `size` elements,
+    without the padding (empty for the last workers of a small leaf)."""
+    c = chunk_size(size, n)
+    return min(size, r * c), min(size, (r + 1) * c)
