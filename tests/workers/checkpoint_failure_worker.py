@@ -6,9 +6,9 @@ Cases, in one job of 2 processes, under --dir:
   exists  the checkpoint directory exists (rank 0 finds it);
   full    rank 1 cannot write its file (its open for writing fails as on a
           full disk), rank 0 writes its own;
-  after   a save that succeeds, restored bitwise; only its keys are left in
-          jax.distributed's key-value store (those of the failed saves
-          deleted);
+  after   a save that succeeds, restored bitwise (the residual too); only
+          its keys are left in jax.distributed's key-value store (those of
+          the failed saves deleted);
 then restores that must fail, with the error each gives: from a directory
 without a manifest (missing), from one whose shard file of process 1 lost a
 byte (truncated), and from one of an unknown format (format).
@@ -89,7 +89,8 @@ def main() -> None:
     herring_jax.initialize()
     rank = herring_jax.process_index()
     params = make_params("float32")
-    tx = herring_jax.sharded_optimizer(optax.adam(1e-2))
+    # A lossy codec: the state holds each process's error-feedback residual.
+    tx = herring_jax.sharded_optimizer(optax.adam(1e-2), compression="bf16")
     state = tx.init(params)
     grads = jax.tree_util.tree_map(lambda p: p * 0.5, params)
     _, state = jax.jit(tx.update)(grads, state, params)
@@ -106,6 +107,8 @@ def main() -> None:
     same = all(common.bitwise_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
         jax.tree_util.tree_leaves((state, params)),
         jax.tree_util.tree_leaves((got_state, got_params))))
+    # The residual is not all zeros, so that restoring zeros would show.
+    same &= any(np.any(np.asarray(r) != 0) for r in jax.tree_util.tree_leaves(state.residual))
     # Read while no process can have begun the next save.
     everyone_here()
     client = jax_compat.distributed_client()
