@@ -37,6 +37,7 @@ from herring_jax._src import jax_compat
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
+from herring_jax._src.chunks import chunk_of, chunk_shape, chunk_size, to_rows
 from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
 from herring_jax._src.psum import check_axes_bound, check_gradients
 from herring_jax._src.split import split_reductions
@@ -59,40 +60,6 @@ class ShardedOptimizerState(NamedTuple):
     inner: Any
     shard: Any
     residual: Any
-
-
-def chunk_size(size: int, n: int) -> int:
-    """Elements of each worker's chunk of a leaf of `size` elements."""
-    return -(-size // n) if size else 0
-
-
-def chunk_shape(shape: tuple, n: int) -> tuple:
-    """The shape the inner transformation sees a leaf's chunk in: its
-    c = chunk_size elements on the last axis, the leaf's other axes kept as 1
-    (so ``x.ndim``, which weight-decay masks often test, is unchanged; a
-    scalar's chunk has one axis)."""
-    c = chunk_size(int(np.prod(shape, dtype=np.int64)), n)
-    return (1,) * (len(shape) - 1) + (c,)
-
-
-def _rows(x, n: int):
-    """Leaf x as (n, c): row r is worker r's chunk, zero-padded."""
-    flat = jnp.ravel(x)
-    c = chunk_size(flat.size, n)
-    return jnp.pad(flat, (0, n * c - flat.size)).reshape(n, c)
-
-
-def chunk_of(x, n: int, r):
-    """Worker r's chunk of leaf x (r may be traced), in chunk_shape."""
-    rows = _rows(x, n)
-    return jax.lax.dynamic_index_in_dim(rows, r, 0, keepdims=False).reshape(
-        chunk_shape(np.shape(x), n))
-
-
-def _from_rows(rows, shape):
-    """Inverse of _rows: the leaf of `shape` from its (n, c) rows."""
-    size = int(np.prod(shape, dtype=np.int64))
-    return jnp.ravel(rows)[:size].reshape(shape)
 
 
 def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
@@ -256,7 +223,7 @@ class _BucketLayout:
         self.n = n
 
     def pack(self, leaves) -> jax.Array:
-        rows = [_rows(x, self.n) for x in leaves]
+        rows = [to_rows(x, self.n) for x in leaves]
         pad = self.width - sum(self.chunks)
         if pad:
             rows.append(jnp.zeros((self.n, pad), self.dtype))

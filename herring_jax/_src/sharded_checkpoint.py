@@ -1,20 +1,28 @@
-"""Checkpoints of sharded_optimizer's state: each process writes only its
-chunks, into one plain .npy file per leaf holding the whole, unpadded array,
-so that a checkpoint is read without herring_jax (numpy.load) and restored
-on any number of processes.
+"""Checkpoints of sharded_optimizer's state: each process writes one file of
+its own holding its chunks, so that no two processes ever write one file (on
+NFS and object-store mounts they would overwrite each other's bytes); the
+checkpoint is read without herring_jax (numpy.load) and restored on any
+number of processes.
 
 Layout of a checkpoint directory:
-  manifest.json   what every file holds: the state leaf's path, whether it is
-                  a parameter's chunks (then the parameter's index and shape)
-                  or the same on every process, its dtype and shape;
-  state/<k>.npy   state leaf k, whole (a parameter's shape for chunked ones);
-  params/<i>.npy  parameter i, whole, if params were saved;
-  residual/<rank>/<k>.npy  error feedback, each process's own (only restored
-                  onto as many processes as saved it; zeros otherwise).
-Rank 0 creates every file; after a barrier each process writes its chunk
-ranges into them (memory-mapped, so each writes about 1/N of the bytes);
-after a second barrier rank 0 writes the manifest and moves the directory
-into place: a directory with a manifest is complete.
+  manifest.json   the format, the processes that saved it, each file with
+                  its bytes, and every leaf: the state leaf's path, whether
+                  it is chunked (a parameter's, then the parameter's index)
+                  or the same on every process, its shape, dtype and member;
+  shards/<r>.npz  process r's file (uncompressed .npz): member state_<k>
+                  holds its elements [r*c, min((r+1)*c, size)) of state leaf
+                  k flattened, c = ceil(size / processes) (empty where that
+                  range is); params_<i> the same of parameter i; residual_<k>
+                  its own error feedback, whole. Process 0's file also holds
+                  the state leaves the same on every process, whole.
+Every process writes its file under a name of its own, flushes it to the
+device and renames it into place; once every process has reported its file
+written, rank 0 writes the manifest and moves the directory into place: a
+directory with a manifest is complete. Each step's outcome (done, or an
+error) reaches every process (checkpoint_agreement), so a failure anywhere
+raises on every process at once and leaves no manifest.
+Version 1's layout (one whole .npy per leaf, written by every process through
+memory maps) is still restored.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from herring_jax._src import jax_compat
-from herring_jax._src import knobs
+from herring_jax._src import checkpoint_files as files
 from herring_jax._src import runtime
+from herring_jax._src.checkpoint_agreement import Agreement
+from herring_jax._src.chunks import chunk_range, chunk_shape
 
-FORMAT = "herring_jax sharded optimizer state, version 1"
+FORMAT = "herring_jax sharded optimizer state, version 2"
+FORMAT_V1 = "herring_jax sharded optimizer state, version 1"
 # A chunk length no parameter has, marking which state leaves are chunks of
 # which parameter (see _chunked_leaves).
 _MARK = 1_000_003
@@ -62,22 +72,65 @@ def _chunked_leaves(inner, params) -> list[int | None]:
     return owners
 
 
-def _barrier(name: str) -> None:
-    st = runtime.state()
-    jax_compat.distributed_client().wait_at_barrier(
-        f"herring_jax/{st.generation}/checkpoint/{name}",
-        int(knobs.get("HERRING_TIMEOUT_S") * 1000))
+def _members(tx, state, params, rank: int, n: int) -> tuple[list, list, dict]:
+    """The manifest's state and params entries, and this process's members:
+    for each, a function that copies its values to the host, in file dtype."""
+    if params is None:
+        raise ValueError("save_sharded needs the parameters (their shapes say how the state's "
+                         "chunks unpad)")
+    inner = _inner(tx)
+    if np.ndim(state.shard) != 0:
+        raise ValueError("save_sharded saves the state of sharded_optimizer over processes; "
+                         "inside shard_map the state is a sharded global array: save it with "
+                         "orbax")
+    if int(state.shard) != rank:
+        raise ValueError(f"this state is process {int(state.shard)}'s chunks, not process "
+                         f"{rank}'s: pass each process its own state")
+    p_leaves = jax.tree_util.tree_leaves(params)
+    owners = _chunked_leaves(inner, params)
+    s_paths = jax.tree_util.tree_flatten_with_path(state.inner)[0]
+    if len(s_paths) != len(owners):
+        raise ValueError("this state does not come from this transformation and these "
+                         "parameters")
 
+    def part(x, lo: int, hi: int):
+        return lambda: files.as_file_dtype(np.ravel(np.asarray(x))[lo:hi])
 
-def _range(size: int, n: int, r: int) -> tuple[int, int]:
-    c = -(-size // n) if size else 0
-    return min(size, r * c), min(size, (r + 1) * c)
+    entries, members = [], {}
+    for k, ((path, leaf), owner) in enumerate(zip(s_paths, owners)):
+        shape = np.shape(p_leaves[owner]) if owner is not None else np.shape(leaf)
+        entries.append({"path": jax.tree_util.keystr(path), "param": owner,
+                        "chunked": owner is not None, "shape": list(shape),
+                        "dtype": np.dtype(leaf.dtype).name, "member": f"state_{k}"})
+        if owner is None:
+            if rank == 0:
+                members[f"state_{k}"] = lambda x=leaf: files.as_file_dtype(np.asarray(x))
+            continue
+        if np.shape(leaf) != chunk_shape(shape, n):
+            raise ValueError(f"state leaf {entries[-1]['path']} has shape {np.shape(leaf)}, "
+                             f"not {chunk_shape(shape, n)}: it was made on another number of "
+                             "processes or for other parameters")
+        lo, hi = chunk_range(int(np.prod(shape, dtype=np.int64)), n, rank)
+        # The chunk's first hi - lo elements: the rest is padding.
+        members[f"state_{k}"] = part(leaf, 0, hi - lo)
+    p_entries = []
+    for i, p in enumerate(p_leaves):
+        p_entries.append({"chunked": True, "shape": list(np.shape(p)),
+                          "dtype": np.dtype(p.dtype).name, "member": f"params_{i}"})
+        members[f"params_{i}"] = part(p, *chunk_range(int(np.size(p)), n, rank))
+    for k, r in enumerate(jax.tree_util.tree_leaves(state.residual)):
+        members[f"residual_{k}"] = lambda x=r: files.as_file_dtype(np.asarray(x))
+    return entries, p_entries, members
 
 
 def save_sharded(directory: str, tx, state, params=None) -> None:
-    """Writes sharded_optimizer's `state` (and `params`, if given) to
-    `directory`, each process its own chunks. Call it on every process, with
+    """Writes sharded_optimizer's `state` (and `params`) to `directory`, each
+    process its chunks into a file of its own. Call it on every process, with
     the transformation that made the state, outside jit.
+
+    A failure on any process (the directory exists, a disk is full, ...)
+    raises the same error on every process at once, naming the rank, and
+    leaves no manifest.
 
     Args:
       directory: where the checkpoint goes (on a file system every process
@@ -92,68 +145,69 @@ def save_sharded(directory: str, tx, state, params=None) -> None:
     """
     st = runtime.state()
     rank, n = st.rank, st.size
-    if params is None:
-        raise ValueError("save_sharded needs the parameters (their shapes say how the state's "
-                         "chunks unpad)")
-    inner = _inner(tx)
-    p_leaves = jax.tree_util.tree_leaves(params)
-    owners = _chunked_leaves(inner, params)
-    s_paths = jax.tree_util.tree_flatten_with_path(state.inner)[0]
-    if len(s_paths) != len(owners):
-        raise ValueError("this state does not come from this transformation and these "
-                         "parameters")
+    agree = Agreement(f"save_sharded({directory!r})")
     tmp = directory + f".partial-{st.generation}"
-    entries = []
-    for (path, leaf), owner in zip(s_paths, owners):
-        shape = np.shape(p_leaves[owner]) if owner is not None else np.shape(leaf)
-        entries.append({"path": jax.tree_util.keystr(path), "param": owner,
-                        "shape": list(shape), "dtype": np.dtype(leaf.dtype).name})
+    shard = os.path.join("shards", f"{rank}.npz")
+    # Whatever fails on a process, every process raises (agree.step) at once.
+    error = None
+    try:
+        entries, p_entries, members = _members(tx, state, params, rank, n)
+        if rank == 0:
+            if os.path.exists(directory):
+                raise FileExistsError(f"{directory} exists; checkpoints are never overwritten")
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "shards"))
+    except Exception as e:
+        error = e
+    agree.step("prepare", error)
+    size = 0
+    try:
+        size = files.write_shard(os.path.join(tmp, shard), members)
+    except Exception as e:
+        error = e
+    sizes = agree.step("write", error, str(size))
     if rank == 0:
-        if os.path.exists(directory):
-            raise FileExistsError(f"{directory} exists; checkpoints are never overwritten")
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "state"))
-        os.makedirs(os.path.join(tmp, "params"))
-        for k, e in enumerate(entries):
-            np.lib.format.open_memmap(os.path.join(tmp, "state", f"{k}.npy"), mode="w+",
-                                      dtype=_file_dtype(e["dtype"]), shape=tuple(e["shape"]))
-        for i, p in enumerate(p_leaves):
-            np.lib.format.open_memmap(os.path.join(tmp, "params", f"{i}.npy"), mode="w+",
-                                      dtype=_file_dtype(np.dtype(p.dtype).name),
-                                      shape=np.shape(p))
-    _barrier(f"{directory}/created")
-    for k, ((_, leaf), e) in enumerate(zip(s_paths, entries)):
-        target = os.path.join(tmp, "state", f"{k}.npy")
-        if e["param"] is None:
-            if rank == 0:
-                _write(target, 0, np.ravel(np.asarray(leaf)))
-            continue
-        size = int(np.prod(e["shape"], dtype=np.int64))
-        lo, hi = _range(size, n, rank)
-        _write(target, lo, np.ravel(np.asarray(leaf))[:hi - lo])
-    for i, p in enumerate(p_leaves):
-        lo, hi = _range(int(np.size(p)), n, rank)
-        _write(os.path.join(tmp, "params", f"{i}.npy"), lo, np.ravel(np.asarray(p))[lo:hi])
-    residual = jax.tree_util.tree_leaves(state.residual)
-    if residual:
-        mine = os.path.join(tmp, "residual", str(rank))
-        os.makedirs(mine, exist_ok=True)
-        for k, r in enumerate(residual):
-            np.save(os.path.join(mine, f"{k}.npy"), np.asarray(r))
-    _barrier(f"{directory}/written")
-    if rank == 0:
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump({"format": FORMAT, "processes": n, "state": entries,
-                       "params": [{"shape": list(np.shape(p)), "dtype": np.dtype(p.dtype).name}
-                                  for p in p_leaves],
-                       "residuals": len(residual)}, f, indent=1)
-        os.replace(tmp, directory)
-    _barrier(f"{directory}/done")
+        try:
+            files.write_json(os.path.join(tmp, "manifest.json"), {
+                "format": FORMAT, "processes": n,
+                "files": [{"name": f"shards/{r}.npz", "bytes": int(b)}
+                          for r, b in enumerate(sizes)],
+                "state": entries, "params": p_entries,
+                "residuals": len(jax.tree_util.tree_leaves(state.residual))})
+            os.rename(tmp, directory)
+            files.sync_directory(os.path.dirname(os.path.abspath(directory)))
+        except Exception as e:
+            error = e
+    # Every process returns once the checkpoint is in place.
+    agree.step("commit", error)
+    agree.completed()
+
+
+def _open(directory: str):
+    path = os.path.join(directory, "manifest.json")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} does not exist: {directory} is not a checkpoint of save_sharded, or an "
+            "incomplete one (the manifest is written last, once every process has written "
+            "its file)") from None
+    fmt = manifest.get("format")
+    if fmt == FORMAT:
+        return manifest, files.Shards(directory, manifest)
+    if fmt == FORMAT_V1:
+        return manifest, files.Version1(directory, manifest)
+    raise ValueError(f"{directory} is not a herring_jax sharded checkpoint this version reads: "
+                     f"its format is {fmt!r}; this one reads {FORMAT!r} and {FORMAT_V1!r}")
 
 
 def restore_sharded(directory: str, tx, params):
     """Reads a checkpoint of save_sharded onto this job, whatever its number
     of processes: returns (state, params) with this process's chunks.
+
+    Each process reads, of the state, only the chunks that overlap its own,
+    and every parameter whole (every process holds the parameters whole).
 
     Args:
       directory: a checkpoint written by save_sharded.
@@ -164,10 +218,14 @@ def restore_sharded(directory: str, tx, params):
     """
     st = runtime.state()
     rank, n = st.rank, st.size
-    with open(os.path.join(directory, "manifest.json")) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{directory} is not a herring_jax sharded checkpoint")
+    manifest, reader = _open(directory)
+    try:
+        return _restore(directory, tx, params, manifest, reader, rank, n)
+    finally:
+        reader.close()
+
+
+def _restore(directory, tx, params, manifest, reader, rank: int, n: int):
     inner = _inner(tx)
     p_leaves, p_def = jax.tree_util.tree_flatten(params)
     if len(manifest["params"]) != len(p_leaves) or any(
@@ -179,56 +237,27 @@ def restore_sharded(directory: str, tx, params):
     entries = manifest["state"]
     if len(entries) != len(like) or any(e["param"] != o for e, o in zip(entries, owners)):
         raise ValueError(f"{directory} holds the state of another inner transformation")
+
+    def typed(flat, entry, like_dtype):
+        data = flat.view(np.dtype(jnp.dtype(entry["dtype"])))
+        return data.astype(np.dtype(like_dtype), copy=False)
+
     leaves = []
-    for k, (e, t) in enumerate(zip(entries, like)):
-        data = _read(os.path.join(directory, "state", f"{k}.npy"), e["dtype"])
-        if e["param"] is None:
-            leaves.append(jnp.asarray(np.array(data), t.dtype))
+    for e, t in zip(entries, like):
+        if not e["chunked"]:
+            leaves.append(jnp.asarray(typed(reader.whole(e), e, t.dtype).reshape(t.shape)))
             continue
-        size = data.size
-        lo, hi = _range(size, n, rank)
-        chunk = np.zeros(int(np.prod(t.shape)), data.dtype)
-        chunk[:hi - lo] = np.ravel(data)[lo:hi]
-        leaves.append(jnp.asarray(chunk.reshape(t.shape), t.dtype))
-    restored_params = [jnp.asarray(np.array(_read(
-        os.path.join(directory, "params", f"{i}.npy"), m["dtype"])), p.dtype)
-        for i, (p, m) in enumerate(zip(p_leaves, manifest["params"]))]
+        lo, hi = chunk_range(int(np.prod(e["shape"], dtype=np.int64)), n, rank)
+        chunk = np.zeros(int(np.prod(t.shape, dtype=np.int64)), np.dtype(t.dtype))
+        chunk[:hi - lo] = typed(reader.range(e, lo, hi), e, t.dtype)
+        leaves.append(jnp.asarray(chunk.reshape(t.shape)))
+    restored = [jnp.asarray(typed(reader.whole(m), m, p.dtype).reshape(np.shape(p)))
+                for p, m in zip(p_leaves, manifest["params"])]
     residual = jax.tree_util.tree_map(lambda t: jnp.zeros(t.shape, t.dtype), template.residual)
     if manifest["residuals"] and manifest["processes"] == n:
         r_leaves, r_def = jax.tree_util.tree_flatten(residual)
         residual = jax.tree_util.tree_unflatten(r_def, [
-            jnp.asarray(np.load(os.path.join(directory, "residual", str(rank), f"{k}.npy")))
-            for k in range(len(r_leaves))])
+            jnp.asarray(reader.residual(rank, k)) for k in range(len(r_leaves))])
     state = template._replace(inner=jax.tree_util.tree_unflatten(s_def, leaves),
                               shard=jnp.asarray(rank, jnp.int32), residual=residual)
-    return state, jax.tree_util.tree_unflatten(p_def, restored_params)
-
-
-def _file_dtype(name: str) -> np.dtype:
-    """What a .npy holds for `name`: the dtype itself, or for the dtypes numpy
-    cannot name in a file (bfloat16, ...) unsigned integers of their width,
-    the bits (the manifest says which dtype to view them as)."""
-    dtype = np.dtype(jnp.dtype(name))
-    if dtype.kind in "biufc":
-        return dtype
-    return np.dtype(f"u{dtype.itemsize}")
-
-
-def _read(path: str, name: str) -> np.ndarray:
-    """The .npy at `path` (memory-mapped), viewed as dtype `name`."""
-    data = np.load(path, mmap_mode="r")
-    dtype = np.dtype(jnp.dtype(name))
-    return data if data.dtype == dtype else data.view(dtype)
-
-
-def _write(path: str, at: int, values: np.ndarray) -> None:
-    """values into the flattened array of the .npy at `path`, from element `at`."""
-    if values.size == 0:
-        return
-    out = np.load(path, mmap_mode="r+")
-    flat = out.reshape(-1)
-    if values.dtype != flat.dtype:
-        values = values.view(flat.dtype)  # bfloat16 and friends: their bits
-    flat[at:at + values.size] = values
-    out.flush()
-    del out
+    return state, jax.tree_util.tree_unflatten(p_def, restored)

@@ -30,6 +30,8 @@ import numpy as np
 import optax
 from optax import tree_utils as _tree_utils
 
+from herring_jax._src.chunks import chunk_of
+
 # The largest size of any axis of a stand-in parameter: small enough for a
 # quick check, large enough that shape-dependent choices (adafactor factors
 # axes of 128 or more) are taken as on the real parameters.
@@ -166,7 +168,6 @@ def stand_in(params, seed: int):
 
 def _chunks(tree, n: int):
     """Every worker's chunk of every leaf, stacked: leaves of (n, *chunk_shape)."""
-    from herring_jax._src.sharded import chunk_of
     return jax.tree_util.tree_map(
         lambda x: jnp.stack([chunk_of(x, n, r) for r in range(n)]), tree)
 

@@ -1,8 +1,9 @@
 """Resuming sharded_optimizer on another number of processes: phase `save`
-trains STEPS steps on N processes and checkpoints (save_sharded); phase
-`resume`, on M processes, restores and trains STEPS more. The unsharded chain
-(allreduce_gradients + inner) does the same from a checkpoint of its own;
-both report their final parameters' digest."""
+trains STEPS steps on N processes and checkpoints (save_sharded), recording
+every file each process writes while it saves; phase `resume`, on M
+processes, restores each checkpoint named and trains STEPS more. The
+unsharded chain (allreduce_gradients + inner) does the same from a checkpoint
+of its own; both report their final parameters' digest."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import common  # noqa: E402
+import file_writes  # noqa: E402
 import herring_jax  # noqa: E402
 from sharded_worker import flat, loss_fn, make_params  # noqa: E402
 
@@ -46,6 +48,8 @@ def main() -> None:
     parser.add_argument("phase", choices=["save", "resume"])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--names", default="sharded",
+                        help="resume: the checkpoints (under --dir) to restore, comma-separated")
     args = parser.parse_args()
     herring_jax.initialize()
     rank = herring_jax.process_index()
@@ -56,21 +60,25 @@ def main() -> None:
     if args.phase == "save":
         p_s, s_s = steps(sharded, params, sharded.init(params), rank, 0)
         p_r, s_r = steps(chain, params, chain.init(params), rank, 0)
-        herring_jax.save_sharded(os.path.join(args.dir, "sharded"), sharded, s_s, p_s)
+        with file_writes.recording() as seen:
+            herring_jax.save_sharded(os.path.join(args.dir, "sharded"), sharded, s_s, p_s)
         if rank == 0:
             with open(ref_path, "wb") as f:
                 pickle.dump(jax.tree_util.tree_map(np.asarray, (p_r, s_r)), f)
         sizes = [int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves(s_s.inner)]
-        common.report("save", True, digest=common.digest(flat(p_s)), state_bytes=sum(sizes))
+        common.report("save", True, digest=common.digest(flat(p_s)), state_bytes=sum(sizes),
+                      **seen)
     else:
-        s_s, p_s = herring_jax.restore_sharded(os.path.join(args.dir, "sharded"), sharded, params)
         with open(ref_path, "rb") as f:
-            p_r, s_r = pickle.load(f)
-        p_s, s_s = steps(sharded, p_s, s_s, rank, STEPS)
-        p_r, s_r = steps(chain, p_r, s_r, rank, STEPS)
-        a, b = flat(p_s), flat(p_r)
-        common.report("resume", a.tobytes() == b.tobytes(), digest=common.digest(a),
-                      reference=common.digest(b), max_diff=float(np.max(np.abs(a - b))))
+            p_ref, s_ref = pickle.load(f)
+        p_r, _ = steps(chain, p_ref, s_ref, rank, STEPS)
+        b = flat(p_r)
+        for name in args.names.split(","):
+            s_s, p_s = herring_jax.restore_sharded(os.path.join(args.dir, name), sharded, params)
+            p_s, s_s = steps(sharded, p_s, s_s, rank, STEPS)
+            a = flat(p_s)
+            common.report(f"resume/{name}", a.tobytes() == b.tobytes(), digest=common.digest(a),
+                          reference=common.digest(b), max_diff=float(np.max(np.abs(a - b))))
     herring_jax.shutdown()
 
 
