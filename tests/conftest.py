@@ -13,11 +13,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pyproject.toml gives every test.
 LONG_TESTS = os.environ.get("HERRING_LONG_TESTS") == "1"
 
-# The extended part of the suite: the tools (bench, train-bench, the GPU
-# kit's dry run, the latency tool), the long-haul runs (soak, chaos, resume
-# after a kill), and the largest layouts of tests whose other layouts stay in
-# the main part (4 processes of one device each, the sharded chain on 2x2
-# simulated hosts). `bash tests/run.sh` runs everything else;
+# Two tiers. The core tier (`bash tests/run.sh`, the README's test command)
+# runs every feature's main tests on the layout that catches the most; the
+# extended part holds the tools (bench, train-bench, the GPU kit's dry run,
+# the latency tool), the long-haul runs (soak, chaos, resume after a kill),
+# and the other layouts of tests whose main layout stays in the core tier. `bash tests/run.sh` runs everything else;
 # `bash tests/run.sh -m extended` runs these, as .ci/run does after it, and
 # `bash tests/run.sh -m ""` both.
 EXTENDED = {"test_bench.py", "test_train_bench.py", "test_tools.py", "test_gpu_check.py",
@@ -27,7 +27,30 @@ EXTENDED_CASES = {
     "test_compat.py::test_lax_compatibility[4-1]",
     "test_collectives.py::test_lax_compatibility_and_process_collectives[4-1]",
     "test_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[4-2]",
+    # The core tier keeps one layout of each of these: the one that catches the
+    # most (several devices and several processes at once).
+    "test_allreduce.py::test_every_dtype_op_and_size[4-2]",
+    "test_compat.py::test_lax_compatibility[1-4]",
+    "test_collectives.py::test_lax_compatibility_and_process_collectives[1-4]",
+    "test_groupings.py::test_interleaved_groupings_match_lax[1-4]",
+    "test_groupings.py::test_more_groups_than_wire_streams[1-130]",
+    "test_host_stage.py::test_every_dtype_through_the_host_stage[2-2-1]",
+    "test_identity.py::test_extra_launch_on_one_rank_fails_every_rank_naming_both[4]",
+    "test_first_hour.py::test_shutdown_right_after_the_last_queued_step_finishes_them[2]",
+    "test_optax.py::test_training_matches_lax_pmean_on_every_process[4-2]",
+    "test_optax.py::test_fusion_round_trip[2-300-64]",
+    "test_optax.py::test_fusion_round_trip[3-300-1048576]",
+    "test_state.py::test_broadcast_and_batchnorm_state[3-1]",
+    "test_sharded_checkpoint.py::test_a_checkpoint_resumes_on_another_number_of_processes"
+    "[4-2-float32]",
+    # The examples' other runs (the demo and the quickstart stay).
+    "test_examples.py::test_lm_loss_falls_with_two_devices_per_process",
+    "test_examples.py::test_mnist_like_learns[native]",
+    "test_examples.py::test_pin_gives_each_process_its_own_core",
 }
+# The C++ unit tests under ThreadSanitizer: the core tier runs them under
+# AddressSanitizer + UBSan, and .ci/sanitizers.sh runs the engine under both.
+EXTENDED_PARAMS = {("test_cpp_units.py", "tsan")}
 
 
 def pytest_configure(config):
@@ -41,7 +64,10 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in EXTENDED or f"{item.path.name}::{item.name}" in EXTENDED_CASES:
+        params = getattr(item, "callspec", None)
+        ids = set(params.id.split("-")) if params is not None else set()
+        if (item.path.name in EXTENDED or f"{item.path.name}::{item.name}" in EXTENDED_CASES
+                or any(item.path.name == f and p in ids for f, p in EXTENDED_PARAMS)):
             item.add_marker(pytest.mark.extended)
     if not LONG_TESTS:
         return
