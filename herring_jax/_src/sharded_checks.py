@@ -232,10 +232,17 @@ def _check(inner, params, n: int) -> None:
         with global_norms(lambda x: jax.lax.psum(x, _PROBE_AXIS)):
             return run_steps(p_c, g_cs)
 
+    def all_chunk_steps(p, grads_list):
+        return jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(
+            _chunks(p, n), [_chunks(g, n) for g in grads_list])
+
+    # Each side as one compiled program. Op by op (as the compile-time
+    # evaluation around this would run it) every operation is compiled apart:
+    # the first init of sharded_optimizer(clip + adamw) on a 4-layer MLP took
+    # 4.4-5.4 s that way against 1.8-2.4 s compiled (one process, 2 busy cores).
     with global_norms(lambda x: x):
-        want = run_steps(p, grads)
-    got = jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(
-        _chunks(p, n), [_chunks(g, n) for g in grads])
+        want = jax.jit(run_steps)(p, grads)
+    got = jax.jit(all_chunk_steps)(p, grads)
     steps = ["step 1", "step 2", "a step with one non-finite gradient"]
     for k, (w, g) in enumerate(zip(want, got)):
         paths = jax.tree_util.tree_flatten_with_path(w)[0]
