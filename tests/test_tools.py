@@ -145,3 +145,18 @@ def test_latency_phases_prints_each_phase(tmp_path):
     assert set(phases) == {"skew", "dispatch", "hop", "first end", "last end", "ready",
                            "total"}, line
     assert int(phases["total"]) > 0, line
+
+
+def test_startup_phases_prints_each_phase(tmp_path):
+    # The tool behind the getting-started guide's start-up table: 2 processes,
+    # 3 steps; every phase printed once by rank 0, each a number of seconds.
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "herring_jax.launch", "-n", "2", "--", sys.executable, "-P",
+         "-m", "herring_jax._src.tools.startup_phases", "--steps", "3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = dict(re.findall(r"\[rank 0\] (.+?)\s+(\d+\.\d\d) s$", proc.stdout, re.M))
+    assert set(found) == {"import jax, optax", "import herring_jax", "initialize()",
+                          "optimizer init (with its check)", "first step (compile)",
+                          "2 more steps", "shutdown() (rank 0)", "total (rank 0)"}, proc.stdout
+    assert float(found["total (rank 0)"]) > 0, proc.stdout
