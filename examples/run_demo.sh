@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${HERRING_DEMO_INSTALL:-1}" != 0 ]; then
-  bash .ci/install.sh
+  bash .ci/install.sh demo
 fi
 mkdir -p build
 plot="$PWD/build/demo_loss.png"

@@ -6,7 +6,13 @@
 # instead, `-m ""` everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash .ci/install.sh
+# What the core tier needs; the extended part (`-m extended`, or `-m ""` for
+# everything) also needs the benchmark's peers.
+purpose=tests
+for arg in "$@"; do
+  case "$arg" in *extended*|"") purpose=all ;; esac
+done
+bash .ci/install.sh "$purpose"
 # -P: the source tree's herring_jax (no compiled extension) must not shadow
 # the installed package.
 exec python3 -P -m pytest tests -q -rfEs --durations=10 -m "not extended" "$@"

@@ -34,7 +34,7 @@ echo "herring_jax (stub) installed"
 """
 
 
-def _run(tmp_path, fail_on="<nothing>", python="3.11"):
+def _run(tmp_path, fail_on="<nothing>", python="3.11", purpose=None):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, text in [("python3", _PYTHON3), ("apt-get", "#!/bin/sh\nexit 99\n")] + [
@@ -45,7 +45,8 @@ def _run(tmp_path, fail_on="<nothing>", python="3.11"):
     log = tmp_path / "calls.log"
     env = {"PATH": f"{stubs}:/usr/bin:/bin", "STUB_LOG": str(log), "FAIL_ON": fail_on,
            "HOME": str(tmp_path), "STUB_PY": python}
-    proc = subprocess.run([shutil.which("bash"), str(ROOT / ".ci" / "install.sh")], env=env,
+    proc = subprocess.run([shutil.which("bash"), str(ROOT / ".ci" / "install.sh")]
+                          + ([purpose] if purpose else []), env=env,
                           capture_output=True, text=True, timeout=60, check=False)
     calls = log.read_text().splitlines() if log.exists() else []
     return proc, [c for c in calls if c.startswith("-m pip install")], calls
@@ -111,3 +112,26 @@ def test_mpi4jax_failure_stops_the_script_and_keeps_the_cuda_root_trick(tmp_path
     cuda_root = mpi4jax[0].rsplit("CUDA_ROOT=", 1)[1]
     assert cuda_root and "cuda_root_existed" in calls, calls
     assert not os.path.exists(cuda_root)
+
+
+@pytest.mark.parametrize("purpose", ["demo", "tests"])
+def test_the_demo_and_the_tests_install_only_what_they_need(tmp_path, purpose):
+    # The demo: the library, jax, flax, optax, the digits and the plot; no
+    # test tools, documentation tools or benchmark peers. The tests: those
+    # tools too, still no peers (the extended part's, with `all`).
+    proc, pips, _ = _run(tmp_path, purpose=purpose)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(pips) == 2, pips  # the dependencies, then herring_jax itself
+    deps = pips[0].split()
+    for needed in ("flax", "optax", "scikit-learn", "matplotlib"):
+        assert needed in deps, deps
+    tools = ("pytest", "sphinx", "orbax-checkpoint")
+    assert all((t in deps) == (purpose == "tests") for t in tools), deps
+    assert not any(p.startswith(("torch", "mpi4py", "mpi4jax")) for p in deps), deps
+    assert "--no-build-isolation ." in pips[1], pips
+
+
+def test_an_unknown_purpose_is_refused(tmp_path):
+    proc, pips, _ = _run(tmp_path, purpose="everything")
+    assert proc.returncode == 2 and not pips, proc.stdout + proc.stderr
+    assert "unknown purpose 'everything'; use demo, tests or all" in proc.stderr
