@@ -25,6 +25,7 @@
 #include "engine/dtype.h"
 #include "engine/host_board.h"
 #include "engine/host_topology.h"
+#include "engine/leave_ledger.h"
 #include "engine/occurrence_table.h"
 #include "engine/wire.h"
 #include "transport/transport.h"
@@ -336,8 +337,29 @@ class Communicator {
   void TellPeers(MsgKind kind, const std::string& text, const std::vector<int>& peers,
                  double wait_s, bool report);
   std::vector<int> AllPeers() const;
-  // A notice from `sender` (kLeave, kStall) arrived.
-  void OnNotice(MsgKind kind, uint32_t sender, const std::string& text);
+  // A notice from `sender` (kLeave, kStall, kReceipt; `header` and its
+  // payload `text`) arrived.
+  void OnNotice(MsgKind kind, uint32_t sender, const WireHeader& header,
+                const std::string& text);
+  // The leave protocol (leave_ledger.h), run by the destructor once every
+  // reduction of this rank has ended: tells every peer (kLeave with the
+  // counts) and waits, up to timeout_s, until each has confirmed that it
+  // took in every data message of this rank, or exited, failed, went silent
+  // or closed its endpoint; says on stderr whom it waits for after a few
+  // seconds. Progress, server and watch threads keep running meanwhile.
+  void Leave();
+  // Sends `peer` a control message of `kind` (kLeave, kReceipt) whose header
+  // carries `occurrence` and `total_elems`; not waited for.
+  void SendCount(MsgKind kind, int peer, uint64_t occurrence, uint64_t total_elems);
+  // Sends `peer` its kReceipt if it left and all its data is here (once).
+  void SendReceiptIfDue(int peer);
+  // Whether the leave waits no longer for `peer` (see Leave).
+  bool LeaveReleased(int peer);
+  // A data message from `peer` was taken in (after the batch counted it).
+  void TookFrom(int peer);
+  // The error of a batch that waits for `rank`, which has left without
+  // sending it anything more.
+  std::string LeftText(const Batch& batch, int rank) const;
   // Fails the batches that still wait for a rank that has shut down.
   void WatchLeavers();
   // Reports (once each) the batches that have waited longer than stall_s.
@@ -460,8 +482,12 @@ class Communicator {
   // A peer's abort broke the communicator: its message names the cause, and
   // this rank's own view of the batches it failed is no news.
   std::atomic<bool> told_by_peer_{false};
-  // [rank] steady_clock nanoseconds of its kLeave notice (0: still here).
-  std::unique_ptr<std::atomic<int64_t>[]> left_ns_;
+  // The leave protocol's counts (leave_ledger.h); leaving_ once Leave runs,
+  // leave_cv_ woken by the notices and failed sends it waits for.
+  LeaveLedger ledger_;
+  std::atomic<bool> leaving_{false};
+  std::mutex leave_mu_;
+  std::condition_variable leave_cv_;
   mutable std::mutex call_sites_mu_;
   std::map<std::pair<uint64_t, uint32_t>, std::string> call_sites_;  // (key, slot)
 
