@@ -2,7 +2,7 @@
 moments, and prints how many launches failed.
 
   python tests/exit_soak.py [-n 200] [--nproc 4] [--host-stage 0|1|both]
-                            [--hog 2] [--jitter-s 0.5] [--steps 6]
+                            [--hog 2] [--jitter-s 0.5] [--steps 6] [--env K=V ...]
 
 Each launch runs tests/workers/leave_worker.py: a few all-reduces whose last
 one every rank leaves right after (each rank first sleeping a random 0 to
@@ -60,6 +60,9 @@ def main() -> int:
     parser.add_argument("--jitter-s", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=120)
+    parser.add_argument("--count", type=int, default=300_000, help="float32 elements reduced")
+    parser.add_argument("--env", action="append", default=[], metavar="K=V",
+                        help="more environment for the ranks (e.g. HERRING_HEARTBEAT_S=0.05)")
     args = parser.parse_args()
     hogs = start_hogs(args.hog)
     failed = 0
@@ -69,9 +72,10 @@ def main() -> int:
             stage = args.host_stage if args.host_stage != "both" else str(i % 2)
             run = launch("leave_worker.py",
                          ["--steps", str(args.steps), "--jitter-s", str(args.jitter_s),
-                          "--seed", str(i)],
+                          "--seed", str(i), "--count", str(args.count)],
                          nproc=args.nproc, timeout=args.timeout,
-                         env={"HERRING_HOST_STAGE": stage, "HERRING_TIMEOUT_S": "60"})
+                         env={"HERRING_HOST_STAGE": stage, "HERRING_TIMEOUT_S": "60",
+                              **dict(kv.split("=", 1) for kv in args.env)})
             why = failure(run, args.nproc)
             if why:
                 failed += 1

@@ -17,6 +17,15 @@ receiving this rank's last messages.
   --jitter-s J --seed K   every rank sleeps a random 0..J s (drawn from K and
                           its rank) before its last reduction, and as long
                           after it: ranks leave at different moments.
+  --stop-rank R --stop-s S --stop-at during|after
+                          rank R is stopped (SIGSTOP) for S seconds: `during`
+                          a random 0..0.2 s into its last reduction (it may
+                          have sent its part and not yet taken in the
+                          others': they finish and leave while it sleeps),
+                          `after` it returned (before the others' kLeave
+                          reaches it: they wait for its receipt).
+  --exit-delay-s D        every rank but the stopped one waits D s after its
+                          last reduction before it exits.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -35,6 +45,14 @@ import common  # noqa: E402
 import herring_jax  # noqa: E402
 
 
+def stop_me(after_s: float, for_s: float) -> None:
+    """Has a helper stop this whole process (every thread: the transport's
+    progress too) `after_s` from now, for `for_s` seconds."""
+    pid = os.getpid()
+    subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -STOP {pid}; sleep {for_s}; "
+                      f"kill -CONT {pid}"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=20)
@@ -44,6 +62,10 @@ def main() -> int:
     parser.add_argument("--fewer-rank", type=int, default=-1)
     parser.add_argument("--jitter-s", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop-rank", type=int, default=-1)
+    parser.add_argument("--stop-s", type=float, default=0.0)
+    parser.add_argument("--stop-at", choices=("during", "after"), default="during")
+    parser.add_argument("--exit-delay-s", type=float, default=0.0)
     args = parser.parse_args()
     herring_jax.initialize()
     rank, size = herring_jax.process_index(), herring_jax.process_count()
@@ -57,6 +79,8 @@ def main() -> int:
             time.sleep(args.lag_s)
         if last and args.jitter_s > 0:
             time.sleep(rng.uniform(0, args.jitter_s))
+        if last and rank == args.stop_rank and args.stop_at == "during":
+            stop_me(rng.uniform(0, 0.2), args.stop_s)
         x = np.full(args.count, rank + 1 + step, np.float32)
         try:
             out = np.asarray(herring_jax.allreduce(x))
@@ -70,6 +94,11 @@ def main() -> int:
             common.report("leave", False, step=step, message=f"wrong sum {out[:4]} != {want}")
             return 0
         start = time.monotonic()
+    if rank == args.stop_rank and args.stop_at == "after":
+        stop_me(0, args.stop_s)
+        time.sleep(args.stop_s + 0.5)  # stopped meanwhile; its exit follows
+    elif args.exit_delay_s > 0:
+        time.sleep(args.exit_delay_s)
     if args.jitter_s > 0:
         time.sleep(rng.uniform(0, args.jitter_s))
     common.report("leave", True, steps=steps)

@@ -208,8 +208,13 @@ void Communicator::Leave() {
   const auto start = std::chrono::steady_clock::now();
   const std::vector<int> peers = AllPeers();
   // Every data send of this rank has completed (its batches have ended), so
-  // the counts are final.
-  for (int peer : peers) SendCount(MsgKind::kLeave, peer, ledger_.sent(peer), ledger_.took(peer));
+  // the counts are final. Not to a peer that left before and has this rank's
+  // receipt (its counts are final too, and it may have closed its endpoint:
+  // a send would only try to connect).
+  for (int peer : peers) {
+    if (ledger_.ReceiptSent(peer) && ledger_.Confirmed(peer)) continue;
+    SendCount(MsgKind::kLeave, peer, ledger_.sent(peer), ledger_.took(peer));
+  }
   const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                     std::chrono::duration<double>(config_.timeout_s));
   auto report_at = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(

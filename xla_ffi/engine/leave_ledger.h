@@ -62,6 +62,7 @@ class LeaveLedger {
   bool TakeReceiptDue(int peer) {
     return AllArrived(peer) && !peers_[peer].receipt_sent.exchange(true);
   }
+  bool ReceiptSent(int peer) const { return peers_[peer].receipt_sent.load(); }
 
   // `peer`'s kReceipt: it took in `took_from_here` of this process's data
   // messages (and has this process's kLeave).
