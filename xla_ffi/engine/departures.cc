@@ -175,7 +175,11 @@ void Communicator::SendCount(MsgKind kind, int peer, uint64_t occurrence, uint64
         { std::lock_guard<std::mutex> lock(leave_mu_); }
         leave_cv_.notify_all();
       });
-  if (!s.ok() && leaving_) ledger_.MarkGone(peer);
+  if (s.ok()) {
+    leave_notices_sent_.fetch_add(1);
+  } else if (leaving_) {
+    ledger_.MarkGone(peer);
+  }
 }
 
 bool Communicator::LeaveReleased(int peer) {
