@@ -56,7 +56,7 @@ def _launches(n: int, stage: str, extra: list[str] = (), env: dict | None = None
 def test_ranks_that_exit_right_after_their_last_reduction_fail_no_peer(cpu_hog, stage,
                                                                        launches):
     # The old exit failed about one launch in 7 (transport) this way: the
-    # extended part's 30 launches catch it.
+    # extended part's 20 launches a path catch it.
     failures = _launches(launches, stage)
     assert not failures, failures[0]
 
@@ -64,8 +64,11 @@ def test_ranks_that_exit_right_after_their_last_reduction_fail_no_peer(cpu_hog, 
 @pytest.mark.extended
 @pytest.mark.parametrize("stage", ["0", "1"], ids=["transport", "host-stage"])
 def test_many_exits_under_load_fail_no_peer(cpu_hog, stage):
-    failures = _launches(30, stage, ["--jitter-s", "0.3"])
-    assert not failures, f"{len(failures)} of 30 failed\n{failures[0]}"
+    # 20 launches: the old exit failed one in 7 here. (Not with ranks that
+    # wait a random moment before they exit: their peers have taken in
+    # everything by then, and 20 such launches of the old exit passed.)
+    failures = _launches(20, stage)
+    assert not failures, f"{len(failures)} of 20 failed\n{failures[0]}"
 
 
 def test_a_peer_stopped_in_its_last_reduction_still_gets_every_message(cpu_hog):
