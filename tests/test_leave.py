@@ -118,3 +118,19 @@ def test_a_rank_that_runs_one_reduction_fewer_fails_the_others_fast(stage):
         assert not res["ok"] and res["step"] == int(WORKER_ARGS[1]) - 1, run.explain()
         assert "rank 2 has shut down herring_jax" in res["message"], run.explain()
         assert res["seconds"] < 15, run.explain()
+
+
+@pytest.mark.parametrize("provider", ["shm", "udp;ofi_rxd"])
+def test_exits_over_providers_that_do_not_order_messages_wait_for_nobody(provider):
+    # Over shm and udp;ofi_rxd a kLeave may overtake the data sent before it:
+    # the counts keep the peers waiting for that data, and each peer's receipt
+    # comes at once. Over udp;ofi_rxd every notice was dropped (its sources
+    # named rank 0 for every sender) and each exit waited for the peers to
+    # fall silent.
+    run = launch("leave_worker.py", ["--steps", "3", "--count", "200000"], nproc=NPROC,
+                 env={"HERRING_HOST_STAGE": "0", "HERRING_FI_PROVIDER": provider,
+                      "HERRING_CHUNK_BYTES": "131072", "HERRING_TIMEOUT_S": "60"},
+                 timeout=120)
+    assert not exit_soak.failure(run, NPROC), run.explain()
+    assert "dropped a message" not in run.stderr, run.explain()
+    assert "exiting; has waited" not in run.stderr, run.explain()
