@@ -89,13 +89,13 @@ def test_lagging_peers_get_every_message(cpu_hog, stage):
 
 
 def test_an_exiting_rank_waits_for_a_stopped_peer_and_names_it():
-    # Rank 1 is stopped for 6 s right after its last reduction, before rank
+    # Rank 1 is stopped for 8 s right after its last reduction, before rank
     # 0's kLeave reaches it: rank 0 must wait for its receipt (saying so after
     # 5 s) rather than close, and both end cleanly.
     start = time.monotonic()
     run = launch("leave_worker.py",
-                 ["--steps", "2", "--count", "1000", "--stop-rank", "1", "--stop-s", "6",
-                  "--stop-at", "after", "--exit-delay-s", "0.5"],
+                 ["--steps", "2", "--count", "1000", "--stop-rank", "1", "--stop-s", "8",
+                  "--stop-at", "after", "--exit-delay-s", "1"],
                  nproc=2, env={"HERRING_HOST_STAGE": "0", "HERRING_TIMEOUT_S": "60"},
                  timeout=120)
     assert not exit_soak.failure(run, 2), run.explain()

@@ -45,12 +45,31 @@ import common  # noqa: E402
 import herring_jax  # noqa: E402
 
 
-def stop_me(after_s: float, for_s: float) -> None:
-    """Has a helper stop this whole process (every thread: the transport's
-    progress too) `after_s` from now, for `for_s` seconds."""
-    pid = os.getpid()
-    subprocess.Popen(["sh", "-c", f"sleep {after_s}; kill -STOP {pid}; sleep {for_s}; "
-                      f"kill -CONT {pid}"])
+STOPPER = """
+import os, signal, sys, time
+pid, after_s, for_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+sys.stdin.readline()
+time.sleep(after_s)
+os.kill(pid, signal.SIGSTOP)
+time.sleep(for_s)
+os.kill(pid, signal.SIGCONT)
+"""
+
+
+class Stopper:
+    """A helper process, started ahead, that stops this whole process (every
+    thread: the transport's progress too) `after_s` after `go()`, for `for_s`
+    seconds. Started ahead so that go() acts within a moment, also where
+    starting a process is slow (a sanitizer's runtime in every process)."""
+
+    def __init__(self, after_s: float, for_s: float):
+        self.proc = subprocess.Popen([sys.executable, "-c", STOPPER, str(os.getpid()),
+                                      str(after_s), str(for_s)], stdin=subprocess.PIPE,
+                                     text=True)
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
 
 
 def main() -> int:
@@ -71,6 +90,9 @@ def main() -> int:
     rank, size = herring_jax.process_index(), herring_jax.process_count()
     rng = random.Random(args.seed * 1000 + rank)
     steps = args.steps - (1 if rank == args.fewer_rank else 0)
+    stopper = None
+    if rank == args.stop_rank:
+        stopper = Stopper(rng.uniform(0, 0.2) if args.stop_at == "during" else 0, args.stop_s)
     want_total = size * (size + 1) // 2
     start = time.monotonic()
     for step in range(steps):
@@ -79,8 +101,8 @@ def main() -> int:
             time.sleep(args.lag_s)
         if last and args.jitter_s > 0:
             time.sleep(rng.uniform(0, args.jitter_s))
-        if last and rank == args.stop_rank and args.stop_at == "during":
-            stop_me(rng.uniform(0, 0.2), args.stop_s)
+        if last and stopper and args.stop_at == "during":
+            stopper.go()
         x = np.full(args.count, rank + 1 + step, np.float32)
         try:
             out = np.asarray(herring_jax.allreduce(x))
@@ -94,13 +116,15 @@ def main() -> int:
             common.report("leave", False, step=step, message=f"wrong sum {out[:4]} != {want}")
             return 0
         start = time.monotonic()
-    if rank == args.stop_rank and args.stop_at == "after":
-        stop_me(0, args.stop_s)
+    if stopper and args.stop_at == "after":
+        stopper.go()
         time.sleep(args.stop_s + 0.5)  # stopped meanwhile; its exit follows
     elif args.exit_delay_s > 0:
         time.sleep(args.exit_delay_s)
     if args.jitter_s > 0:
         time.sleep(rng.uniform(0, args.jitter_s))
+    if stopper:
+        stopper.proc.wait()
     common.report("leave", True, steps=steps)
     sys.stdout.flush()
     return 0  # the exit handler (herring_jax.shutdown) runs from here on
