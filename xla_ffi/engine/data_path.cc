@@ -419,8 +419,11 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
 void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& done) {
   Batch* batch = job->batch;
   if (!done.ok && !batch->Failed()) {
-    Fail(batch, "sending to rank " + std::to_string(to_rank) + " failed for " + job->Describe() +
-                    ": " + done.error);
+    // A rank that left ran all its reductions before: this is none of them
+    // (and it closes its endpoint only once this rank has its kLeave).
+    Fail(batch, ledger_.Left(to_rank) ? LeftText(*batch, to_rank)
+                                      : "sending to rank " + std::to_string(to_rank) +
+                                            " failed for " + job->Describe() + ": " + done.error);
   }
   batch->Complete(1, 1);
 }
