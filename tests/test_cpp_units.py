@@ -81,3 +81,10 @@ def test_chunking(sanitizer):
     # A quarter of the part between the two limits, rounded to 64 bytes (a
     # codec's block), never above the transport's message limit.
     _build_and_run("chunking_test", sanitizer, "CHUNKING_OK")
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_leave_ledger(sanitizer):
+    # The leave protocol's counts: a receipt is due once, and only once every
+    # message of the rank that left is in; confirmations need every message.
+    _build_and_run("leave_ledger_test", sanitizer, "LEAVE_LEDGER_OK")

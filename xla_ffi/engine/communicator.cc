@@ -40,9 +40,8 @@ std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Sta
   comm->last_sent_.reset(new std::atomic<int64_t>[config.size]);
   comm->waiter_until_.reset(new std::atomic<int64_t>[config.size]);
   comm->heartbeat_busy_.reset(new std::atomic<bool>[config.size]);
-  comm->left_ns_.reset(new std::atomic<int64_t>[config.size]);
+  comm->ledger_.Reset(config.size);
   for (int r = 0; r < config.size; ++r) {
-    comm->left_ns_[r] = 0;
     comm->last_heard_[r] = now;
     comm->last_sent_[r] = 0;
     comm->waiter_until_[r] = 0;
@@ -72,20 +71,10 @@ Communicator::~Communicator() {
     std::fprintf(stderr, "herring_jax rank %d: shutting down while another process of this "
                  "host has not said it read this one's last results\n", config_.rank);
   }
-  // Every reduction of this rank has ended: a peer that still waits for it
-  // (it ran more reductions, or this rank's steps never ran them) learns why
-  // at once instead of declaring it dead after HERRING_PEER_TIMEOUT_S. After
-  // a failure every rank has been told already.
-  if (connected_ && config_.size > 1 && Broken().empty()) {
-    // Not to the ranks that have left already (they may have exited: a send
-    // to them would only wait), and briefly: the job is ending, and a
-    // process still in jax.distributed aborts once its coordinator is gone.
-    std::vector<int> staying;
-    for (int peer : AllPeers()) {
-      if (left_ns_[peer].load() == 0) staying.push_back(peer);
-    }
-    TellPeers(MsgKind::kLeave, "", staying, /*wait_s=*/0.25, /*report=*/false);
-  }
+  // Every reduction of this rank has ended: every peer learns it, and the
+  // endpoint stays open until each has taken in this rank's last messages
+  // (Leave). After a failure every rank has been told already.
+  Leave();
   {
     std::lock_guard<std::mutex> lock(heartbeat_mu_);
     heartbeat_stop_ = true;

@@ -1,6 +1,8 @@
 // The Herring engine of one process: a worker that splits its buffers into
 // balanced parts, one per server, and a server shard that sums the part this
-// process owns. Knows only transport.h.
+// process owns. Knows only transport.h. Its configuration, requests and
+// counters are in comm_types.h; the leave protocol's counts in
+// leave_ledger.h.
 #ifndef HERRING_ENGINE_COMMUNICATOR_H_
 #define HERRING_ENGINE_COMMUNICATOR_H_
 
@@ -22,9 +24,11 @@
 #include "engine/buffer_pool.h"
 #include "engine/chunking.h"
 #include "engine/codec.h"
+#include "engine/comm_types.h"
 #include "engine/dtype.h"
 #include "engine/host_board.h"
 #include "engine/host_topology.h"
+#include "engine/leave_ledger.h"
 #include "engine/occurrence_table.h"
 #include "engine/wire.h"
 #include "transport/transport.h"
@@ -32,123 +36,6 @@
 namespace herring::engine {
 
 using transport::Status;
-
-struct CommConfig {
-  int rank = 0;
-  int size = 1;
-  uint64_t token = 0;            // job token; every message carries it
-  // The pipelining unit inside a part. Between hosts each part travels in
-  // chunks of about a kChunksPerPart-th of the part, between min_chunk_bytes
-  // and chunk_bytes (chunking.h), so that a small part's results flow while
-  // its later chunks' contributions still arrive; inside one host, where a
-  // message costs more than that wait, in chunks of chunk_bytes. Both must be
-  // the same on every process (herring_jax passes rank 0's values to all).
-  size_t chunk_bytes = 1 << 20;
-  size_t min_chunk_bytes = 16 << 10;
-  int server_threads = 1;
-  double timeout_s = 300.0;      // no reduction waits longer
-  // Liveness: every rank sends a heartbeat to every other rank each
-  // `heartbeat_s` (0: none; < 0: automatic, see Connect). A rank that a reduction waits for and that has
-  // sent nothing (data or heartbeat) for `peer_timeout_s` is declared dead,
-  // so a killed process or a lost host fails the job long before timeout_s.
-  double heartbeat_s = 1.0;
-  double peer_timeout_s = 30.0;
-  // A reduction that has waited this long is reported once on stderr: whom it
-  // waits for and what they do (0: never).
-  double stall_s = 60.0;
-  // Not used by the engine: how much longer than timeout_s a platform whose
-  // reductions are a start and a done (XLA:CUDA, cuda_handlers.cc) lets the
-  // done wait, since the device may take that long to reach the start's copy.
-  // Kept here because it is per job, like every other knob the handlers read.
-  double done_grace_s = 300.0;
-  // A host-stage all-reduce on one host whose buffers hold at most this many
-  // bytes together takes the direct path (host_stage.cc): every process reads
-  // every peer's whole input, staged, and sums it itself, so the call waits
-  // for its peers once instead of twice. 0: never. Must be the same on every
-  // process of a host (herring_jax passes rank 0's value to all).
-  size_t host_direct_bytes = 0;
-  transport::TransportOptions transport;
-  // Tests only: before every data message, send one copy with a stale job
-  // token, which the receiver must drop (and re-post its receive for).
-  bool test_stale_copies = false;
-  // Tests only: each host-stage call sleeps this long before it gathers the
-  // other processes' result slices (a slow reader).
-  int test_gather_delay_ms = 0;
-  // Tests only: at the start of every job on the data path, send each peer,
-  // for every result it will receive from this process, a full-size result
-  // with another job's token and a garbage payload, then wait 20 ms before
-  // sending the contributions. The receiver must drop each one without its
-  // bytes landing anywhere the job reads (with in == out, the contribution
-  // not sent yet: Job::results_staged).
-  bool test_early_strangers = false;
-  // Tests only: a fault this process's first reduction that can have it
-  // meets (HERRING_TEST_FAULT): "abort-at-start" (fails at once and tells
-  // every rank), "no-staging" (the host stage finds no memory for its
-  // staging), "no-posting" (nor a free board posting), "withdraw-after-ready"
-  // (the host stage fails after publishing its result slice without telling
-  // anyone, and overwrites its inputs before returning, as XLA reusing them
-  // would), "bad-alloc" (std::bad_alloc on the flat path once its batch is
-  // active). Empty: none.
-  std::string test_fault;
-  // Tests only: each host-stage call sleeps this long before it reads the
-  // other processes' inputs (a slow reader of inputs).
-  int test_read_delay_ms = 0;
-  // Tests only: each reduction sleeps this long between its check of the
-  // communicator's state and the moment its batch becomes visible to aborts.
-  int test_activate_delay_ms = 0;
-  // Tests only: this process's first host-stage call sends every other rank
-  // an abort, and every other process of its host an arrive (its own
-  // entries), forged to come from this rank (tag and header); -1: none.
-  // Receivers must drop or never match them (directed receives, source
-  // checks).
-  int test_forge_as = -1;
-};
-
-// One buffer to reduce. `in` holds this process's contribution (already summed
-// over its local devices), `out` receives the result; they may be equal.
-// A reduce-scatter's `out` holds only this process's part, an all-gather's
-// `in` only its own part (parts: see below).
-struct ReduceRequest {
-  DType dtype = DType::kInvalid;
-  ReduceOp op = ReduceOp::kSum;
-  Collective collective = Collective::kAllReduce;
-  size_t count = 0;          // elements of the whole buffer
-  // Reduce-scatter and all-gather: where each process's part begins, in the
-  // group's order (group[i] owns [parts[i], parts[i + 1]); parts.back() ==
-  // count). With a codec every part begins at a multiple of kCodecBlock.
-  // An all-reduce cuts its own balanced parts and leaves this empty.
-  std::vector<size_t> parts;
-  uint64_t key = 0;          // what is reduced (shape, dtype, op): checked on the wire
-  // Which reduction this is (see Identity in wire.h), the same on every
-  // process whatever order calls start in; the engine adds the occurrence.
-  int64_t run_id = 0;        // XLA's run id: the executable and its launch
-  uint32_t slot = 0;         // call site in the executable
-  uint32_t instance = 0;     // inlined copy of the call site
-  uint32_t buffer = 0;       // operand of the call
-  const void* in = nullptr;
-  void* out = nullptr;
-  uint32_t contributors = 1;  // devices summed into `in` (divisor for mean)
-  // How the data travels between processes over the transport (codec.h):
-  // other than kNone only for float32 sums and means. Inside a host the host
-  // stage moves float32 through memory; a group of one process is exact.
-  Codec codec = Codec::kNone;
-};
-
-struct CommStats {
-  uint64_t reductions = 0;
-  uint64_t bytes_reduced = 0;
-  uint64_t messages_dropped = 0;  // strangers and malformed messages
-  uint64_t heartbeats_received = 0;
-  uint64_t peers_declared_dead = 0;
-  uint64_t occurrence_entries = 0;  // counters held: bounded, however many runs go by
-  uint64_t heartbeats_sent = 0;
-  uint64_t failed_batches_kept = 0;  // failed batches whose operations never drained
-  uint64_t host_stage_calls = 0;     // calls reduced through the host stage
-  uint64_t host_bytes_read = 0;      // bytes read from other processes' memory
-  uint64_t host_direct_calls = 0;    // of host_stage_calls, those of the direct path
-  uint64_t batches_in_flight = 0;    // batches visible to aborts now (0 between calls)
-  transport::TransportStats transport;
-};
 
 struct Job;
 struct Batch;
@@ -338,8 +225,29 @@ class Communicator {
   void TellPeers(MsgKind kind, const std::string& text, const std::vector<int>& peers,
                  double wait_s, bool report);
   std::vector<int> AllPeers() const;
-  // A notice from `sender` (kLeave, kStall) arrived.
-  void OnNotice(MsgKind kind, uint32_t sender, const std::string& text);
+  // A notice from `sender` (kLeave, kStall, kReceipt; `header` and its
+  // payload `text`) arrived.
+  void OnNotice(MsgKind kind, uint32_t sender, const WireHeader& header,
+                const std::string& text);
+  // The leave protocol (leave_ledger.h), run by the destructor once every
+  // reduction of this rank has ended: tells every peer (kLeave with the
+  // counts) and waits, up to timeout_s, until each has confirmed that it
+  // took in every data message of this rank, or exited, failed, went silent
+  // or closed its endpoint; says on stderr whom it waits for after a few
+  // seconds. Progress, server and watch threads keep running meanwhile.
+  void Leave();
+  // Sends `peer` a control message of `kind` (kLeave, kReceipt) whose header
+  // carries `occurrence` and `total_elems`; not waited for.
+  void SendCount(MsgKind kind, int peer, uint64_t occurrence, uint64_t total_elems);
+  // Sends `peer` its kReceipt if it left and all its data is here (once).
+  void SendReceiptIfDue(int peer);
+  // Whether the leave waits no longer for `peer` (see Leave).
+  bool LeaveReleased(int peer);
+  // A data message from `peer` was taken in (after the batch counted it).
+  void TookFrom(int peer);
+  // The error of a batch that waits for `rank`, which has left without
+  // sending it anything more.
+  std::string LeftText(const Batch& batch, int rank) const;
   // Fails the batches that still wait for a rank that has shut down.
   void WatchLeavers();
   // Reports (once each) the batches that have waited longer than stall_s.
@@ -462,8 +370,12 @@ class Communicator {
   // A peer's abort broke the communicator: its message names the cause, and
   // this rank's own view of the batches it failed is no news.
   std::atomic<bool> told_by_peer_{false};
-  // [rank] steady_clock nanoseconds of its kLeave notice (0: still here).
-  std::unique_ptr<std::atomic<int64_t>[]> left_ns_;
+  // The leave protocol's counts (leave_ledger.h); leaving_ once Leave runs,
+  // leave_cv_ woken by the notices and failed sends it waits for.
+  LeaveLedger ledger_;
+  std::atomic<bool> leaving_{false};
+  std::mutex leave_mu_;
+  std::condition_variable leave_cv_;
   mutable std::mutex call_sites_mu_;
   std::map<std::pair<uint64_t, uint32_t>, std::string> call_sites_;  // (key, slot)
 
@@ -504,6 +416,7 @@ class Communicator {
   std::atomic<uint64_t> heartbeats_{0};
   std::atomic<uint64_t> declared_dead_{0};
   std::atomic<uint64_t> heartbeats_sent_{0};
+  std::atomic<uint64_t> leave_notices_sent_{0};
   std::atomic<uint64_t> kept_batches_{0};
   std::atomic<uint64_t> host_calls_{0};
   std::atomic<uint64_t> host_direct_calls_{0};

@@ -59,7 +59,7 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
   const std::string reason(b.text, c.len - sizeof(WireHeader));
   if (kind != MsgKind::kAbort) {
     // Notices (departures.cc): taken in, and the receive posted again.
-    OnNotice(kind, sender, reason);
+    OnNotice(kind, sender, b.header, reason);
     Enqueue([this, slot] { PostControlRecv(slot); });
     return;
   }

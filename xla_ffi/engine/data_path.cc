@@ -177,6 +177,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
         return Status::Error("sending to rank " + std::to_string(batch->group[i]) + ": " +
                              s.message());
       }
+      ledger_.Sent(batch->group[i]);
     }
   }
   return Status::Ok();
@@ -268,7 +269,9 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
   std::string why;
   const WireHeader& h = job->contrib_hdrs[p * job->max_chunks + c];
   if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
-    if (!batch->Failed()) Fail(batch, why);
+    // A rank that left with all its data here never sends this one: its
+    // closed connection is only the symptom.
+    if (!batch->Failed()) Fail(batch, ledger_.AllArrived(from) ? LeftText(*batch, from) : why);
     batch->Complete(1, 1);
     return;
   }
@@ -280,6 +283,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
   Heard(static_cast<uint32_t>(from));
   job->contributors[p].store(h.contributors, std::memory_order_relaxed);
   job->contribs_from[p].fetch_add(1);
+  TookFrom(from);
   if (job->arrivals[c].fetch_add(1) + 1 == job->n - 1) {
     batch->AddTask();
     Enqueue([this, job, c] { ReduceChunk(job, c); });
@@ -376,7 +380,9 @@ void Communicator::SendResult(Job* job, int p, size_t c, const void* payload, si
   if (!s.ok()) {
     Fail(batch, "sending to rank " + std::to_string(batch->group[p]) + ": " + s.message());
     batch->Complete(1, 1);
+    return;
   }
+  ledger_.Sent(batch->group[p]);
 }
 
 void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completion& done) {
@@ -387,7 +393,9 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
   std::string why;
   const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
   if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
-    if (!batch->Failed()) Fail(batch, why);
+    // A rank that left with all its data here never sends this one: its
+    // closed connection is only the symptom.
+    if (!batch->Failed()) Fail(batch, ledger_.AllArrived(from) ? LeftText(*batch, from) : why);
     batch->Complete(1, 1);
     return;
   }
@@ -404,14 +412,18 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
                 job->ChunkLen(i, c) * job->elem);
   }
   job->results_from[i].fetch_add(1);
+  TookFrom(from);
   batch->Complete(1, 1);
 }
 
 void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& done) {
   Batch* batch = job->batch;
   if (!done.ok && !batch->Failed()) {
-    Fail(batch, "sending to rank " + std::to_string(to_rank) + " failed for " + job->Describe() +
-                    ": " + done.error);
+    // A rank that left ran all its reductions before: this is none of them
+    // (and it closes its endpoint only once this rank has its kLeave).
+    Fail(batch, ledger_.Left(to_rank) ? LeftText(*batch, to_rank)
+                                      : "sending to rank " + std::to_string(to_rank) +
+                                            " failed for " + job->Describe() + ": " + done.error);
   }
   batch->Complete(1, 1);
 }

@@ -1,10 +1,10 @@
 // How ranks leave a job and what the others make of it: the abort of a
-// program that fails (an uncaught exception: Abort), the notice of an orderly
-// shutdown (kLeave, sent once every reduction of the rank has ended), and the
-// stall report of a reduction that waits too long (printed here, and sent as
-// kStall to the ranks it waits for, so that their errors can name both ends).
-// Where each reduction was written in the user's program (NoteCallSite) goes
-// into these texts.
+// program that fails (an uncaught exception: Abort), the leave protocol of an
+// orderly shutdown (kLeave and kReceipt with the counts of leave_ledger.h:
+// Leave, OnNotice, WatchLeavers), and the stall report of a reduction that
+// waits too long (printed here, and sent as kStall to the ranks it waits for,
+// so that their errors can name both ends). Where each reduction was written
+// in the user's program (NoteCallSite) goes into these texts.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -19,15 +19,23 @@
 
 #include "engine/batch.h"
 #include "engine/communicator.h"
+#include "engine/cross_memory.h"
 
 namespace herring::engine {
 
 namespace {
 
-// Seconds a rank that said it shut down gets before a batch that still
-// misses its data fails: a notice may overtake the rank's last data messages
-// on providers that do not order messages.
-constexpr double kLeaveGraceS = 1.0;
+// Seconds a host-stage call may still miss the step of a local process that
+// has left before it fails. The host stage's steps are not counted
+// (leave_ledger.h): through the boards they are in memory before the kLeave
+// is sent, and the waiting call only has to look; as messages they may be
+// overtaken by it where the provider does not order messages.
+constexpr double kHostLeaveGraceS = 2.0;
+
+// A leaving rank says whom it still waits for after this many seconds, and
+// again every kLeaveReportEveryS.
+constexpr double kLeaveReportS = 5.0;
+constexpr double kLeaveReportEveryS = 30.0;
 
 // One control message and its sends in flight; the callbacks keep it alive.
 struct Outgoing {
@@ -123,29 +131,167 @@ std::string Communicator::Broken() {
   return broken_;
 }
 
-void Communicator::OnNotice(MsgKind kind, uint32_t sender, const std::string& text) {
-  if (kind == MsgKind::kLeave) {
-    left_ns_[sender] = NowNs();
+void Communicator::OnNotice(MsgKind kind, uint32_t sender, const WireHeader& header,
+                            const std::string& text) {
+  if (kind == MsgKind::kLeave || kind == MsgKind::kReceipt) {
+    if (kind == MsgKind::kLeave) {
+      ledger_.PeerLeft(static_cast<int>(sender), header.occurrence, header.total_elems, NowNs());
+      // On a server thread: this runs on the progress thread, which never
+      // posts itself.
+      Enqueue([this, sender] { SendReceiptIfDue(static_cast<int>(sender)); });
+    } else {
+      ledger_.Receipt(static_cast<int>(sender), header.total_elems);
+    }
+    { std::lock_guard<std::mutex> lock(leave_mu_); }
+    leave_cv_.notify_all();
     return;
   }
   std::lock_guard<std::mutex> lock(peer_wait_mu_);
   peer_wait_[sender].report = text;
 }
 
+void Communicator::TookFrom(int peer) {
+  ledger_.Took(peer);
+  if (ledger_.Left(peer)) Enqueue([this, peer] { SendReceiptIfDue(peer); });
+}
+
+void Communicator::SendReceiptIfDue(int peer) {
+  if (ledger_.TakeReceiptDue(peer)) SendCount(MsgKind::kReceipt, peer, 0, ledger_.took(peer));
+}
+
+void Communicator::SendCount(MsgKind kind, int peer, uint64_t occurrence, uint64_t total_elems) {
+  auto header = std::make_shared<WireHeader>(ControlHeader(kind, config_.token, config_.rank));
+  header->occurrence = occurrence;
+  header->total_elems = total_elems;
+  SealHeader(header.get());
+  transport::IoVec iov[1] = {{header.get(), sizeof(WireHeader)}};
+  // SendControl: queued if need be, also to a peer never sent to before. A
+  // send that fails while this rank leaves means the peer's endpoint is gone.
+  Status s = transport_->SendControl(
+      peer, MakeControlTag(static_cast<uint32_t>(config_.rank)), iov, 1,
+      [this, header, peer](const transport::Completion& c) {
+        if (c.ok || !leaving_) return;
+        ledger_.MarkGone(peer);
+        { std::lock_guard<std::mutex> lock(leave_mu_); }
+        leave_cv_.notify_all();
+      });
+  if (s.ok()) {
+    leave_notices_sent_.fetch_add(1);
+  } else if (leaving_) {
+    ledger_.MarkGone(peer);
+  }
+}
+
+bool Communicator::LeaveReleased(int peer) {
+  if (ledger_.Released(peer)) return true;
+  bool released = ledger_.Confirmed(peer) || ledger_.Gone(peer);
+  if (!released && config_.heartbeat_s > 0) {
+    // Dead by the peer watch's measure.
+    const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
+    released = (NowNs() - last_heard_[peer].load()) * 1e-9 > limit;
+  }
+  if (!released && !topology_.empty() &&
+      topology_.host_of[peer] == topology_.host_of[config_.rank]) {
+    released = ProcessExited(topology_.pid_of[peer]);
+  }
+  if (released) ledger_.MarkReleased(peer);
+  return released;
+}
+
+// Why the last message cannot be lost. A rank closes its endpoint only once
+// every peer has confirmed, with counts, that it took in every data message
+// the rank sent it (or is gone): what the close may still drop (a reset
+// connection discards the unsent bytes) is control messages alone. Those are
+// not needed either: a peer that is sent a receipt already counts as
+// confirmed by the leaver's kLeave, which its receipt answered; and a peer
+// that misses a kLeave stops waiting once the leaver's process has exited
+// (same host), a send to it fails (its endpoint is gone) or it falls silent.
+void Communicator::Leave() {
+  if (!connected_ || config_.size < 2 || !Broken().empty()) return;
+  leaving_ = true;
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<int> peers = AllPeers();
+  // Every data send of this rank has completed (its batches have ended), so
+  // the counts are final. Not to a peer that left before and has this rank's
+  // receipt (its counts are final too, and it may have closed its endpoint:
+  // a send would only try to connect).
+  for (int peer : peers) {
+    if (ledger_.ReceiptSent(peer) && ledger_.Confirmed(peer)) continue;
+    SendCount(MsgKind::kLeave, peer, ledger_.sent(peer), ledger_.took(peer));
+  }
+  const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                    std::chrono::duration<double>(config_.timeout_s));
+  auto report_at = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                               std::chrono::duration<double>(kLeaveReportS));
+  for (;;) {
+    std::vector<int> waiting;
+    // A failure anywhere has been told to every rank: nothing is worth waiting for.
+    if (!Broken().empty()) break;
+    for (int peer : peers) {
+      if (!LeaveReleased(peer)) waiting.push_back(peer);
+    }
+    if (waiting.empty()) break;
+    const auto now = std::chrono::steady_clock::now();
+    const double waited = std::chrono::duration<double>(now - start).count();
+    std::string who;
+    for (int peer : waiting) {
+      who += (who.empty() ? "" : ", ") + std::to_string(peer) +
+             (ledger_.Left(peer) ? " (has left)" : " (still running)");
+    }
+    if (now >= deadline) {
+      std::fprintf(stderr, "herring_jax rank %d: exits although rank(s) %s did not confirm "
+                   "within HERRING_TIMEOUT_S=%s s that they received its last messages: a "
+                   "reduction of theirs may fail\n", config_.rank, who.c_str(),
+                   Seconds(config_.timeout_s).c_str());
+      break;
+    }
+    if (now >= report_at) {
+      std::fprintf(stderr, "herring_jax rank %d: exiting; has waited %s s for rank(s) %s to "
+                   "receive its last messages (it stops waiting for a rank that confirms, "
+                   "fails, exits or is silent for HERRING_PEER_TIMEOUT_S, and after "
+                   "HERRING_TIMEOUT_S=%s s in all)\n", config_.rank, Seconds(waited).c_str(),
+                   who.c_str(), Seconds(config_.timeout_s).c_str());
+      std::fflush(stderr);
+      report_at = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(kLeaveReportEveryS));
+    }
+    // Woken by receipts, kLeaves and failed sends; the tick re-checks the
+    // peer watch and exited processes.
+    std::unique_lock<std::mutex> lock(leave_mu_);
+    leave_cv_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(100)));
+  }
+}
+
+std::string Communicator::LeftText(const Batch& batch, int rank) const {
+  return "rank " + std::to_string(rank) + " has shut down herring_jax (its "
+         "herring_jax.shutdown() or the end of its program) while rank " +
+         std::to_string(config_.rank) + " still waits for it in " +
+         DescribeJob(*batch.jobs.front()) + ": every process must run the same reductions, "
+         "as many times, before it shuts down (did its training loop run fewer steps, or "
+         "leave it early?)";
+}
+
 void Communicator::WatchLeavers() {
   const int64_t now = NowNs();
+  // First whose data is all here, then the batches: a message counted here
+  // has been counted by its batch before (TookFrom), so a batch that misses a
+  // rank whose data is all here will never get it.
+  std::vector<bool> arrived(config_.size, false);
+  for (int r = 0; r < config_.size; ++r) {
+    if (r != config_.rank) arrived[r] = ledger_.AllArrived(r);
+  }
   std::lock_guard<std::mutex> lock(active_mu_);
   for (Batch* batch : active_) {
     if (batch->Failed()) continue;
     for (int rank : MissingRanks(*batch)) {
-      const int64_t left = left_ns_[rank].load();
-      if (left == 0 || (now - left) * 1e-9 < kLeaveGraceS) continue;
-      Fail(batch, "rank " + std::to_string(rank) + " has shut down herring_jax (its "
-                      "herring_jax.shutdown() or the end of its program) while rank " +
-                      std::to_string(config_.rank) + " still waits for it in " +
-                      DescribeJob(*batch->jobs.front()) + ": every process must run the "
-                      "same reductions, as many times, before it shuts down (did its "
-                      "training loop run fewer steps, or leave it early?)");
+      if (!ledger_.Left(rank)) continue;
+      if (batch->host) {
+        const int64_t since = std::max(ledger_.left_ns(rank), batch->started_ns);
+        if ((now - since) * 1e-9 < kHostLeaveGraceS) continue;
+      } else if (!arrived[rank]) {
+        continue;  // its last messages are on their way
+      }
+      Fail(batch, LeftText(*batch, rank));
       break;
     }
   }

@@ -94,6 +94,11 @@ void Communicator::WatchLoop() {
     }
     WatchLeavers();
     ReportStalls();
+    // Receipts go out as the leavers' data arrives (TookFrom); this catches
+    // any whose trigger raced with the kLeave.
+    for (int r = 0; r < config_.size; ++r) {
+      if (r != config_.rank && ledger_.Left(r)) SendReceiptIfDue(r);
+    }
     lock.lock();
   }
 }
@@ -133,7 +138,13 @@ void Communicator::SendHeartbeats() {
     // `limit`: a post to a dead peer can stall in the provider's connection
     // attempts and delay the heartbeats to the live ones.
     const bool silent = (now - last_heard_[peer].load()) * 1e-9 > limit;
-    const bool full = !silent && (busy_with[peer] || waiter_until_[peer].load() > now);
+    // A leaving rank (Leave) sends nothing to the peers it no longer waits
+    // for, whose endpoints may be closing (a message unread at a close resets
+    // the connection), and the full rate to the others: a failed heartbeat
+    // then says soon that a peer's endpoint is gone.
+    if (leaving_ && ledger_.Released(peer)) continue;
+    const bool full = !silent && (busy_with[peer] || waiter_until_[peer].load() > now ||
+                                  leaving_);
     if (now - last_sent_[peer].load() < (silent ? silent_ns : full ? full_ns : slow_ns)) continue;
     if (heartbeat_busy_[peer].exchange(true)) continue;
     // Only now, with no heartbeat to `peer` in flight, may its buffer change.
@@ -146,7 +157,14 @@ void Communicator::SendHeartbeats() {
     // refuses sends until then, and where no data goes to that peer (the
     // host stage's boards carry a host's steps) nothing else would ever
     // connect the two.
-    auto done = [this, peer](const transport::Completion&) { heartbeat_busy_[peer] = false; };
+    auto done = [this, peer](const transport::Completion& c) {
+      heartbeat_busy_[peer] = false;
+      if (!c.ok && leaving_) {
+        ledger_.MarkGone(peer);
+        { std::lock_guard<std::mutex> lock(leave_mu_); }
+        leave_cv_.notify_all();
+      }
+    };
     const uint64_t tag = MakeHeartbeatTag(static_cast<uint32_t>(config_.rank));
     Status s = last_sent_[peer].load() == 0 ? transport_->SendControl(peer, tag, iov, 1, done)
                                             : transport_->TrySend(peer, tag, iov, 1, done);

@@ -26,8 +26,14 @@ enum class MsgKind : uint8_t {
                       // read nothing of yours any more and my inputs are gone
   // Control messages between ranks, besides aborts and heartbeats
   // (departures.cc): payload text.
-  kLeave = 8,         // any -> all: this rank shuts down (its reductions are done)
+  // kLeave: this rank shuts down (its reductions are done); its header's
+  // `occurrence` counts the data messages it sent the receiver, and
+  // `total_elems` those it took in from the receiver (leave_ledger.h).
+  kLeave = 8,         // any -> all
   kStall = 9,         // any -> the ranks it waits for: what it has waited in, for how long
+  // kReceipt: the answer to a kLeave once every data message of the leaver
+  // has arrived; `total_elems` counts those taken in.
+  kReceipt = 10,      // any -> a rank that left
 };
 
 // The `contributors` of a kHostDone that withdraws (host_posting.cc); a
@@ -35,7 +41,8 @@ enum class MsgKind : uint8_t {
 constexpr uint32_t kHostWithdrawn = 2;
 
 inline bool IsControlKind(MsgKind kind) {
-  return kind == MsgKind::kAbort || kind == MsgKind::kLeave || kind == MsgKind::kStall;
+  return kind == MsgKind::kAbort || kind == MsgKind::kLeave || kind == MsgKind::kStall ||
+         kind == MsgKind::kReceipt;
 }
 
 inline bool IsHostKind(MsgKind kind) {
@@ -161,8 +168,9 @@ constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // host stage's kinds, and a 2-bit kind in the tag (13-bit chunk index).
 // Version 4: the codec byte (codec.h); payloads of data messages are encoded.
 // Version 5: a kHostDone may withdraw (kHostWithdrawn); at most
-// kMaxContributors devices per message.
-constexpr uint16_t kWireVersion = 5;
+// kMaxContributors devices per message. Version 6: the leave protocol's
+// counts in kLeave, and kReceipt.
+constexpr uint16_t kWireVersion = 6;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.

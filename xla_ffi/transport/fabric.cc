@@ -216,6 +216,13 @@ class FabricTransport final : public Transport {
     info_.reset(raw);
     directed_ = (info_->caps & FI_DIRECTED_RECV) != 0;
     sources_ = (info_->caps & FI_SOURCE) != 0;
+    // libfabric 1.17's ofi_rxd does not name a completion's sender by the
+    // address its address vector gave out: over udp;ofi_rxd every control
+    // message came "from rank 0's address" and was dropped (heartbeats, so
+    // that live ranks were declared dead after HERRING_PEER_TIMEOUT_S;
+    // aborts; the leave protocol's notices, so that every exit waited as
+    // long). Its sources go unchecked, as a provider's that names none.
+    if (std::strstr(info_->fabric_attr->prov_name, "ofi_rxd") != nullptr) sources_ = false;
     need_mr_ = force_mr_ || (info_->domain_attr->mr_mode & FI_MR_LOCAL) != 0;
     prov_key_ = (info_->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
     if (info_->tx_attr->iov_limit < 2 || info_->rx_attr->iov_limit < 2) {
