@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
+from herring_jax._src import jax_compat  # noqa: E402
 
 
 def cases(args):
@@ -162,10 +163,21 @@ def main() -> int:
         before = herring_jax.stats()["heartbeats_sent"]
         time.sleep(args.idle_s)
         common.report("idle", True, heartbeats_sent=herring_jax.stats()["heartbeats_sent"] - before)
+    rank, nproc = herring_jax.process_index(), herring_jax.process_count()
     herring_jax.shutdown()
     if args.exit_after_shutdown:
         sys.stdout.flush()
         sys.stderr.flush()
+        # Rank 0 hosts jax.distributed's coordinator, whose end makes jax end
+        # every process still running (status 1, "Socket closed"): it leaves
+        # last, once each other rank has said it is leaving. Every other rank
+        # leaves the moment its shutdown returns.
+        client = jax_compat.distributed_client()
+        if rank:
+            client.key_value_set(f"reduce_worker/leaving/{rank}", "1")
+        else:
+            for r in range(1, nproc):
+                client.blocking_key_value_get(f"reduce_worker/leaving/{r}", 120_000)
         os._exit(0)
     return 0
 
