@@ -168,16 +168,15 @@ def main() -> int:
     if args.exit_after_shutdown:
         sys.stdout.flush()
         sys.stderr.flush()
-        # Rank 0 hosts jax.distributed's coordinator, whose end makes jax end
-        # every process still running (status 1, "Socket closed"): it leaves
-        # last, once each other rank has said it is leaving. Every other rank
-        # leaves the moment its shutdown returns.
+        # jax.distributed ends every process still running once one has
+        # vanished without its shutdown (or once the coordinator, rank 0, is
+        # gone): status 1 or 134, "Socket closed". So the ranks leave
+        # together, the moment every one's herring shutdown has returned (and
+        # so every late read of another's memory has been waited for).
         client = jax_compat.distributed_client()
-        if rank:
-            client.key_value_set(f"reduce_worker/leaving/{rank}", "1")
-        else:
-            for r in range(1, nproc):
-                client.blocking_key_value_get(f"reduce_worker/leaving/{r}", 120_000)
+        client.key_value_set(f"reduce_worker/leaving/{rank}", "1")
+        for r in range(nproc):
+            client.blocking_key_value_get(f"reduce_worker/leaving/{r}", 120_000)
         os._exit(0)
     return 0
 
