@@ -155,8 +155,8 @@ def test_a_process_that_cannot_map_boards_turns_only_its_host_to_messages():
 def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slow_rank, board):
     # The slow rank reads the others' slices of the last result about 0.8 s
     # after they returned; they shut down and leave at once (os._exit, no
-    # jax.distributed barrier: they leave together once every shutdown has
-    # returned, or jax would end the last). Shutting down must wait for that read:
+    # jax.distributed barrier; rank 0, jax's coordinator, last). Shutting down
+    # must wait for that read:
     # freed staging would give wrong bits, an exited owner an error.
     run = launch("reduce_worker.py",
                  ["--dtypes", "int32,float32", "--ops", "sum", "--counts", "4097",

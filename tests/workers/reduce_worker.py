@@ -84,6 +84,8 @@ def main() -> int:
     args = parser.parse_args()
 
     jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
+    if args.exit_after_shutdown:
+        jax.config.update("jax_enable_recoverability", True)
     if os.environ.get("HERRING_PROCESS_ID") == str(args.deny_reads_rank):
         os.environ["HERRING_TEST_DENY_MEMORY_READS"] = "1"
     if os.environ.get("HERRING_PROCESS_ID") == str(args.deny_boards_rank):
@@ -168,17 +170,32 @@ def main() -> int:
     if args.exit_after_shutdown:
         sys.stdout.flush()
         sys.stderr.flush()
-        # jax.distributed ends every process still running once one has
-        # vanished without its shutdown (or once the coordinator, rank 0, is
-        # gone): status 1 or 134, "Socket closed". So the ranks leave
-        # together, the moment every one's herring shutdown has returned (and
-        # so every late read of another's memory has been waited for).
+        # A task that vanishes without jax.distributed's shutdown makes jax
+        # end every other one still running (status 134, "Socket closed"),
+        # unless the job is recoverable (set before initialize below); the
+        # coordinator's end (rank 0's) ends them all whatever the setting. So
+        # rank 0 leaves last, once every other rank has left.
         client = jax_compat.distributed_client()
-        client.key_value_set(f"reduce_worker/leaving/{rank}", "1")
-        for r in range(nproc):
-            client.blocking_key_value_get(f"reduce_worker/leaving/{r}", 120_000)
+        if rank:
+            client.key_value_set(f"reduce_worker/leaving/{rank}", str(os.getpid()))
+        else:
+            import time
+            for r in range(1, nproc):
+                pid = int(client.blocking_key_value_get(f"reduce_worker/leaving/{r}", 120_000))
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and _alive(pid):
+                    time.sleep(0.01)
         os._exit(0)
     return 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 if __name__ == "__main__":
