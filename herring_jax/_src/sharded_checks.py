@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from optax import tree_utils as _tree_utils
 
-from herring_jax._src.chunks import chunk_of
+from herring_jax._src.chunks import chunk_of, from_rows
 
 # The largest size of any axis of a stand-in parameter: small enough for a
 # quick check, large enough that shape-dependent choices (adafactor factors
@@ -172,12 +172,6 @@ def _chunks(tree, n: int):
         lambda x: jnp.stack([chunk_of(x, n, r) for r in range(n)]), tree)
 
 
-def _whole(stacked, like):
-    """Inverse of _chunks for a leaf shaped like `like`."""
-    size = int(np.prod(np.shape(like), dtype=np.int64))
-    return jnp.ravel(stacked)[:size].reshape(np.shape(like))
-
-
 def _differs(a, b) -> float:
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
@@ -247,7 +241,7 @@ def _check(inner, params, n: int) -> None:
     for k, (w, g) in enumerate(zip(want, got)):
         paths = jax.tree_util.tree_flatten_with_path(w)[0]
         for (path, wv), gv in zip(paths, jax.tree_util.tree_leaves(g)):
-            diff = _differs(_whole(gv, wv), wv)
+            diff = _differs(from_rows(gv, np.shape(wv)), wv)
             if diff > _TOLERANCE:
                 raise ValueError(
                     "herring_jax.sharded_optimizer: the inner transformation does not treat "
