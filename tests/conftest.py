@@ -47,6 +47,11 @@ EXTENDED_CASES = {
     "test_examples.py::test_lm_loss_falls_with_two_devices_per_process",
     "test_examples.py::test_mnist_like_learns[native]",
     "test_examples.py::test_pin_gives_each_process_its_own_core",
+    # Flax NNX: the core tier keeps the example's allreduce_gradients run (about
+    # 16 s); every transformation inside nnx.Optimizer and the NNX checkpoint
+    # recipes take 35-50 s on one launch.
+    "test_nnx.py::test_herring_inside_nnx_optimizer_on_two_processes",
+    "test_nnx.py::test_the_nnx_example_matches_one_process[sharded]",
 }
 # The C++ unit tests under ThreadSanitizer: the core tier runs them under
 # AddressSanitizer + UBSan, and .ci/sanitizers.sh runs the engine under both.
