@@ -49,7 +49,7 @@ EXTENDED_CASES = {
     "test_examples.py::test_pin_gives_each_process_its_own_core",
     # Flax NNX: the core tier keeps the example's allreduce_gradients run (about
     # 16 s); every transformation inside nnx.Optimizer and the NNX checkpoint
-    # recipes take 35-50 s on one launch.
+    # recipes (2 processes, then a resume on 3) take 1.5-3 min.
     "test_nnx.py::test_herring_inside_nnx_optimizer_on_two_processes",
     "test_nnx.py::test_the_nnx_example_matches_one_process[sharded]",
 }

@@ -5,7 +5,7 @@ on a plain pytree; allreduce_gradients bitwise one process's training on
 every rank's gradients; sharded_optimizer bitwise the unsharded chain; bf16
 within the worker's stated tolerance of exact gradients; and the NNX
 checkpoint recipes of docs/guides/checkpoints.md resuming bitwise, each file
-written by one process. And examples/train_nnx.py: 2 processes equal one
+written by one process, and onto 3 processes. And examples/train_nnx.py: 2 processes equal one
 process's NNX training within float32 rounding, bitwise on every process."""
 
 import os
@@ -56,6 +56,11 @@ def test_herring_inside_nnx_optimizer_on_two_processes(tmp_path):
             writers[path].add(rank)
     shared = {p: sorted(r) for p, r in writers.items() if len(r) > 1}
     assert not shared, f"files written by several processes: {shared}"
+    # Saved on 2, restored on 3: sharded_optimizer's checkpoint resumes
+    # bitwise as the plain chain's does.
+    resumed = launch("nnx_worker.py", ["--dir", str(tmp_path), "--resume"], nproc=3, env=ENV)
+    digests = assert_all_ok(resumed, expected_cases=2)
+    assert len(set().union(*digests.values())) == 1, digests
 
 
 def _example(args):

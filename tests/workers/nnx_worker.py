@@ -15,6 +15,9 @@ Cases (every rank reports each; the driver compares digests across ranks):
   bf16/vs-exact: the bf16 codec's parameters are within BF16_TOLERANCE of
     the uncompressed ones, and its error-feedback residual is not zero (the
     codec ran: the worker runs with HERRING_HOST_STAGE=0).
+  resume/sharded, resume/plain (--resume, on another number of processes):
+    those checkpoints restored and trained to STEPS; the driver checks that
+    both kinds end with the same parameters on every process.
   checkpoint/sharded, checkpoint/plain: STEPS steps equal, bitwise, SAVE_AT
     steps, a checkpoint, a restore into a fresh model and optimizer, and the
     rest; by the recipes of docs/guides/checkpoints.md (executed from the
@@ -163,11 +166,33 @@ def docs_recipes() -> dict:
     return namespace
 
 
+def checkpointed():
+    return (("sharded", herring_jax.sharded_optimizer(optax.adamw(1e-2))),
+            ("plain", optax.chain(herring_jax.allreduce_gradients(), optax.adamw(1e-2))))
+
+
+def resume(rank: int, root: str) -> None:
+    """Restores the checkpoints of another number of processes (the plain one:
+    process 0's copy, the same on every process with adamw) and trains the
+    rest of the STEPS; the driver compares the two kinds' digests."""
+    recipes = docs_recipes()
+    for kind, tx in checkpointed():
+        model = MLP(nnx.Rngs(1))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        directory = os.path.join(root, kind, str(SAVE_AT))
+        if kind == "plain":
+            recipes["restore_plain_nnx"](directory, model, optimizer, row=0)
+        else:
+            recipes["restore_sharded_nnx"](directory, model, optimizer)
+        step = int(optimizer.step[...])
+        nnx_train(tx, rank, first=step, steps=STEPS - step, model=model, optimizer=optimizer)
+        a = flat(params_of(model))
+        common.report(f"resume/{kind}", step == SAVE_AT, digest=common.digest(a), step=step)
+
+
 def checkpoints(rank: int, root: str) -> None:
     recipes = docs_recipes()
-    for kind, tx in (("sharded", herring_jax.sharded_optimizer(optax.adamw(1e-2))),
-                     ("plain", optax.chain(herring_jax.allreduce_gradients(),
-                                           optax.adamw(1e-2)))):
+    for kind, tx in checkpointed():
         whole, _, _ = nnx_train(tx, rank)
         model, optimizer, _ = nnx_train(tx, rank, steps=SAVE_AT)
         directory = os.path.join(root, kind, str(SAVE_AT))
@@ -186,9 +211,16 @@ def checkpoints(rank: int, root: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
+    parser.add_argument("--resume", action="store_true",
+                        help="only restore --dir's checkpoints (saved by another number of "
+                             "processes) and train on")
     args = parser.parse_args()
     herring_jax.initialize()
     rank, n = herring_jax.process_index(), herring_jax.process_count()
+    if args.resume:
+        resume(rank, args.dir)
+        herring_jax.shutdown()
+        return
     adamw = optax.adamw(1e-2)
     sgd = optax.sgd(0.05, momentum=0.9)
     txs = {
