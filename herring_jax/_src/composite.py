@@ -50,10 +50,12 @@ def bind(label: str, body: Callable, operands, transpose: Callable | None = None
     """``body(*operands)`` (a list of arrays) as one equation of the
     collective `label`.
 
-    `transpose(cotangents, operand_avals)` gives the operands' cotangents
-    (arrays, or None for a zero) from the results' cotangents (arrays; a
-    symbolic zero comes as zeros). None: the body's own transpose (jax's
-    transposition of its equations, herring_allreduce's rules included).
+    `transpose(cotangents, operand_avals, known)` gives the operands'
+    cotangents (arrays, or None for a zero) from the results' cotangents
+    (arrays; a symbolic zero comes as zeros); `known` holds the values of the
+    operands that are not transposed (None for those that are). None: the
+    body's own transpose (jax's transposition of its equations,
+    herring_allreduce's rules included).
     """
     operands = list(operands)
     if transpose is None:
@@ -103,7 +105,8 @@ def _register(p: _Collective) -> _Collective:
             return [ad.Zero(a) if ad.is_undefined_primal(x) else None
                     for x, a in zip(args, avals)]
         cts = [_zeros(c.aval) if type(c) is ad.Zero else c for c in cts]
-        outs = transpose(cts, avals)
+        known = [None if ad.is_undefined_primal(a) else a for a in args]
+        outs = transpose(cts, avals, known)
         return [None if not ad.is_undefined_primal(x) else
                 (ad.Zero(a) if o is None else o) for x, a, o in zip(args, avals, outs)]
 
@@ -125,7 +128,8 @@ def _register(p: _Collective) -> _Collective:
     return p
 
 
-def _transpose_body(body, cts, avals):
+def _transpose_body(body, cts, avals, known):
+    del known
     operands = [_zeros(a) for a in avals]
     return list(jax.linear_transpose(lambda *xs: list(body(*xs)), *operands)(list(cts)))
 

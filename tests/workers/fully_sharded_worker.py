@@ -1,0 +1,111 @@
+"""fully_sharded against optax.chain(allreduce_gradients(), inner): the same
+training steps from the same parameters, the whole parameters (gathered)
+compared bitwise (element-wise inner transformations) or within a tolerance
+(a global-norm clip, a lossy codec), on every process; and what each process
+holds between steps."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import common  # noqa: E402
+import herring_jax  # noqa: E402
+from sharded_worker import (CLIPPED, INNERS, STEPS, batch, flat, loss_fn, make_params,  # noqa: E402
+                            state_bytes)
+
+
+def train_reference(tx, params, rank, remat=False):
+    """The unsharded chain; with `remat`, the loss under jax.checkpoint (which
+    alone changes last bits of some gradients, with or without herring_jax,
+    so reshard_after_forward is compared with it)."""
+    state = tx.init(params)
+    loss = (jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.everything_saveable)
+            if remat else loss_fn)
+
+    @jax.jit
+    def step(params, state, x):
+        grads = jax.grad(loss)(params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for k in range(STEPS):
+        params, state = step(params, state, batch(rank, k))
+    return params, state
+
+
+def train_fully_sharded(fs, params, rank, jit_init: bool):
+    state = (jax.jit(fs.init) if jit_init else fs.init)(params)
+
+    @jax.jit
+    def step(state, x):
+        loss, grads = fs.value_and_grad(loss_fn)(state, x)
+        return fs.apply_gradients(state, grads), loss
+
+    for k in range(STEPS):
+        state, _ = step(state, batch(rank, k))
+    return jax.jit(fs.gather)(state), state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--inners", default="sgd,adam,adamw-masked,clip+adamw")
+    parser.add_argument("--variants", default="default,reshard,jit-init,prefetch1,all")
+    parser.add_argument("--codec", default="")
+    args = parser.parse_args()
+    herring_jax.initialize()
+    rank = herring_jax.process_index()
+    variants = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
+                "prefetch1": dict(prefetch=1, fusion_bytes=256),
+                "all": dict(prefetch=None, fusion_bytes=512)}
+    for dtype in args.dtypes.split(","):
+        params = make_params(dtype)
+        for name in args.inners.split(","):
+            make = {**INNERS, **CLIPPED}[name]
+            refs = {remat: train_reference(optax.chain(herring_jax.allreduce_gradients(), make()),
+                                           params, rank, remat) for remat in (False, True)}
+            for v in args.variants.split(","):
+                ref, ref_state = refs[v == "reshard"]
+                fs = herring_jax.fully_sharded(make(), **variants[v])
+                got, got_state = train_fully_sharded(fs, params, rank, jit_init=v == "jit-init")
+                a, b = flat(got), flat(ref)
+                if name in CLIPPED:
+                    tol = 1e-6 if dtype == "float32" else 2.0 ** -7
+                    ok = bool(np.all(np.abs(a - b) <= tol * np.maximum(np.abs(b), 1.0)))
+                else:
+                    ok = a.tobytes() == b.tobytes()
+                common.report(f"{dtype}/{name}/{v}", ok, digest=common.digest(np.asarray(a)),
+                              max_diff=float(np.max(np.abs(a - b))) if a.size else 0.0,
+                              held_bytes=state_bytes((got_state.chunks, got_state.inner)),
+                              unsharded_bytes=state_bytes((ref, ref_state)))
+    if args.codec:
+        params = make_params("float32")
+        ref, _ = train_reference(optax.chain(
+            herring_jax.allreduce_gradients(compression=args.codec), optax.sgd(0.1)),
+            params, rank)
+        fs = herring_jax.fully_sharded(optax.sgd(0.1), compression=args.codec)
+        got, state = train_fully_sharded(fs, params, rank, False)
+        a, b = flat(got), flat(ref)
+        # Error feedback keeps the compressed run close to the exact one.
+        exact, _ = train_reference(optax.chain(herring_jax.allreduce_gradients(),
+                                               optax.sgd(0.1)), params, rank)
+        e = flat(exact)
+        err = float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
+        common.report(f"codec/{args.codec}", err < 2e-2 and bool(np.any(state.residual["dense"]
+                                                                        ["kernel"] != 0)),
+                      digest=common.digest(np.asarray(a)), rel_err=err,
+                      max_diff_vs_allreduce_codec=float(np.max(np.abs(a - b))))
+    herring_jax.shutdown()
+
+
+if __name__ == "__main__":
+    main()
