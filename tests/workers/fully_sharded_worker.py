@@ -55,38 +55,43 @@ def train_fully_sharded(fs, params, rank, jit_init: bool):
     return jax.jit(fs.gather)(state), state
 
 
+VARIANTS = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
+            "prefetch1": dict(prefetch=1, fusion_bytes=256),
+            "all": dict(prefetch=None, fusion_bytes=512)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--inners", default="sgd,adam,adamw-masked,clip+adamw")
-    parser.add_argument("--variants", default="default,reshard,jit-init,prefetch1,all")
+    parser.add_argument("--cases", default="float32/adam/default",
+                        help="comma-separated dtype/inner/variant[+variant...] (variants: "
+                             f"{', '.join(VARIANTS)})")
     parser.add_argument("--codec", default="")
     args = parser.parse_args()
     herring_jax.initialize()
     rank = herring_jax.process_index()
-    variants = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
-                "prefetch1": dict(prefetch=1, fusion_bytes=256),
-                "all": dict(prefetch=None, fusion_bytes=512)}
-    for dtype in args.dtypes.split(","):
+    for case in [c for c in args.cases.split(",") if c]:
+        dtype, name, variants = case.split("/")
         params = make_params(dtype)
-        for name in args.inners.split(","):
-            make = {**INNERS, **CLIPPED}[name]
-            refs = {remat: train_reference(optax.chain(herring_jax.allreduce_gradients(), make()),
-                                           params, rank, remat) for remat in (False, True)}
-            for v in args.variants.split(","):
-                ref, ref_state = refs[v == "reshard"]
-                fs = herring_jax.fully_sharded(make(), **variants[v])
-                got, got_state = train_fully_sharded(fs, params, rank, jit_init=v == "jit-init")
-                a, b = flat(got), flat(ref)
-                if name in CLIPPED:
-                    tol = 1e-6 if dtype == "float32" else 2.0 ** -7
-                    ok = bool(np.all(np.abs(a - b) <= tol * np.maximum(np.abs(b), 1.0)))
-                else:
-                    ok = a.tobytes() == b.tobytes()
-                common.report(f"{dtype}/{name}/{v}", ok, digest=common.digest(np.asarray(a)),
-                              max_diff=float(np.max(np.abs(a - b))) if a.size else 0.0,
-                              held_bytes=state_bytes((got_state.chunks, got_state.inner)),
-                              unsharded_bytes=state_bytes((ref, ref_state)))
+        make = {**INNERS, **CLIPPED}[name]
+        refs = {}
+        for v in variants.split("+"):
+            remat = v == "reshard"
+            if remat not in refs:
+                refs[remat] = train_reference(
+                    optax.chain(herring_jax.allreduce_gradients(), make()), params, rank, remat)
+            ref, ref_state = refs[remat]
+            fs = herring_jax.fully_sharded(make(), **VARIANTS[v])
+            got, got_state = train_fully_sharded(fs, params, rank, jit_init=v == "jit-init")
+            a, b = flat(got), flat(ref)
+            if name in CLIPPED:
+                tol = 1e-6 if dtype == "float32" else 2.0 ** -7
+                ok = bool(np.all(np.abs(a - b) <= tol * np.maximum(np.abs(b), 1.0)))
+            else:
+                ok = a.tobytes() == b.tobytes()
+            common.report(f"{dtype}/{name}/{v}", ok, digest=common.digest(np.asarray(a)),
+                          max_diff=float(np.max(np.abs(a - b))) if a.size else 0.0,
+                          held_bytes=state_bytes((got_state.chunks, got_state.inner)),
+                          unsharded_bytes=state_bytes((ref, ref_state)))
     if args.codec:
         params = make_params("float32")
         ref, _ = train_reference(optax.chain(
