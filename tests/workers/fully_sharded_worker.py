@@ -23,7 +23,7 @@ from sharded_worker import (CLIPPED, INNERS, STEPS, batch, flat, loss_fn, make_p
                             state_bytes)
 
 
-def train_reference(tx, params, rank, remat=False):
+def train_reference(tx, params, rank, remat=False, loss_fn=loss_fn):
     """The unsharded chain; with `remat`, the loss under jax.checkpoint (which
     alone changes last bits of some gradients, with or without herring_jax,
     so reshard_after_forward is compared with it)."""
@@ -42,7 +42,7 @@ def train_reference(tx, params, rank, remat=False):
     return params, state
 
 
-def train_fully_sharded(fs, params, rank, jit_init: bool):
+def train_fully_sharded(fs, params, rank, jit_init: bool, loss_fn=loss_fn):
     state = (jax.jit(fs.init) if jit_init else fs.init)(params)
 
     @jax.jit
@@ -53,6 +53,56 @@ def train_fully_sharded(fs, params, rank, jit_init: bool):
     for k in range(STEPS):
         state, _ = step(state, batch(rank, k))
     return jax.jit(fs.gather)(state), state
+
+
+def flax_models():
+    """(name, params, loss(params, x)) of a Flax Linen and a Flax NNX MLP
+    (widths 2, 3 and 4 do not divide); NNX's loss rebuilds the model from its
+    parameters with nnx.merge, as the guide shows."""
+    import flax.linen as nn
+    from flax import nnx
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jnp.tanh(nn.Dense(29)(x))
+            return nn.Dense(3)(jnp.tanh(nn.Dense(19)(x)))
+
+    class NNX(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(37, 29, rngs=rngs)
+            self.b = nnx.Linear(29, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    linen = Linen()
+    linen_params = linen.init(jax.random.key(0), jnp.zeros((1, 37)))
+
+    def linen_loss(params, x):
+        return jnp.mean(linen.apply(params, x) ** 2)
+
+    graphdef, nnx_params, rest = nnx.split(NNX(nnx.Rngs(0)), nnx.Param, ...)
+
+    def nnx_loss(params, x):
+        return jnp.mean(nnx.merge(graphdef, params, rest)(x) ** 2)
+
+    return {"linen": (linen_params, linen_loss), "nnx": (nnx_params, nnx_loss)}
+
+
+def model_case(case: str, rank: int) -> None:
+    """model/<linen|nnx>/<inner>: fully_sharded on a Flax model against the
+    unsharded chain, bitwise."""
+    _, kind, name = case.split("/")
+    params, loss = flax_models()[kind]
+    make = INNERS[name]
+    ref, _ = train_reference(optax.chain(herring_jax.allreduce_gradients(), make()), params,
+                             rank, loss_fn=loss)
+    got, _ = train_fully_sharded(herring_jax.fully_sharded(make()), params, rank, False,
+                                 loss_fn=loss)
+    a, b = flat(got), flat(ref)
+    common.report(case, a.tobytes() == b.tobytes(), digest=common.digest(np.asarray(a)),
+                  max_diff=float(np.max(np.abs(a - b))))
 
 
 VARIANTS = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
@@ -70,6 +120,9 @@ def main() -> None:
     herring_jax.initialize()
     rank = herring_jax.process_index()
     for case in [c for c in args.cases.split(",") if c]:
+        if case.startswith("model/"):
+            model_case(case, rank)
+            continue
         dtype, name, variants = case.split("/")
         params = make_params(dtype)
         make = {**INNERS, **CLIPPED}[name]
