@@ -45,7 +45,7 @@ from herring_jax._src import composite
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
-from herring_jax._src.chunks import chunk_of, chunk_shape
+from herring_jax._src.chunks import chunk_of, from_rows, to_rows
 from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
 from herring_jax._src.sharded import _BucketLayout, _global_sum
 
@@ -237,6 +237,9 @@ class FullySharded:
         count = len(chunks)
         extra = (residual or []) + (sinks or [])
 
+        if codec == "none":
+            return self._gather_leaves(n, shapes, chunks)
+
         def body(*xs):
             row = lay.join(list(xs[:count]))
             [rows] = _allreduce.bind([row], op="sum", axes=None, collective="all_gather")
@@ -256,6 +259,26 @@ class FullySharded:
             return grads + [v.reshape(s) for v, s in zip(lay.unpack(lost, n), shapes)]
 
         return composite.bind("all_gather", body, list(chunks) + extra, transpose=transpose)
+
+
+    def _gather_leaves(self, n, shapes, chunks):
+        """A bucket without a codec: one call with an operand per leaf, so
+        that each leaf's rows arrive contiguous (no buffer to pack, nor one to
+        cut into leaves: fewer temporaries in the step)."""
+        op = self.op
+
+        def body(*xs):
+            rows = _allreduce.bind([x.reshape(-1) for x in xs], op="sum", axes=None,
+                                   collective="all_gather")
+            return [from_rows(r, s) for r, s in zip(rows, shapes)]
+
+        def transpose(cts, avals, known):
+            del known
+            parts = _allreduce.bind([to_rows(ct, n) for ct in cts], op=op, axes=None,
+                                    collective="reduce_scatter")
+            return [p.reshape(a.shape) for p, a in zip(parts, avals)]
+
+        return composite.bind("all_gather", body, list(chunks), transpose=transpose)
 
 
 def _all_but_gathers(prim, *_, **__) -> bool:
