@@ -19,7 +19,7 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from sharded_worker import (CLIPPED, INNERS, STEPS, batch, flat, loss_fn, make_params,  # noqa: E402
+from sharded_worker import (CLIPPED, INNERS, REFUSED, STEPS, batch, flat, loss_fn, make_params,  # noqa: E402
                             state_bytes)
 
 
@@ -116,6 +116,8 @@ def main() -> None:
                         help="comma-separated dtype/inner/variant[+variant...] (variants: "
                              f"{', '.join(VARIANTS)})")
     parser.add_argument("--codec", default="")
+    parser.add_argument("--refused", action="store_true",
+                        help="also: transformations that look at whole leaves are refused")
     args = parser.parse_args()
     herring_jax.initialize()
     rank = herring_jax.process_index()
@@ -145,6 +147,13 @@ def main() -> None:
                           max_diff=float(np.max(np.abs(a - b))) if a.size else 0.0,
                           held_bytes=state_bytes((got_state.chunks, got_state.inner)),
                           unsharded_bytes=state_bytes((ref, ref_state)))
+    if args.refused:
+        for name, make in REFUSED.items():
+            try:
+                herring_jax.fully_sharded(make()).init(make_params("float32"))
+                common.report(f"refused/{name}", False, error="no error")
+            except ValueError as e:
+                common.report(f"refused/{name}", "element by element" in str(e), error=str(e))
     if args.codec:
         params = make_params("float32")
         ref, _ = train_reference(optax.chain(
