@@ -16,16 +16,17 @@ def _cases(run):
     return {r["case"]: r for r in run.results[0]}
 
 
-# Sizes that 2, 3 and 4 do not divide, a scalar; every variant of the gathers
-# (prefetch 1 and 2 with small buckets so that several are in flight, all at
-# once, reshard_after_forward, a jitted init) on the first layout; the
-# global-norm clip and bfloat16 on all.
+# Sizes that 2, 3 and 4 do not divide, a scalar. The core tier's layout (2
+# processes) has the gathers' variants that change the program most
+# (reshard_after_forward, prefetch 1 with small buckets, so that several are in
+# flight), bfloat16 and an NNX model; the extended layouts the rest (a jitted
+# init, every gather at once, the global-norm clip, a Linen model, 2 simulated
+# hosts x 2 processes).
 CASES = {
-    2: "float32/adamw-masked/default+reshard+jit-init+prefetch1+all,"
-       "bfloat16/adam/default,float32/clip+adamw/default,model/linen/adam,model/nnx/adam",
+    2: "float32/adamw-masked/default+reshard+prefetch1,bfloat16/adam/default,model/nnx/adam",
     1: "float32/adam/default+reshard",
     3: "float32/nesterov/default+prefetch1,bfloat16/clip+adamw/default",
-    4: "float32/adamw-masked/default+reshard+prefetch1,bfloat16/schedule/default,"
+    4: "float32/adamw-masked/default+jit-init+all,bfloat16/schedule/default,"
        "float32/clip+adamw/default,model/linen/adam,model/nnx/adam",
 }
 
