@@ -46,6 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--reduce herring: herring_jax.sharded_optimizer(optimizer) in place "
                              "of allreduce_gradients + optimizer: each device keeps and updates "
                              "1/N of the optimizer state")
+    parser.add_argument("--fully-sharded", action="store_true",
+                        help="--reduce herring: herring_jax.fully_sharded(optimizer): each "
+                             "process holds 1/N of the parameters and of the optimizer state, "
+                             "gathers the parameters bucket by bucket in the forward pass and "
+                             "reduce-scatters the gradients (one device per process)")
+    parser.add_argument("--reshard-after-forward", action="store_true",
+                        help="with --fully-sharded: gather the parameters again in the backward "
+                             "pass instead of keeping them from the forward pass")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -69,6 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def compression_name(args) -> str:
+    if getattr(args, "fully_sharded", False):
+        name = "fully-reshard" if args.reshard_after_forward else "fully"
+        return name if args.compression == "none" else f"{name}-{args.compression}"
     if getattr(args, "sharded_optimizer", False):
         return "sharded" if args.compression == "none" else f"sharded-{args.compression}"
     if args.topk_fraction:
@@ -101,8 +112,43 @@ def setup(args) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(np.array(devices), ("data",))
 
 
+def make_fully_sharded_trainer(mesh, args, loss_fn, init_fn):
+    """make_trainer's --fully-sharded form: a step over this process's own
+    device and batch; `params` is the FullyShardedState (its chunks and the
+    optimizer's), `opt_state` None. step.whole(params) gathers the whole
+    parameters (a collective: every process calls it)."""
+    if args.reduce != "herring" or args.topk_fraction or args.powersgd_rank or \
+            args.sharded_optimizer:
+        raise SystemExit("--fully-sharded takes --reduce herring, without --topk-fraction, "
+                         "--powersgd-rank or --sharded-optimizer")
+    if len(mesh.local_devices) != 1:
+        raise SystemExit("--fully-sharded runs one device per process; this process has "
+                         f"{len(mesh.local_devices)} (unset XLA_FLAGS' "
+                         "--xla_force_host_platform_device_count)")
+    if args.checkpoint_dir:
+        raise SystemExit("--fully-sharded does not take --checkpoint-dir in this example yet: "
+                         "save its state with herring_jax.save_sharded(directory, fs, state)")
+    optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
+                 else optax.adamw(args.lr))
+    fs = herring_jax.fully_sharded(optimizer, compression=args.compression,
+                                   reshard_after_forward=args.reshard_after_forward)
+    # The whole parameters exist only while init cuts out this process's chunks.
+    state = jax.jit(lambda: fs.init(init_fn()))()
+
+    def local_step(state, _unused, batch):
+        loss, grads = fs.value_and_grad(loss_fn)(state, batch)
+        return fs.apply_gradients(state, grads), None, herring_jax.allreduce(loss, "mean")
+
+    step = jax.jit(local_step, donate_argnums=(0,))
+    step.takes_local_batch = True
+    step.whole = jax.jit(fs.gather)
+    return state, None, step
+
+
 def make_trainer(mesh, args, loss_fn, init_fn):
     """Returns (params, opt_state, step(params, opt_state, batch) -> (..., loss))."""
+    if getattr(args, "fully_sharded", False):
+        return make_fully_sharded_trainer(mesh, args, loss_fn, init_fn)
     if args.reduce == "herring":
         if args.topk_fraction:
             grad_tx = herring_jax.topk(args.topk_fraction, "data")
@@ -157,6 +203,17 @@ def state_mib(opt_state) -> float:
     chunk)."""
     return sum(s.data.nbytes for leaf in jax.tree_util.tree_leaves(opt_state)
                for s in leaf.addressable_shards) / 2**20
+
+
+def step_memory(step, *args) -> str:
+    """The compiled step's buffers as XLA plans them (per process)."""
+    m = step.lower(*args).compile().memory_analysis()
+    if m is None:
+        return "step memory n/a"
+    mib = 2.0 ** 20
+    return (f"step memory: arguments {m.argument_size_in_bytes / mib:.3f} MiB, outputs "
+            f"{m.output_size_in_bytes / mib:.3f} MiB, temporaries "
+            f"{m.temp_size_in_bytes / mib:.3f} MiB")
 
 
 def global_batch(mesh, local_arrays):
@@ -232,8 +289,13 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
             print(f"resumed from the checkpoint after step {first} in {args.checkpoint_dir}",
                   flush=True)
     sent_before = herring_jax.stats()["bytes_sent"]  # setup() initialized herring_jax
+    local = getattr(step, "takes_local_batch", False)
+    whole = getattr(step, "whole", lambda p: p)
+    memory = ""
     for i in range(first, args.steps):
-        batch = global_batch(mesh, next_local_batch(i))
+        batch = tuple(next_local_batch(i)) if local else global_batch(mesh, next_local_batch(i))
+        if i == first:
+            memory = step_memory(step, params, opt_state, batch)
         start = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, batch)
         loss = float(loss)  # waits for the step
@@ -244,8 +306,11 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         if i == args.kill_at_step and rank == jax.process_count() - 1:
             print(f"killing process {rank} after step {i} (--kill-at-step)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if i % args.log_every == 0 or i == args.steps - 1:
+            # Every process gathers (fully sharded), rank 0 reports.
+            view = whole(params) if report else None
         if rank == 0 and (i % args.log_every == 0 or i == args.steps - 1):
-            extra = report(params) if report else ""
+            extra = report(view) if report else ""
             recent = np.median(times[1:][-args.log_every:]) * 1e3 if len(times) > 1 else float("nan")
             print(f"step {i:4d}  loss {loss:.4f}  step {recent:.1f} ms  {extra}", flush=True)
     step_s = float(np.median(times[1:])) if len(times) > 1 else float("nan")
@@ -255,15 +320,18 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     sent_mib = sent / max(1, args.steps - first) / 2**20
     if checkpoints:
         checkpoints.close()
+    final = whole(params)
+    held = state_mib(params) + (state_mib(opt_state) if opt_state is not None else 0.0)
     if rank == 0 and losses:
-        extra = report(params) if report else ""
+        extra = report(final) if report else ""
         print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
               f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
               f"{step_s * 1e3:.1f} ms, compression {compression_name(args)}, sent {sent_mib:.3f} MiB "
-              f"per step, optimizer state {state_mib(opt_state):.3f} MiB per process, params "
-              f"sha256 {params_digest(params)}", flush=True)
+              f"per step, optimizer state {state_mib(opt_state if not local else params.inner):.3f} "
+              f"MiB per process, params and optimizer state held {held:.3f} MiB per process, "
+              f"{memory}, params sha256 {params_digest(final)}", flush=True)
     elif rank == 0:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
-              f"params sha256 {params_digest(params)}", flush=True)
+              f"params sha256 {params_digest(final)}", flush=True)
     herring_jax.shutdown()
     return params, losses, step_s

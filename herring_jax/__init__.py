@@ -45,6 +45,10 @@ _EXPORTS = {
     "allreduce_gradients": "optax_transform",
     "ShardedOptimizerState": "sharded",
     "sharded_optimizer": "sharded",
+    "FullySharded": "fully_sharded",
+    "FullyShardedGrads": "fully_sharded",
+    "FullyShardedState": "fully_sharded",
+    "fully_sharded": "fully_sharded",
     "restore_sharded": "sharded_checkpoint",
     "save_sharded": "sharded_checkpoint",
     "PowerSGDState": "powersgd",
@@ -66,6 +70,8 @@ if TYPE_CHECKING:  # what static analysis and IDEs see
     from herring_jax._src.reduce_scatter import allgather, barrier, reduce_scatter
     from herring_jax._src.runtime import (describe, initialize, process_count, process_index,
                                           shutdown, stats)
+    from herring_jax._src.fully_sharded import (FullySharded, FullyShardedGrads,
+                                                FullyShardedState, fully_sharded)
     from herring_jax._src.sharded import ShardedOptimizerState, sharded_optimizer
     from herring_jax._src.sharded_checkpoint import restore_sharded, save_sharded
     from herring_jax._src.topk import TopKState, topk

@@ -43,6 +43,10 @@ EXTENDED_CASES = {
     "test_state.py::test_broadcast_and_batchnorm_state[3-1]",
     "test_sharded_checkpoint.py::test_a_checkpoint_resumes_on_another_number_of_processes"
     "[4-2-False-float32]",
+    "test_fully_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[1-None]",
+    "test_fully_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[3-None]",
+    "test_fully_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[4-2]",
+    "test_fully_sharded.py::test_a_codec_with_error_feedback_stays_close_to_the_exact_run",
     # The examples' other runs (the demo and the quickstart stay).
     "test_examples.py::test_lm_loss_falls_with_two_devices_per_process",
     "test_examples.py::test_mnist_like_learns[native]",

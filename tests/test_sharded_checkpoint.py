@@ -38,13 +38,13 @@ def docs_recipe():
 def assert_each_file_has_one_writer(saved, root: pathlib.Path):
     writers = defaultdict(set)
     for rank, results in saved.results.items():
-        [save] = [r for r in results if r["case"] == "save"]
-        assert not save["maps"], f"rank {rank} wrote through memory maps: {save['maps']}"
-        mine = [p for p in save["writes"] if p.startswith(str(root))]
-        # The recording saw this process's writes.
-        assert mine, (rank, save["writes"])
-        for path in mine:
-            writers[path].add(rank)
+        for save in [r for r in results if r["case"] in ("save", "save-fully")]:
+            assert not save["maps"], f"rank {rank} wrote through memory maps: {save['maps']}"
+            mine = [p for p in save["writes"] if p.startswith(str(root))]
+            # The recording saw this process's writes.
+            assert mine, (rank, save["writes"])
+            for path in mine:
+                writers[path].add(rank)
     shared = {p: sorted(r) for p, r in writers.items() if len(r) > 1}
     assert not shared, f"files written by several processes: {shared}"
 
@@ -72,9 +72,10 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, save, res
     # Leaves that 2, 3 and 4 do not divide (padded chunks) and a scalar
     # (empty chunks on all but one process); bfloat16, which numpy cannot
     # name in a file, stored as its bits.
-    saved = launch("reshard_worker.py", ["save", "--dir", str(tmp_path), "--dtype", dtype],
-                   nproc=save, env=BITWISE)
-    assert_all_ok(saved, expected_cases=1)
+    # Also fully_sharded's checkpoint (its parameters are chunks too).
+    saved = launch("reshard_worker.py", ["save", "--dir", str(tmp_path), "--dtype", dtype,
+                                         "--fully"], nproc=save, env=BITWISE)
+    assert_all_ok(saved, expected_cases=2)
     assert_each_file_has_one_writer(saved, tmp_path)
     # numpy alone reads the parameters trained.
     read_checkpoint = docs_recipe()
@@ -86,8 +87,12 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, save, res
     params = [p.view(ml_dtypes.bfloat16) if dtype == "bfloat16" else p for p in params]
     whole = np.concatenate([np.ravel(p.astype(np.float64)) for p in params])
     digest = hashlib.sha256(whole.tobytes()).hexdigest()[:16]
-    assert digest == saved.results[0][0]["digest"], (digest, saved.results[0])
-    names = ["sharded"]
+    [save] = [r for r in saved.results[0] if r["case"] == "save"]
+    assert digest == save["digest"], (digest, saved.results[0])
+    _, fully_params = read_checkpoint(str(tmp_path / "fully"))
+    assert [a.tobytes() for a in fully_params] == [b.tobytes() for b in params], \
+        "fully_sharded's parameters differ from sharded_optimizer's"
+    names = ["sharded", "fully"]
     if old:
         write_version_1(tmp_path / "sharded", tmp_path / "old", read_checkpoint)
         names.append("old")

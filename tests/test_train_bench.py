@@ -87,6 +87,31 @@ def test_train_bench_codecs_smoke(tmp_path):
     assert abs(runs["int8"]["loss_vs_none"]) < 0.05, runs
 
 
+def test_train_bench_fully_sharded_columns(tmp_path):
+    # allreduce_gradients, sharded_optimizer and fully_sharded side by side:
+    # the same model trained (held-out losses within float rounding), and what
+    # each process holds between steps: the whole parameters and adamw's
+    # state, then 1/N of the state, then 1/N of both.
+    out = tmp_path / "fully.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "4",
+         "--codecs", "none,sharded,fully,fully-reshard", "--log-every", "2", "--script",
+         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
+         "--layers", "1", "--text-bytes", str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "held MiB" in proc.stdout and "temp MiB" in proc.stdout, proc.stdout
+    runs = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
+    none, sharded, fully = runs["none"], runs["sharded"], runs["fully"]
+    for r in runs.values():
+        assert abs(r["held_out_loss"] - none["held_out_loss"]) < 1e-3, runs
+        assert r["step_temp_mib"] > 0, r
+    # adamw: parameters 1x + state 2x whole; sharded 1x + 2x/2; fully (1x + 2x)/2.
+    assert abs(sharded["held_mib_per_process"] / none["held_mib_per_process"] - 2 / 3) < 0.02
+    assert abs(fully["held_mib_per_process"] / none["held_mib_per_process"] - 1 / 2) < 0.02
+    assert runs["fully-reshard"]["held_mib_per_process"] == fully["held_mib_per_process"]
+
+
 def test_train_bench_codecs_over_seeds(tmp_path):
     # PowerSGD with bf16 factors and two power iterations, against none, on
     # two seeds: each seed reaches the script, and the row is their mean.

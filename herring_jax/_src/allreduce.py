@@ -16,8 +16,11 @@ parameters:
              its index in its group (layout.Plan.device_blocks). The two
              halves are each other's transposes (the invariant all-gather's
              is the cotangent's row i, no traffic).
-  op         "sum", "mean" (the mean divides on the server), "max" or "min"
-             (not differentiable; no codec); an all-gather's is "sum".
+  reduction  "sum", "mean" (the mean divides on the server), "max" or "min"
+             (not differentiable; no codec); an all-gather's is "sum". Not
+             called `op`: remat policies are called as policy(prim, *avals,
+             **params), and JAX's documented `lambda op, *_, **__: ...` would
+             get `op` twice.
   axes       None: across processes (allreduce, reduce_scatter, allgather,
              broadcast). A tuple of mesh axis names: across those axes of the
              enclosing shard_map or pmap (psum, pmean, pmax, pmin,
@@ -230,7 +233,7 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
 
 def bind(leaves, *, op, axes, groups=None, root=None, codec="none", collective="allreduce"):
     """Binds one reduction; every public function reduces through here."""
-    params = dict(op=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec,
+    params = dict(reduction=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec,
                   collective=collective)
     receiver = _receiver.current
     if receiver is None:
@@ -286,8 +289,8 @@ def _reshaped(aval, shape, spec):
                        sharding=aval.sharding.update(spec=jax.sharding.PartitionSpec(*spec)))
 
 
-def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens, collective):
-    del op, transpose, root, codec
+def _abstract_eval(*avals, reduction, axes, groups, transpose, root, codec, tokens, collective):
+    del reduction, transpose, root, codec
     avals = avals[tokens:]
     api = API_NAMES[collective]
     if axes is not None:
@@ -312,8 +315,8 @@ def _abstract_eval(*avals, op, axes, groups, transpose, root, codec, tokens, col
     return [_reshaped(a, a.shape[1:], tuple(a.sharding.spec)[1:]) for a in avals]
 
 
-def _start_abstract_eval(*avals, op, axes, groups, transpose, root, codec, collective):
-    del avals, op, groups, transpose, root, codec
+def _start_abstract_eval(*avals, reduction, axes, groups, transpose, root, codec, collective):
+    del avals, reduction, groups, transpose, root, codec
     if axes is not None:
         jax_compat.check_axis_names(axes, API_NAMES[collective])
     return lowering.TOKEN
@@ -364,7 +367,7 @@ def _start_impl(*args, **params):
 # A start's token has no tangent.
 
 def _jvp(primals, tangents, **params):
-    op = params["op"]
+    op = params["reduction"]
     if op in ("max", "min"):
         raise NotImplementedError(
             f"herring_jax's p{op} (and allreduce(op={op!r})) is not differentiable, as "
@@ -387,8 +390,9 @@ def _start_jvp(primals, tangents, **params):
     return token, jax_compat.zero_tangent(token)
 
 
-def _transpose(cts, *args, op, axes, groups, transpose, root, codec, tokens, collective):
-    params = dict(op=op, axes=axes, groups=groups, transpose=transpose,
+def _transpose(cts, *args, reduction, axes, groups, transpose, root, codec, tokens, collective):
+    op = reduction
+    params = dict(reduction=op, axes=axes, groups=groups, transpose=transpose,
                   root=root, codec=codec, tokens=0, collective=collective)
     args = args[tokens:]
     outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
@@ -430,7 +434,7 @@ def _transpose_half(cts, outs, op, axes, groups, collective):
     cts = [cts[i] for i in todo]
     if axes is not None:
         cts = [jax_compat.vary_over(ct, axes) for ct in cts]
-    results = allreduce_p.bind(*cts, op="sum", axes=axes, groups=groups, transpose=False,
+    results = allreduce_p.bind(*cts, reduction="sum", axes=axes, groups=groups, transpose=False,
                                root=None, codec="none", tokens=0, collective=other)
     if op == "mean":
         n = group_count(axes, groups)

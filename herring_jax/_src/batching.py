@@ -95,7 +95,7 @@ def batched(axis_data, args, dims, params, api: str):
     (axis_data: the vmapped axis's name and size), is bound: (operands, params,
     result batch dims), or (None, results, result batch dims) where nothing is
     left to reduce. `api` names the public function in errors."""
-    op, axes, groups, collective = (params[k] for k in ("op", "axes", "groups", "collective"))
+    op, axes, groups, collective = (params[k] for k in ("reduction", "axes", "groups", "collective"))
     named = axes is not None and axis_data.name in axes
     if collective == "allreduce":
         if not named:

@@ -47,6 +47,7 @@ from jax._src import core as _core  # noqa: E402
 from jax._src import distributed as _distributed  # noqa: E402
 from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 from jax._src import source_info_util as _source_info  # noqa: E402
+from jax._src.interpreters import ad as _ad  # noqa: E402
 from jax._src.interpreters import batching as _batching  # noqa: E402
 from jax._src.interpreters import partial_eval as _pe  # noqa: E402
 from jax._src.lax import parallel as _parallel  # noqa: E402
@@ -308,6 +309,12 @@ not_mapped = None  # the batch dimension of an unbatched value
 def zero_tangent(primal):
     """A symbolic zero tangent for `primal` (ad.Zero of its tangent type)."""
     return _ad_util.p2tz(primal)
+
+
+def zeros_of(aval):
+    """Zeros of type `aval` (its varying axes and sharding too), as jax
+    instantiates a symbolic zero tangent."""
+    return _ad.instantiate_zeros(_ad.Zero(aval))
 
 
 def register_named_batcher(primitive, rule) -> None:

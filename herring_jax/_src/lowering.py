@@ -216,8 +216,9 @@ def _lower_transposed(ctx, *args, op):
                           multiple_results=True)(ctx, *args)
 
 
-def lower(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens, collective):
+def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec, tokens, collective):
     """herring_allreduce on `platform` (allreduce.py's parameters)."""
+    op = reduction
     own_tokens, args = args[:tokens], args[tokens:]
     avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
     if transpose:
@@ -248,8 +249,9 @@ def lower(ctx, *args, platform, op, axes, groups, transpose, root, codec, tokens
     return outs
 
 
-def lower_start(ctx, *args, platform, op, axes, groups, transpose, root, codec, collective):
+def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, codec, collective):
     """herring_allreduce_start on `platform`: its token."""
+    op = reduction
     del transpose
     wire = _on_the_wire(platform, collective)
     kept = nonempty(ctx.avals_in)

@@ -33,6 +33,7 @@ import numpy as np
 
 from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
+from herring_jax._src import composite
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
 from herring_jax._src.codecs import BLOCK as BLOCK_ELEMENTS
@@ -277,12 +278,21 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
     # plain one (its transpose sums the cotangents).
     invariant = to == "invarying" and (jax_compat.check_vma_enabled()
                                        or not jax_compat.invariant_gather_needs_check_vma())
-    outs = _allreduce.bind(operands, op="sum", axes=axes, groups=groups,
-                           collective="all_gather_invariant" if invariant else "all_gather")
-    results = []
-    for o, v, d, b in zip(outs, operands, dims, was_bool):
-        o = jnp.moveaxis(o, 0, d)
-        if tiled:
-            o = o.reshape(v.shape[:d] + (size * v.shape[d],) + v.shape[d + 1:])
-        results.append(o.astype(np.bool_) if b else o)
+    collective = "all_gather_invariant" if invariant else "all_gather"
+
+    def gather(*vs):
+        outs = _allreduce.bind(list(vs), op="sum", axes=axes, groups=groups,
+                               collective=collective)
+        results = []
+        for o, v, d in zip(outs, vs, dims):
+            o = jnp.moveaxis(o, 0, d)
+            if tiled:
+                o = o.reshape(v.shape[:d] + (size * v.shape[d],) + v.shape[d + 1:])
+            results.append(o)
+        return results
+
+    # One equation that remat policies see as lax's all_gather, its result
+    # already in place (composite.py says why).
+    results = composite.bind("all_gather", gather, operands)
+    results = [o.astype(np.bool_) if b else o for o, b in zip(results, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, results)

@@ -27,6 +27,7 @@ memory maps) is still restored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -48,12 +49,30 @@ FORMAT_V1 = "herring_jax sharded optimizer state, version 1"
 _MARK = 1_000_003
 
 
+def _fully(tx) -> bool:
+    from herring_jax._src.fully_sharded import FullySharded
+    return isinstance(tx, FullySharded)
+
+
 def _inner(tx) -> Any:
-    inner = getattr(tx.init, "sharded_inner", None)
+    if _fully(tx):
+        return tx.inner
+    inner = getattr(getattr(tx, "init", None), "sharded_inner", None)
     if inner is None:
         raise TypeError("save_sharded / restore_sharded take the transformation made by "
-                        "herring_jax.sharded_optimizer")
+                        "herring_jax.sharded_optimizer, or herring_jax.fully_sharded's object")
     return inner
+
+
+def _whole_params(tx, state, params):
+    """The parameters as shapes and dtypes (fully_sharded: from its state,
+    which holds their chunks; else `params`, whole)."""
+    if _fully(tx):
+        return [jax.ShapeDtypeStruct(s, d) for s, d in state.shapes]
+    if params is None:
+        raise ValueError("save_sharded needs the parameters (their shapes say how the state's "
+                         "chunks unpad)")
+    return jax.tree_util.tree_leaves(params)
 
 
 def _chunked_leaves(inner, params) -> list[int | None]:
@@ -75,10 +94,8 @@ def _chunked_leaves(inner, params) -> list[int | None]:
 def _members(tx, state, params, rank: int, n: int) -> tuple[list, list, dict]:
     """The manifest's state and params entries, and this process's members:
     for each, a function that copies its values to the host, in file dtype."""
-    if params is None:
-        raise ValueError("save_sharded needs the parameters (their shapes say how the state's "
-                         "chunks unpad)")
     inner = _inner(tx)
+    p_leaves = _whole_params(tx, state, params)
     if np.ndim(state.shard) != 0:
         raise ValueError("save_sharded saves the state of sharded_optimizer over processes; "
                          "inside shard_map the state is a sharded global array: save it with "
@@ -86,8 +103,9 @@ def _members(tx, state, params, rank: int, n: int) -> tuple[list, list, dict]:
     if int(state.shard) != rank:
         raise ValueError(f"this state is process {int(state.shard)}'s chunks, not process "
                          f"{rank}'s: pass each process its own state")
-    p_leaves = jax.tree_util.tree_leaves(params)
-    owners = _chunked_leaves(inner, params)
+    shapes_tree = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(state.chunks if _fully(tx) else params), p_leaves)
+    owners = _chunked_leaves(inner, shapes_tree)
     s_paths = jax.tree_util.tree_flatten_with_path(state.inner)[0]
     if len(s_paths) != len(owners):
         raise ValueError("this state does not come from this transformation and these "
@@ -114,10 +132,13 @@ def _members(tx, state, params, rank: int, n: int) -> tuple[list, list, dict]:
         # The chunk's first hi - lo elements: the rest is padding.
         members[f"state_{k}"] = part(leaf, 0, hi - lo)
     p_entries = []
+    chunks = jax.tree_util.tree_leaves(state.chunks) if _fully(tx) else None
     for i, p in enumerate(p_leaves):
         p_entries.append({"chunked": True, "shape": list(np.shape(p)),
                           "dtype": np.dtype(p.dtype).name, "member": f"params_{i}"})
-        members[f"params_{i}"] = part(p, *chunk_range(int(np.size(p)), n, rank))
+        lo, hi = chunk_range(int(np.prod(np.shape(p), dtype=np.int64)), n, rank)
+        # fully_sharded holds the chunk only (padded past hi - lo).
+        members[f"params_{i}"] = part(chunks[i], 0, hi - lo) if chunks else part(p, lo, hi)
     for k, r in enumerate(jax.tree_util.tree_leaves(state.residual)):
         members[f"residual_{k}"] = lambda x=r: files.as_file_dtype(np.asarray(x))
     return entries, p_entries, members
@@ -135,10 +156,12 @@ def save_sharded(directory: str, tx, state, params=None) -> None:
     Args:
       directory: where the checkpoint goes (on a file system every process
         sees); it must not exist yet.
-      tx: the ``herring_jax.sharded_optimizer(...)`` transformation.
-      state: its state (``ShardedOptimizerState``), as returned by update.
+      tx: the ``herring_jax.sharded_optimizer(...)`` transformation, or the
+        ``herring_jax.fully_sharded(...)`` object.
+      state: its state (``ShardedOptimizerState``, as returned by update; or
+        ``FullyShardedState``).
       params: the parameters (the same on every process); each process writes
-        its chunk of each.
+        its chunk of each. None for fully_sharded (its state holds them).
 
     Examples:
       >>> herring_jax.save_sharded("ckpt/100", tx, opt_state, params)  # doctest: +SKIP
@@ -212,9 +235,16 @@ def restore_sharded(directory: str, tx, params):
     Args:
       directory: a checkpoint written by save_sharded.
       tx: the ``herring_jax.sharded_optimizer(...)`` transformation of this
-        job (the same inner transformation as the one saved).
+        job (the same inner transformation as the one saved), or the
+        ``herring_jax.fully_sharded(...)`` object.
       params: parameters of the right structure, shapes and dtypes (their
-        values are not used: the saved ones are returned).
+        values are not used: the saved ones are returned;
+        ``jax.ShapeDtypeStruct`` leaves do for fully_sharded).
+
+    Returns:
+      sharded_optimizer: ``(state, params)``. fully_sharded: its
+      ``FullyShardedState``, with this process's chunks of the parameters
+      and of the state (read from whichever files hold them).
     """
     st = runtime.state()
     rank, n = st.rank, st.size
@@ -228,9 +258,12 @@ def restore_sharded(directory: str, tx, params):
 def _restore(directory, tx, params, manifest, reader, rank: int, n: int):
     inner = _inner(tx)
     p_leaves, p_def = jax.tree_util.tree_flatten(params)
+    p_leaves = [jax.ShapeDtypeStruct(tuple(np.shape(p)) if not hasattr(p, "shape") else
+                                     tuple(p.shape), p.dtype) for p in p_leaves]
     if len(manifest["params"]) != len(p_leaves) or any(
             list(np.shape(p)) != m["shape"] for p, m in zip(p_leaves, manifest["params"])):
         raise ValueError(f"{directory} holds other parameters (shapes) than these")
+    fully = _fully(tx)
     template = jax.eval_shape(tx.init, params)
     like, s_def = jax.tree_util.tree_flatten(template.inner)
     owners = _chunked_leaves(inner, params)
@@ -251,13 +284,27 @@ def _restore(directory, tx, params, manifest, reader, rank: int, n: int):
         chunk = np.zeros(int(np.prod(t.shape, dtype=np.int64)), np.dtype(t.dtype))
         chunk[:hi - lo] = typed(reader.range(e, lo, hi), e, t.dtype)
         leaves.append(jnp.asarray(chunk.reshape(t.shape)))
-    restored = [jnp.asarray(typed(reader.whole(m), m, p.dtype).reshape(np.shape(p)))
-                for p, m in zip(p_leaves, manifest["params"])]
+    if fully:
+        # This process's chunk of each parameter, from whichever files hold it.
+        restored = []
+        for p, m in zip(p_leaves, manifest["params"]):
+            lo, hi = chunk_range(int(np.prod(np.shape(p), dtype=np.int64)), n, rank)
+            shape = chunk_shape(np.shape(p), n)
+            chunk = np.zeros(int(np.prod(shape, dtype=np.int64)), np.dtype(p.dtype))
+            chunk[:hi - lo] = typed(reader.range(m, lo, hi), m, p.dtype)
+            restored.append(jnp.asarray(chunk.reshape(shape)))
+    else:
+        restored = [jnp.asarray(typed(reader.whole(m), m, p.dtype).reshape(np.shape(p)))
+                    for p, m in zip(p_leaves, manifest["params"])]
     residual = jax.tree_util.tree_map(lambda t: jnp.zeros(t.shape, t.dtype), template.residual)
     if manifest["residuals"] and manifest["processes"] == n:
         r_leaves, r_def = jax.tree_util.tree_flatten(residual)
         residual = jax.tree_util.tree_unflatten(r_def, [
             jnp.asarray(reader.residual(rank, k)) for k in range(len(r_leaves))])
-    state = template._replace(inner=jax.tree_util.tree_unflatten(s_def, leaves),
-                              shard=jnp.asarray(rank, jnp.int32), residual=residual)
+    inner_state = jax.tree_util.tree_unflatten(s_def, leaves)
+    shard = jnp.asarray(rank, jnp.int32)
+    if fully:
+        return dataclasses.replace(template, chunks=jax.tree_util.tree_unflatten(p_def, restored),
+                                   inner=inner_state, shard=shard, residual=residual)
+    state = template._replace(inner=inner_state, shard=shard, residual=residual)
     return state, jax.tree_util.tree_unflatten(p_def, restored)

@@ -43,11 +43,26 @@ def steps(tx, params, state, rank: int, first: int):
     return params, state
 
 
+def fully_steps(fs, state, rank: int, first: int):
+    """fully_sharded's steps on the batches of `steps`."""
+    @jax.jit
+    def step(state, x):
+        _, grads = fs.value_and_grad(loss_fn)(state, x)
+        return fs.apply_gradients(state, grads)
+
+    for k in range(first, first + STEPS):
+        rng = np.random.default_rng(1000 * rank + k)
+        state = step(state, rng.normal(size=(16, 37)).astype(np.float32))
+    return state
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["save", "resume"])
     parser.add_argument("--dir", required=True)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--fully", action="store_true",
+                        help="save: also a checkpoint of fully_sharded (named 'fully')")
     parser.add_argument("--names", default="sharded",
                         help="resume: the checkpoints (under --dir) to restore, comma-separated")
     args = parser.parse_args()
@@ -56,6 +71,7 @@ def main() -> None:
     params = make_params(args.dtype)
     sharded = herring_jax.sharded_optimizer(inner())
     chain = optax.chain(herring_jax.allreduce_gradients(), inner())
+    fully = herring_jax.fully_sharded(inner())
     ref_path = os.path.join(args.dir, "reference.pkl")
     if args.phase == "save":
         p_s, s_s = steps(sharded, params, sharded.init(params), rank, 0)
@@ -65,6 +81,14 @@ def main() -> None:
         if rank == 0:
             with open(ref_path, "wb") as f:
                 pickle.dump(jax.tree_util.tree_map(np.asarray, (p_r, s_r)), f)
+        if args.fully:
+            s_f = fully_steps(fully, fully.init(params), rank, 0)
+            with file_writes.recording() as seen_f:
+                herring_jax.save_sharded(os.path.join(args.dir, "fully"), fully, s_f)
+            # Only this process's chunks were ever in its memory, and the
+            # whole parameters gathered equal the sharded optimizer's.
+            same = flat(jax.jit(fully.gather)(s_f)).tobytes() == flat(p_s).tobytes()
+            common.report("save-fully", same, **seen_f)
         sizes = [int(np.asarray(x).nbytes) for x in jax.tree_util.tree_leaves(s_s.inner)]
         common.report("save", True, digest=common.digest(flat(p_s)), state_bytes=sum(sizes),
                       **seen)
@@ -74,6 +98,15 @@ def main() -> None:
         p_r, _ = steps(chain, p_ref, s_ref, rank, STEPS)
         b = flat(p_r)
         for name in args.names.split(","):
+            if name == "fully":
+                s_f = herring_jax.restore_sharded(os.path.join(args.dir, name), fully,
+                                                  jax.eval_shape(lambda: params))
+                s_f = fully_steps(fully, s_f, rank, STEPS)
+                a = flat(jax.jit(fully.gather)(s_f))
+                common.report(f"resume/{name}", a.tobytes() == b.tobytes(),
+                              digest=common.digest(a), reference=common.digest(b),
+                              max_diff=float(np.max(np.abs(a - b))))
+                continue
             s_s, p_s = herring_jax.restore_sharded(os.path.join(args.dir, name), sharded, params)
             p_s, s_s = steps(sharded, p_s, s_s, rank, STEPS)
             a = flat(p_s)

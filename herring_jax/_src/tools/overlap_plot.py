@@ -18,8 +18,11 @@ def load(prefix: str) -> dict[int, list[dict]]:
     return out
 
 
-def plot(prefix: str, png_path: str, title: str, steps: int = 3) -> bool:
-    """Draws the last `steps` steps of every rank; False without matplotlib."""
+def plot(prefix: str, png_path: str, title: str, steps: int = 3,
+         forward_ms: float | None = None) -> bool:
+    """Draws the last `steps` steps of every rank (all-gathers in blue, the
+    other reductions in orange; with `forward_ms`, a tick where each step's
+    forward pass ends, as measured alone); False without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -43,8 +46,14 @@ def plot(prefix: str, png_path: str, title: str, steps: int = 3) -> bool:
             y = 0.25 + 0.5 * (j % 2)
             ax.plot([(e["issued_ns"] - t0) / 1e6, (e["begun_ns"] - t0) / 1e6], [y, y],
                     color="#999999", lw=1)
+            gather = e.get("what", "").startswith("all_gather")
             ax.barh(y, (e["ended_ns"] - e["begun_ns"]) / 1e6, left=(e["begun_ns"] - t0) / 1e6,
-                    height=0.35, color="#e07b39", edgecolor="#8a4a1f")
+                    height=0.35, color="#3b7dd8" if gather else "#e07b39",
+                    edgecolor="#1f4a8a" if gather else "#8a4a1f")
+        if forward_ms is not None:
+            for e in stepped:
+                at = (e["start_ns"] - t0) / 1e6 + forward_ms
+                ax.plot([at, at], [-0.05, 1.35], color="#2a2a2a", lw=1, ls="--")
         ax.set_yticks([0.5, 1])
         ax.set_yticklabels(["reductions", "steps"])
         ax.set_ylim(-0.1, 1.45)

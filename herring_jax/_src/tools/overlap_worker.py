@@ -49,6 +49,9 @@ def _parse(argv):
     p.add_argument("--fusion-mib", type=float, default=None, help="fusion buffer size (MiB)")
     p.add_argument("--pin", action="store_true", help="pin each process to core rank %% CPUs")
     p.add_argument("--timeline", default=None, help="write this rank's timeline to PATH.rankR")
+    p.add_argument("--fully-sharded", action="store_true",
+                   help="the step is herring_jax.fully_sharded's (gathers in the forward "
+                        "pass, reduce-scatters in the backward pass) instead")
     return p.parse_args(argv)
 
 
@@ -94,6 +97,14 @@ def main(argv=None) -> int:
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
+    if args.fully_sharded:
+        fs = herring_jax.fully_sharded(sgd, **kwargs)
+
+        @jax.jit
+        def fully_step(p, s, x, y):  # p: the FullyShardedState, s unused
+            loss, g = fs.value_and_grad(loss_fn)(p, x, y)
+            return fs.apply_gradients(p, g), s, loss
+
     @jax.jit
     def checked_step(p, s, x, y):  # the same, also returning what it reduced
         _, g = jax.value_and_grad(loss_fn)(p, x, y)
@@ -136,11 +147,20 @@ def main(argv=None) -> int:
     t_reduce = timed(lambda: reduce_only(g0), args.steps)
     runtime.take_timeline()  # forget the warm-up and the reduction-alone runs
     steps_log, p, s = [], params, state
+    timed_step = step
+    if args.fully_sharded:
+        p, timed_step = fs.init(params), fully_step
+        jax.block_until_ready(timed_step(p, s, x, y))
+        runtime.take_timeline()
     for _ in range(args.steps):
         t0 = time.monotonic_ns()
-        p, s, _ = jax.block_until_ready(step(p, s, x, y))
+        p, s, _ = jax.block_until_ready(timed_step(p, s, x, y))
         steps_log.append((t0, time.monotonic_ns()))
     events = runtime.take_timeline()
+    from herring_jax._src import timeline as _timeline
+    for e in events:
+        # What each reduction was ("all_gather sum float32[...]", ...), for the plot.
+        e["what"] = _timeline._labels.get((int(e.get("key", 0)), int(e.get("slot", 0))), "")
     t_step = [(b - a) / 1e6 for a, b in steps_log]
 
     # A step's reduced gradients are bitwise its local gradients reduced
@@ -172,7 +192,18 @@ def main(argv=None) -> int:
     hidden = (compute + reduction - stepped) / min(compute, reduction)
     bound = bound_after(fwd)
     nbytes = sum(int(np.prod(v.shape)) * 4 for v in jax.tree.leaves(params))
+    # fully_sharded: how much of the gathers' time fell inside the forward
+    # pass (from each step's start to the forward pass's median length).
+    under = []
+    for a, b in steps_log:
+        for e in events:
+            if a <= e["issued_ns"] < b and e["what"].startswith("all_gather"):
+                lo, hi = e["begun_ns"], e["ended_ns"]
+                if hi > lo:
+                    under.append((min(hi, a + fwd * 1e6) - min(lo, a + fwd * 1e6)) / (hi - lo))
     result = {"rank": me, "processes": herring_jax.process_count(), "gradient_bytes": nbytes,
+              "fully_sharded": args.fully_sharded,
+              "gather_share_under_forward": statistics.mean(under) if under else float("nan"),
               "layers": args.layers, "width": args.width, "batch": args.batch,
               "compute_ms": compute, "forward_ms": fwd, "reduction_ms": reduction,
               "step_ms": stepped, "hidden_fraction": hidden, "hidden_fraction_bound": bound,

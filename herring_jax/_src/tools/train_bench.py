@@ -26,10 +26,14 @@ herring_jax.powersgd of rank r instead, powersgd<r>-<codec> with its factors
 in that wire codec, ...-it<k> with k power iterations, e.g. powersgd4-bf16-it2;
 topk<f>: herring_jax.topk sending the share f of each leaf, e.g. topk0.01;
 sharded[-<codec>]: herring_jax.sharded_optimizer(optimizer) in place of
-allreduce_gradients + optimizer) for the same steps and prints, for each, the
-held-out loss (and its distance from the uncompressed run's), the median step,
-the bytes each process's transport sent per step and the optimizer state each
-process holds; --plot draws the held-out loss against the steps.
+allreduce_gradients + optimizer; fully[-reshard][-<codec>]:
+herring_jax.fully_sharded(optimizer), with reshard_after_forward) for the same
+steps and prints, for each, the held-out loss (and its distance from the
+uncompressed run's), the median step, the bytes each process's transport sent
+per step, the optimizer state each process holds, the parameters and
+optimizer state it holds between steps (held) and the compiled step's
+temporary buffers (temp, from XLA's memory_analysis); --plot draws the
+held-out loss against the steps.
 With --seeds 0,1,2 every codec trains once per seed (the model's
 initialization and the batches) and the table gives the mean held-out loss
 and bytes (the median of the median steps), the distance from none as the
@@ -134,6 +138,10 @@ _STEP = re.compile(r"step +(\d+) +loss \S+ +step \S+ ms +held-out loss ([\d.naif
 _CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, compression "
                          r"(\S+), sent ([\d.]+) MiB per step(?:, optimizer state ([\d.]+) MiB "
                          r"per process)?")
+# Memory per process (examples/data_parallel.py's done line): what is held
+# between steps, and the compiled step's temporaries.
+_HELD = re.compile(r"params and optimizer state held ([\d.]+) MiB per process")
+_TEMP = re.compile(r"temporaries ([\d.]+) MiB")
 
 
 def _topk_name(name: str) -> bool:
@@ -153,6 +161,11 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
     if m:
         # herring_jax.sharded_optimizer in place of allreduce_gradients.
         return ["--sharded-optimizer", "--compression", m.group(1) or "none"], codec
+    m = re.fullmatch(rf"fully(-reshard)?(?:-({'|'.join(codecs_lib.CODECS[1:])}))?", codec)
+    if m:
+        # herring_jax.fully_sharded: parameters and state at 1/N.
+        how = ["--fully-sharded", "--compression", m.group(2) or "none"]
+        return how + (["--reshard-after-forward"] if m.group(1) else []), codec
     if _topk_name(codec):
         fraction = codec[len("topk"):]
         return ["--topk-fraction", fraction], f"topk{float(fraction):g}"
@@ -187,7 +200,10 @@ def _run_codec(args, codec: str, env: dict, seed: int | None) -> dict:
         raise RuntimeError(f"asked {args.script} for compression {codec}, but it reports "
                            f"{done.group(3)}: does it take the options {' '.join(how)}?")
     curve = [(int(m.group(1)), float(m.group(2))) for m in _STEP.finditer(proc.stdout)]
+    held, temp = _HELD.search(proc.stdout), _TEMP.search(proc.stdout)
     return {"codec": codec, "held_out_loss": float(done.group(1)),
+            "held_mib_per_process": float(held.group(1)) if held else float("nan"),
+            "step_temp_mib": float(temp.group(1)) if temp else float("nan"),
             "median_step_ms": float(done.group(2)), "sent_mib_per_step": float(done.group(4)),
             "state_mib_per_process": float(done.group(5)) if done.group(5) else float("nan"),
             "held_out_curve": curve}
@@ -207,6 +223,8 @@ def _mean_over_seeds(codec: str, runs: list[dict]) -> dict:
             "median_step_ms": float(np.median([r["median_step_ms"] for r in runs])),
             "sent_mib_per_step": float(np.mean([r["sent_mib_per_step"] for r in runs])),
             "state_mib_per_process": float(np.mean([r["state_mib_per_process"] for r in runs])),
+            "held_mib_per_process": float(np.mean([r["held_mib_per_process"] for r in runs])),
+            "step_temp_mib": float(np.mean([r["step_temp_mib"] for r in runs])),
             "held_out_curve": curve, "seeds": runs}
 
 
@@ -259,7 +277,8 @@ def run_codecs(args: argparse.Namespace) -> int:
     if unknown or not names:
         print(f"herring-jax train-bench: unknown codecs {unknown}; known: "
               f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>[-<codec>][-it<iterations>] "
-              "(e.g. powersgd4-bf16-it2), topk<fraction> (e.g. topk0.01)", file=sys.stderr)
+              "(e.g. powersgd4-bf16-it2), topk<fraction> (e.g. topk0.01), sharded[-<codec>], "
+              "fully[-reshard][-<codec>]", file=sys.stderr)
         return 2
     if len(set(names)) != len(names):
         print(f"herring-jax train-bench: a codec is named twice in --codecs {args.codecs}",
@@ -310,7 +329,8 @@ def run_codecs(args: argparse.Namespace) -> int:
         print(f"means over seeds {', '.join(str(x) for x in seeds)}; vs none is the mean of "
               "the per-seed distances")
     print(f"{'codec':>{width}} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
-          f"{'bytes x':>8} {'state MiB':>9}" + ("  vs none per seed" if several and base else ""))
+          f"{'bytes x':>8} {'state MiB':>9} {'held MiB':>8} {'temp MiB':>8}"
+          + ("  vs none per seed" if several and base else ""))
     for r in results:
         per_seed = ""
         if base:
@@ -325,7 +345,8 @@ def run_codecs(args: argparse.Namespace) -> int:
         fewer = f"{r['bytes_reduction']:.2f}" if base else "-"
         print(f"{r['codec']:>{width}} {r['held_out_loss']:>9.4f} {vs:>8} "
               f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8} "
-              f"{r['state_mib_per_process']:>9.3f}" + per_seed)
+              f"{r['state_mib_per_process']:>9.3f} {r['held_mib_per_process']:>8.3f} "
+              f"{r['step_temp_mib']:>8.3f}" + per_seed)
     # The JSON first: a plot that fails must not lose the runs.
     if args.json:
         with open(args.json, "w") as f:
@@ -383,13 +404,19 @@ def run_overlap(args: argparse.Namespace) -> int:
                   f"{r['reductions_per_step']:.0f} reductions "
                   f"per step, bitwise equal to unoverlapped: "
                   f"{r['bitwise_equal_to_unoverlapped']}")
+        if results[0].get("fully_sharded"):
+            print("fully_sharded: share of the gathers' time inside the forward pass: "
+                  + ", ".join(f"rank {r['rank']} {r['gather_share_under_forward']:.2f}"
+                              for r in results))
         worst = min(r["hidden_fraction"] for r in results)
         print(f"hidden fraction (worst rank): {worst:.2f}  [(compute + reduction - step) / "
               "min(compute, reduction), medians]")
         if args.plot:
             title = (f"{args.num_processes} processes {args.launch_args} "
                      f"{' '.join(args.script_args)}: hidden fraction {worst:.2f}")
-            if overlap_plot.plot(prefix, args.plot, title):
+            fully = any(a == "--fully-sharded" for a in args.script_args)
+            forward = (float(np.median([r["forward_ms"] for r in results])) if fully else None)
+            if overlap_plot.plot(prefix, args.plot, title, forward_ms=forward):
                 print(f"timeline: {args.plot}")
         if args.json:
             with open(args.json, "w") as f:

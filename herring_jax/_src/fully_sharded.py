@@ -1,0 +1,347 @@
+"""fully_sharded: parameters, gradients and optimizer state at 1/N on every
+process (ZeRO stage 3 / FSDP on herring's parameter servers).
+
+Between steps each of the N processes holds chunk r of every parameter (the
+layout of sharded_optimizer, chunks.py) and the inner optimizer's state over
+those chunks. Inside the jitted step:
+
+- forward: the parameters are gathered bucket by bucket in the order the
+  loss first uses them (found by tracing it), each bucket one all-gather,
+  issued ahead of the layers that need it: XLA:CPU starts an asynchronous
+  call as soon as its operands exist, so at most `prefetch` gathers are let
+  run ahead of the one the forward pass waits for (a data dependence on
+  the gather `prefetch` buckets earlier); None lets every gather start at
+  once;
+- backward: each bucket's gather transposes to one reduce-scatter of its
+  gradients (mean or sum, a codec with error feedback where asked), issued
+  as soon as the backward pass has produced them; each process keeps only
+  its chunk of every gradient;
+- the inner transformation updates the chunks; there is no all-gather
+  after the update (the next step's gathers are the only ones).
+
+Per step that is the bytes of one all-reduce. With reshard_after_forward the
+gathered buckets are not kept for the backward pass but gathered again there
+(1.5x the bytes, the whole parameters never live at once through the step).
+
+Every element is summed in the order allreduce_gradients sums it and the
+inner transformation sees the same chunks as in sharded_optimizer, so for
+element-wise inner transformations the parameters are bitwise those of
+``optax.chain(allreduce_gradients(), inner)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from herring_jax._src import allreduce as _allreduce
+from herring_jax._src import codecs
+from herring_jax._src import composite
+from herring_jax._src import reduce_scatter as _reduce_scatter_mod
+from herring_jax._src import runtime
+from herring_jax._src import sharded_checks
+from herring_jax._src.chunks import chunk_of, from_rows, to_rows
+from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
+from herring_jax._src.sharded import _BucketLayout, _global_sum
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FullyShardedState:
+    """What each process holds between steps of ``fully_sharded``.
+
+    Attributes:
+      chunks: this process's chunk of every parameter (the parameters' tree;
+        each leaf ceil(size / N) elements on its last axis, as
+        ``sharded_optimizer``'s inner sees them).
+      inner: the inner transformation's state over the chunks.
+      residual: with a lossy ``compression`` and error feedback, what this
+        process's gradients lost so far (whole-sized float32 leaves); else ().
+      shard: this process's rank (int32): which chunk it holds.
+      shapes: (static) each parameter's whole shape and dtype.
+    """
+
+    chunks: Any
+    inner: Any
+    residual: Any
+    shard: Any
+    shapes: tuple = dataclasses.field(metadata=dict(static=True), default=())
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FullyShardedGrads:
+    """``fully_sharded``'s gradients: this process's chunk of every averaged
+    gradient, and the error feedback's new residual (or ())."""
+
+    chunks: Any
+    residual: Any
+
+
+class FullySharded:
+    """Parameters, gradients and optimizer state sharded over the processes.
+
+    Made by ``herring_jax.fully_sharded``; see there.
+    """
+
+    def __init__(self, inner, *, fusion_bytes, first_bucket_bytes, prefetch,
+                 reshard_after_forward, compression, error_feedback, average, check_inner):
+        check_bucket_sizes(fusion_bytes, first_bucket_bytes)
+        codecs.check_codec(compression)
+        if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
+                                     or prefetch < 1):
+            raise ValueError(f"fully_sharded: prefetch must be a positive int (gathers let run "
+                             f"ahead of the forward pass) or None (all), got {prefetch!r}")
+        self.inner = inner
+        self.fusion_bytes = fusion_bytes
+        self.first_bucket_bytes = first_bucket_bytes
+        self.prefetch = prefetch
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.compression = compression
+        self.feedback = bool(error_feedback) and compression != "none"
+        self.op = "mean" if average else "sum"
+        self.check_inner = check_inner
+        self._align = codecs.BLOCK if compression != "none" else 1
+
+    # -- between steps -------------------------------------------------------
+
+    def init(self, params) -> FullyShardedState:
+        """This process's chunks of `params` (whole, the same on every
+        process) and the inner state over them. Works eagerly and under
+        ``jax.jit`` (the same program on every process)."""
+        n = runtime.process_count()
+        shard = jnp.asarray(_reduce_scatter_mod.shard_index(), jnp.int32)
+        if self.check_inner:
+            sharded_checks.check_elementwise(self.inner, params, max(n, 2))
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        shapes = tuple((tuple(np.shape(p)), np.dtype(p.dtype).name) for p in leaves)
+        chunks = jax.tree_util.tree_unflatten(treedef, [chunk_of(p, n, shard) for p in leaves])
+        with sharded_checks.global_norms(_global_sum(None)):
+            inner_state = self.inner.init(chunks)
+        residual = ()
+        if self.feedback:
+            residual = jax.tree_util.tree_unflatten(treedef, [
+                jnp.zeros(s if d == "float32" else (), jnp.float32) for s, d in shapes])
+        return FullyShardedState(chunks, inner_state, residual, shard, shapes)
+
+    def gather(self, state: FullyShardedState, order=None):
+        """The whole parameters from every process's chunks (all-gathers,
+        bucket by bucket). Differentiable with respect to ``state.chunks``:
+        the transpose reduce-scatters the cotangents (``average``: their
+        mean), so each process gets its chunk of the gradient."""
+        leaves, treedef = jax.tree_util.tree_flatten(state.chunks)
+        if len(leaves) != len(state.shapes):
+            raise ValueError(f"fully_sharded.gather: the state holds {len(leaves)} chunks for "
+                             f"{len(state.shapes)} parameters; pass the state init made")
+        residual = treedef.flatten_up_to(state.residual) if self.feedback else None
+        whole = self._gather(leaves, residual, None, state.shapes, order)
+        return jax.tree_util.tree_unflatten(treedef, whole)
+
+    def apply_gradients(self, state: FullyShardedState, grads: FullyShardedGrads
+                        ) -> FullyShardedState:
+        """The inner transformation's step on the chunks."""
+        with sharded_checks.global_norms(_global_sum(None)):
+            updates, inner_state = self.inner.update(grads.chunks, state.inner, state.chunks)
+        chunks = optax.apply_updates(state.chunks, updates)
+        residual = grads.residual if self.feedback else state.residual
+        return dataclasses.replace(state, chunks=chunks, inner=inner_state, residual=residual)
+
+    def value_and_grad(self, fun: Callable, has_aux: bool = False) -> Callable:
+        """``jax.value_and_grad`` of ``fun(params, *args)`` taken through the
+        sharding: the returned function takes ``(state, *args)``, gathers the
+        parameters (in the order `fun` first uses them), and returns
+        ``(value, FullyShardedGrads)`` (``((value, aux), grads)`` with
+        `has_aux`)."""
+
+        def run(state: FullyShardedState, *args):
+            order = self._forward_order(fun, state, args)
+            treedef = jax.tree_util.tree_structure(state.chunks)
+            residual = treedef.flatten_up_to(state.residual) if self.feedback else None
+
+            # With error feedback the new residual leaves the backward pass
+            # as the "gradient" of `sinks`, zeros the gathers take and never
+            # read (the reduce-scatter computes it where the whole gradient
+            # exists); the old residual goes in as a value.
+            def of_chunks(chunks, sinks):
+                whole = self._gather(treedef.flatten_up_to(chunks), residual, sinks,
+                                     state.shapes, order)
+                return fun(jax.tree_util.tree_unflatten(treedef, whole), *args)
+
+            if self.reshard_after_forward:
+                of_chunks = jax.checkpoint(of_chunks, policy=_all_but_gathers)
+            sinks = jax.tree_util.tree_map(jnp.zeros_like, residual) if self.feedback else None
+            value, (g_chunks, g_sinks) = jax.value_and_grad(
+                of_chunks, argnums=(0, 1), has_aux=has_aux)(state.chunks, sinks)
+            new_residual = jax.tree_util.tree_unflatten(treedef, g_sinks) if self.feedback else ()
+            return value, FullyShardedGrads(g_chunks, new_residual)
+
+        return run
+
+    # -- inside the step -----------------------------------------------------
+
+    def _forward_order(self, fun, state, args):
+        """Where `fun` first uses each parameter: the position of the first
+        equation of its traced program that reads it (never used: last)."""
+        params = [jax.ShapeDtypeStruct(s, d) for s, d in state.shapes]
+        treedef = jax.tree_util.tree_structure(state.chunks)
+        closed = jax.make_jaxpr(
+            lambda p, *a: fun(jax.tree_util.tree_unflatten(treedef, p), *a))(params, *args)
+        invars = closed.jaxpr.invars[:len(params)]
+        never = len(closed.jaxpr.eqns)
+        first = {id(v): never for v in invars}
+        for k, eqn in enumerate(closed.jaxpr.eqns):
+            for v in eqn.invars:
+                if first.get(id(v)) == never:
+                    first[id(v)] = k
+        return [first[id(v)] for v in invars]
+
+    def _gather(self, leaves, residual, sinks, shapes, order):
+        n = runtime.process_count()
+        stand_ins = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+        # Buckets in forward order: the first (small) bucket is the first
+        # the forward pass needs.
+        ready = order if order is not None else list(range(len(leaves)))
+        buckets = plan_buckets(stand_ins, self.fusion_bytes, self.first_bucket_bytes, ready)
+        out = [None] * len(leaves)
+        for i, (s, d) in enumerate(shapes):
+            if not np.prod(s, dtype=np.int64):
+                out[i] = jnp.zeros(s, d)
+        gathered = []
+        for k, bucket in enumerate(buckets):
+            lay = _BucketLayout(bucket, n, self._align)
+            ops = [leaves[i] for i in lay.leaves]
+            if self.prefetch is not None and k >= self.prefetch:
+                # Not before the gather `prefetch` buckets back has arrived.
+                ops, _ = jax.lax.optimization_barrier((ops, gathered[k - self.prefetch]))
+            res = sink = None
+            if residual is not None and lay.dtype == np.float32:
+                res = [residual[i] for i in lay.leaves]
+                if sinks is not None:
+                    sink = [sinks[i] for i in lay.leaves]
+            whole = self._gather_bucket(lay, [shapes[i][0] for i in lay.leaves], ops, res, sink)
+            gathered.append(whole[0])
+            for i, w in zip(lay.leaves, whole):
+                out[i] = w
+        return out
+
+    def _gather_bucket(self, lay, shapes, chunks, residual, sinks):
+        """One bucket's all-gather as one equation (composite.py): the chunks
+        in, the whole leaves out; its transpose the reduce-scatter (whose
+        error feedback reads `residual` and writes the sinks' cotangents)."""
+        n, op, codec = lay.n, self.op, self.compression
+        count = len(chunks)
+        extra = (residual or []) + (sinks or [])
+
+        if codec == "none":
+            return self._gather_leaves(n, shapes, chunks)
+
+        def body(*xs):
+            row = lay.join(list(xs[:count]))
+            [rows] = _allreduce.bind([row], op="sum", axes=None, collective="all_gather")
+            return [v.reshape(s) for v, s in zip(lay.unpack(rows.reshape(-1), n), shapes)]
+
+        def transpose(cts, avals, known):
+            old = [known[count + j] for j in range(len(residual))] if residual else None
+            buffer = lay.pack([ct + e for ct, e in zip(cts, old)] if old else cts)
+            [part] = _allreduce.bind([buffer.reshape(n, -1)], op=op, axes=None,
+                                     codec=_allreduce.leaf_codec(buffer, codec),
+                                     collective="reduce_scatter")
+            grads = [c.reshape(a.shape) for c, a in zip(lay.split(part), avals[:count])]
+            grads += [None] * len(residual or [])
+            if not sinks:
+                return grads
+            lost = jnp.where(jnp.isfinite(buffer), buffer - codecs.roundtrip(codec, buffer), 0.0)
+            return grads + [v.reshape(s) for v, s in zip(lay.unpack(lost, n), shapes)]
+
+        return composite.bind("all_gather", body, list(chunks) + extra, transpose=transpose)
+
+
+    def _gather_leaves(self, n, shapes, chunks):
+        """A bucket without a codec: one call with an operand per leaf, so
+        that each leaf's rows arrive contiguous (no buffer to pack, nor one to
+        cut into leaves: fewer temporaries in the step)."""
+        op = self.op
+
+        def body(*xs):
+            rows = _allreduce.bind([x.reshape(-1) for x in xs], op="sum", axes=None,
+                                   collective="all_gather")
+            return [from_rows(r, s) for r, s in zip(rows, shapes)]
+
+        def transpose(cts, avals, known):
+            del known
+            parts = _allreduce.bind([to_rows(ct, n) for ct in cts], op=op, axes=None,
+                                    collective="reduce_scatter")
+            return [p.reshape(a.shape) for p, a in zip(parts, avals)]
+
+        return composite.bind("all_gather", body, list(chunks), transpose=transpose)
+
+
+def _all_but_gathers(prim, *_, **__) -> bool:
+    """reshard_after_forward's remat policy: keep every value of the forward
+    pass but the gathered parameters (gathered again for the backward)."""
+    return str(prim) != "all_gather"
+
+
+def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None = 2,
+                  reshard_after_forward: bool = False, fusion_bytes: int | None = None,
+                  first_bucket_bytes: int | None = None, compression: str = "none",
+                  error_feedback: bool = True, average: bool = True,
+                  check_inner: bool = True) -> FullySharded:
+    """Trains with parameters, gradients and `inner`'s state sharded over the
+    processes (ZeRO-3 / FSDP on herring's parameter servers).
+
+    Each of the N processes holds 1/N of every parameter and of `inner`'s
+    state between steps; inside the step the parameters are all-gathered
+    bucket by bucket ahead of the layers that use them, and the gradients
+    reduce-scattered bucket by bucket as the backward pass produces them:
+    the bytes of one all-reduce per step, and no all-gather after the update.
+
+    Use::
+
+        fs = herring_jax.fully_sharded(optax.adamw(1e-3))
+        state = fs.init(params)                 # params whole, as for any optax chain
+
+        @jax.jit
+        def train_step(state, batch):
+            loss, grads = fs.value_and_grad(loss_fn)(state, batch)  # loss_fn(params, batch)
+            return fs.apply_gradients(state, grads), loss
+
+        params = fs.gather(state)               # the whole parameters (eval, export)
+
+    `inner` must treat its leaves element by element, as for
+    ``sharded_optimizer`` (``init`` checks it, as there); global norms
+    (``optax.clip_by_global_norm``) see the whole gradient. For element-wise
+    `inner`, the parameters are bitwise those of
+    ``optax.chain(allreduce_gradients(), inner)``.
+
+    Args:
+      inner: the optax transformation that updates the chunks.
+      prefetch: how many gathers may run ahead of the one the forward pass
+        waits for (FSDP2 keeps two in flight); None: every gather starts at
+        once (the most overlap, all gathered buckets allocated together).
+      reshard_after_forward: gather every bucket again in the backward pass
+        instead of keeping it from the forward pass (1.5x the bytes; lower
+        peak memory).
+      fusion_bytes, first_bucket_bytes: bucket sizes, as for
+        ``allreduce_gradients`` (the first bucket is the first layers').
+      compression: wire codec of the gradients' reduce-scatter (``"none"``,
+        ``"bf16"``, ``"fp16"``, ``"int8"``); the gathers carry parameters
+        exactly, in their dtype.
+      error_feedback: with a lossy codec, add what this process's gradients
+        lost to the next step's (a whole-sized float32 residual per leaf).
+      average: mean (True) or sum (False) of the processes' gradients.
+      check_inner: run the element-wise check at init.
+
+    Returns:
+      A ``FullySharded`` with ``init``, ``value_and_grad``,
+      ``apply_gradients`` and ``gather``.
+    """
+    return FullySharded(inner, fusion_bytes=fusion_bytes, first_bucket_bytes=first_bucket_bytes,
+                        prefetch=prefetch, reshard_after_forward=reshard_after_forward,
+                        compression=compression, error_feedback=error_feedback, average=average,
+                        check_inner=check_inner)

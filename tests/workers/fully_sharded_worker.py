@@ -1,0 +1,178 @@
+"""fully_sharded against optax.chain(allreduce_gradients(), inner): the same
+training steps from the same parameters, the whole parameters (gathered)
+compared bitwise (element-wise inner transformations) or within a tolerance
+(a global-norm clip, a lossy codec), on every process; and what each process
+holds between steps."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import common  # noqa: E402
+import herring_jax  # noqa: E402
+from sharded_worker import (CLIPPED, INNERS, REFUSED, STEPS, batch, flat, loss_fn, make_params,  # noqa: E402
+                            state_bytes)
+
+
+def train_reference(tx, params, rank, remat=False, loss_fn=loss_fn):
+    """The unsharded chain; with `remat`, the loss under jax.checkpoint (which
+    alone changes last bits of some gradients, with or without herring_jax,
+    so reshard_after_forward is compared with it)."""
+    state = tx.init(params)
+    loss = (jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.everything_saveable)
+            if remat else loss_fn)
+
+    @jax.jit
+    def step(params, state, x):
+        grads = jax.grad(loss)(params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for k in range(STEPS):
+        params, state = step(params, state, batch(rank, k))
+    return params, state
+
+
+def train_fully_sharded(fs, params, rank, jit_init: bool, loss_fn=loss_fn):
+    state = (jax.jit(fs.init) if jit_init else fs.init)(params)
+
+    @jax.jit
+    def step(state, x):
+        loss, grads = fs.value_and_grad(loss_fn)(state, x)
+        return fs.apply_gradients(state, grads), loss
+
+    for k in range(STEPS):
+        state, _ = step(state, batch(rank, k))
+    return jax.jit(fs.gather)(state), state
+
+
+def flax_models():
+    """(name, params, loss(params, x)) of a Flax Linen and a Flax NNX MLP
+    (widths 2, 3 and 4 do not divide); NNX's loss rebuilds the model from its
+    parameters with nnx.merge, as the guide shows."""
+    import flax.linen as nn
+    from flax import nnx
+
+    class Linen(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = jnp.tanh(nn.Dense(29)(x))
+            return nn.Dense(3)(jnp.tanh(nn.Dense(19)(x)))
+
+    class NNX(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(37, 29, rngs=rngs)
+            self.b = nnx.Linear(29, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    linen = Linen()
+    linen_params = linen.init(jax.random.key(0), jnp.zeros((1, 37)))
+
+    def linen_loss(params, x):
+        return jnp.mean(linen.apply(params, x) ** 2)
+
+    graphdef, nnx_params, rest = nnx.split(NNX(nnx.Rngs(0)), nnx.Param, ...)
+
+    def nnx_loss(params, x):
+        return jnp.mean(nnx.merge(graphdef, params, rest)(x) ** 2)
+
+    return {"linen": (linen_params, linen_loss), "nnx": (nnx_params, nnx_loss)}
+
+
+def model_case(case: str, rank: int) -> None:
+    """model/<linen|nnx>/<inner>: fully_sharded on a Flax model against the
+    unsharded chain, bitwise."""
+    _, kind, name = case.split("/")
+    params, loss = flax_models()[kind]
+    make = INNERS[name]
+    ref, _ = train_reference(optax.chain(herring_jax.allreduce_gradients(), make()), params,
+                             rank, loss_fn=loss)
+    got, _ = train_fully_sharded(herring_jax.fully_sharded(make()), params, rank, False,
+                                 loss_fn=loss)
+    a, b = flat(got), flat(ref)
+    common.report(case, a.tobytes() == b.tobytes(), digest=common.digest(np.asarray(a)),
+                  max_diff=float(np.max(np.abs(a - b))))
+
+
+VARIANTS = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
+            "prefetch1": dict(prefetch=1, fusion_bytes=256),
+            "all": dict(prefetch=None, fusion_bytes=512)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="float32/adam/default",
+                        help="comma-separated dtype/inner/variant[+variant...] (variants: "
+                             f"{', '.join(VARIANTS)})")
+    parser.add_argument("--codec", default="")
+    parser.add_argument("--refused", action="store_true",
+                        help="also: transformations that look at whole leaves are refused")
+    args = parser.parse_args()
+    herring_jax.initialize()
+    rank = herring_jax.process_index()
+    for case in [c for c in args.cases.split(",") if c]:
+        if case.startswith("model/"):
+            model_case(case, rank)
+            continue
+        dtype, name, variants = case.split("/")
+        params = make_params(dtype)
+        make = {**INNERS, **CLIPPED}[name]
+        refs = {}
+        for v in variants.split("+"):
+            remat = v == "reshard"
+            if remat not in refs:
+                refs[remat] = train_reference(
+                    optax.chain(herring_jax.allreduce_gradients(), make()), params, rank, remat)
+            ref, ref_state = refs[remat]
+            fs = herring_jax.fully_sharded(make(), **VARIANTS[v])
+            got, got_state = train_fully_sharded(fs, params, rank, jit_init=v == "jit-init")
+            a, b = flat(got), flat(ref)
+            if name in CLIPPED:
+                tol = 1e-6 if dtype == "float32" else 2.0 ** -7
+                ok = bool(np.all(np.abs(a - b) <= tol * np.maximum(np.abs(b), 1.0)))
+            else:
+                ok = a.tobytes() == b.tobytes()
+            common.report(f"{dtype}/{name}/{v}", ok, digest=common.digest(np.asarray(a)),
+                          max_diff=float(np.max(np.abs(a - b))) if a.size else 0.0,
+                          held_bytes=state_bytes((got_state.chunks, got_state.inner)),
+                          unsharded_bytes=state_bytes((ref, ref_state)))
+    if args.refused:
+        for name, make in REFUSED.items():
+            try:
+                herring_jax.fully_sharded(make()).init(make_params("float32"))
+                common.report(f"refused/{name}", False, error="no error")
+            except ValueError as e:
+                common.report(f"refused/{name}", "element by element" in str(e), error=str(e))
+    if args.codec:
+        params = make_params("float32")
+        ref, _ = train_reference(optax.chain(
+            herring_jax.allreduce_gradients(compression=args.codec), optax.sgd(0.1)),
+            params, rank)
+        fs = herring_jax.fully_sharded(optax.sgd(0.1), compression=args.codec)
+        got, state = train_fully_sharded(fs, params, rank, False)
+        a, b = flat(got), flat(ref)
+        # Error feedback keeps the compressed run close to the exact one.
+        exact, _ = train_reference(optax.chain(herring_jax.allreduce_gradients(),
+                                               optax.sgd(0.1)), params, rank)
+        e = flat(exact)
+        err = float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
+        common.report(f"codec/{args.codec}", err < 2e-2 and bool(np.any(state.residual["dense"]
+                                                                        ["kernel"] != 0)),
+                      digest=common.digest(np.asarray(a)), rel_err=err,
+                      max_diff_vs_allreduce_codec=float(np.max(np.abs(a - b))))
+    herring_jax.shutdown()
+
+
+if __name__ == "__main__":
+    main()
