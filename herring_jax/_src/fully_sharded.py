@@ -133,13 +133,17 @@ class FullySharded:
         """The whole parameters from every process's chunks (all-gathers,
         bucket by bucket). Differentiable with respect to ``state.chunks``:
         the transpose reduce-scatters the cotangents (``average``: their
-        mean), so each process gets its chunk of the gradient."""
+        mean), so each process gets its chunk of the gradient; with a lossy
+        ``compression`` its error feedback applies through
+        ``value_and_grad`` only."""
         leaves, treedef = jax.tree_util.tree_flatten(state.chunks)
         if len(leaves) != len(state.shapes):
             raise ValueError(f"fully_sharded.gather: the state holds {len(leaves)} chunks for "
                              f"{len(state.shapes)} parameters; pass the state init made")
-        residual = treedef.flatten_up_to(state.residual) if self.feedback else None
-        whole = self._gather(leaves, residual, None, state.shapes, order)
+        # Error feedback needs its new residual out of the backward pass:
+        # value_and_grad does that; a gradient taken through gather alone is
+        # compressed without it.
+        whole = self._gather(leaves, None, None, state.shapes, order)
         return jax.tree_util.tree_unflatten(treedef, whole)
 
     def apply_gradients(self, state: FullyShardedState, grads: FullyShardedGrads
@@ -189,8 +193,10 @@ class FullySharded:
         equation of its traced program that reads it (never used: last)."""
         params = [jax.ShapeDtypeStruct(s, d) for s, d in state.shapes]
         treedef = jax.tree_util.tree_structure(state.chunks)
+        # The other arguments as they are (Python values stay static, as in
+        # the step itself).
         closed = jax.make_jaxpr(
-            lambda p, *a: fun(jax.tree_util.tree_unflatten(treedef, p), *a))(params, *args)
+            lambda p: fun(jax.tree_util.tree_unflatten(treedef, p), *args))(params)
         invars = closed.jaxpr.invars[:len(params)]
         never = len(closed.jaxpr.eqns)
         first = {id(v): never for v in invars}
