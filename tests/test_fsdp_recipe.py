@@ -10,9 +10,9 @@ import pytest
 
 from multiproc import assert_all_ok, launch
 
-# Per mesh (1-D, 2-D): the recipe and 3 policies; 5 newer forms; primitive
+# Per mesh (1-D, 2-D): the recipe and 3 policies; 6 newer forms; primitive
 # names with and without check_vma; the unbound-axis errors.
-CASES = 2 * (1 + 3) + 5 + 2 + 1
+CASES = 2 * (1 + 3) + 6 + 2 + 1
 
 
 @pytest.mark.parametrize("nproc,devices", [(1, 4), (2, 2)])

@@ -152,7 +152,7 @@ def _reduced_cotangents(cts, avals, *, axes, mean):
     the cotangent, the same on every device, typed reduced (no traffic)."""
     n = layout.group_size(axes, None)
     return [jax_compat.preduced(ct / np.asarray(n, ct.dtype) if mean else ct, axes)
-            for ct in cts]
+            if composite.inexact(a) else None for ct, a in zip(cts, avals)]
 
 
 def _lax_primitive(op: str, v, axes, check_vma: bool) -> str:

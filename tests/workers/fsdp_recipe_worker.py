@@ -233,8 +233,7 @@ def newer_forms() -> dict:
                 return rs(jnp.einsum("ab,bc->ac", x, y, out_sharding=P(unreduced={"x"}))).sum()
             return jax.jit(f)(x, y), jax.jit(jax.grad(f, argnums=(0, 1)))(x, y), seen
 
-    @form
-    def unreduced_psum_fwd_preduced_bwd(lib):
+    def unreduced_reduction(lib, reduce):
         mesh = explicit_mesh((4,), ("x",))
         with jax.set_mesh(mesh):
             x = jax.device_put(np.arange(16.).reshape(4, 4), P(None, "x"))
@@ -243,13 +242,21 @@ def newer_forms() -> dict:
 
             @jax.shard_map(in_specs=P(unreduced={"x"}), out_specs=P())
             def ar(a):
-                out = lib.psum(a, "x")
+                out = getattr(lib, reduce)(a, "x")
                 seen.extend(types(out))
                 return out
 
             def f(x, y):
                 return ar(jnp.einsum("ab,bc->ac", x, y, out_sharding=P(unreduced={"x"}))).sum()
             return jax.jit(f)(x, y), jax.jit(jax.grad(f, argnums=(0, 1)))(x, y), seen
+
+    @form
+    def unreduced_psum_fwd_preduced_bwd(lib):
+        return unreduced_reduction(lib, "psum")
+
+    @form
+    def unreduced_pmean_fwd_preduced_bwd(lib):
+        return unreduced_reduction(lib, "pmean")
 
     @form
     def unreduced_fsdp_grad(lib):
