@@ -306,24 +306,28 @@ def check_axis_names(axes, api_name: str, like: str = "psum") -> None:
     ask the axis's size first: "unbound axis name: x").
     """
     try:
-        _parallel._check_axis_names(tuple(axes), "psum")
-    except NameError as e:
+        # herring's name in lax's other refusals (jax 0.12's no_collectives).
+        _parallel._check_axis_names(tuple(axes), api_name)
+    except NameError:
         bound = [a for a in _core.unsafe_get_axis_names()]
         missing = [a for a in axes if not isinstance(a, int) and a not in bound]
-        lax_text = str(e) if like == "psum" else _axis_size_error(missing[0])
         where = (f"the axes bound here (by jax.shard_map, pmap or vmap) are {bound}: check "
                  "the spelling" if bound else
                  "no axis is bound here: call it inside jax.shard_map (or jax.pmap) over a "
                  "mesh with that axis")
-        raise NameError(f"{lax_text.rstrip('.')}. {api_name}: unbound axis name(s) "
-                        f"{missing}; {where}.") from None
+        first = missing[0] if missing else axes[0]
+        raise NameError(f"{_lax_unbound_text(first, like).rstrip('.')}. {api_name}: "
+                        f"unbound axis name(s) {missing}; {where}.") from None
 
 
-def _axis_size_error(name) -> str:
-    """lax's text where it asks an unbound axis's size (all_gather,
-    psum_scatter)."""
+def _lax_unbound_text(name, like: str) -> str:
+    """lax's own text for the unbound axis `name`: lax.psum's check, or where
+    lax asks the axis's size (all_gather, psum_scatter)."""
     try:
-        _core.get_axis_env().axis_size(name)
+        if like == "psum":
+            _parallel._check_axis_names((name,), "psum")
+        else:
+            _core.get_axis_env().axis_size(name)
     except NameError as e:
         return str(e)
     return f"unbound axis name: {name}"
