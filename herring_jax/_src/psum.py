@@ -7,6 +7,11 @@ Devices of one process that belong to the same group are summed inside the
 process first, then the group's processes of each host through memory; only
 each host's share crosses the network.
 
+Each call is one equation whose str() is the name of the primitive lax
+binds for it (psum_invariant under shard_map's varying-axis checks, psum
+without them, unreduced_psum for values unreduced over the axes, pmax, pmin;
+composite.py), so that remat policies and jaxpr readers treat it as lax's.
+
 Where lax and herring differ, by design: sums are taken in a fixed order
 (local devices, then the processes of a host by rank, then the hosts), so
 floating results are bitwise reproducible but may differ from XLA's own
