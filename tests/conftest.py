@@ -32,6 +32,7 @@ EXTENDED_CASES = {
     "test_allreduce.py::test_every_dtype_op_and_size[4-2]",
     "test_compat.py::test_lax_compatibility[1-4]",
     "test_collectives.py::test_lax_compatibility_and_process_collectives[1-4]",
+    "test_fsdp_recipe.py::test_shard_map_fsdp_recipe_runs_with_herring_as_with_lax[1-4]",
     "test_groupings.py::test_interleaved_groupings_match_lax[1-4]",
     "test_groupings.py::test_more_groups_than_wire_streams[1-130]",
     "test_host_stage.py::test_every_dtype_through_the_host_stage[2-2-1]",

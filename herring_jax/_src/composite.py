@@ -12,11 +12,16 @@ collective (``all_gather``, ``reduce_scatter``): policies treat herring's
 as lax's, while jaxprs print herring's own name (``herring_all_gather``).
 
 The equation holds the traced body (a ClosedJaxpr, as ``jit``'s equation
-does) and the function that transposes it. The body must be linear in its
+does) and the function that transposes it. The body is linear in its
 operands (a sum, a gather, moves of data): its JVP is the body applied to
-the tangents, its transpose is the given function. Lowering inlines the
-body; under ``jax.vmap`` the body is batched in place (the vmapped program
-then holds its pieces, each batched as lax's).
+the tangents, its transpose is the given function; or, for a max or min, it
+has a JVP rule of its own (which refuses). Lowering inlines the body; under
+``jax.vmap`` the body is batched in place (the vmapped program then holds
+its pieces, each batched as lax's).
+
+While split.split_reductions traces (allreduce_gradients' buckets), the
+body is bound in place instead: the split pairs each reduction with its
+start as it is bound, which it cannot do inside a nested trace.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from typing import Callable
 import jax
 import numpy as np
 from jax.extend import core as jex_core
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 
+from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import jax_compat
 
 
@@ -46,7 +52,8 @@ class _Collective(jex_core.Primitive):
 _PRIMITIVES: dict[str, _Collective] = {}
 
 
-def bind(label: str, body: Callable, operands, transpose: Callable | None = None) -> list:
+def bind(label: str, body: Callable, operands, transpose: Callable | None = None,
+         jvp: Callable | None = None) -> list:
     """``body(*operands)`` (a list of arrays) as one equation of the
     collective `label`.
 
@@ -56,12 +63,16 @@ def bind(label: str, body: Callable, operands, transpose: Callable | None = None
     operands that are not transposed (None for those that are). None: the
     body's own transpose (jax's transposition of its equations,
     herring_allreduce's rules included).
+    `jvp(primals, tangents)`: for a body that is not linear, its JVP rule
+    (tangents as jax gives them, symbolic zeros included); None: linear.
     """
     operands = list(operands)
+    if _allreduce._receiver.current is not None:
+        return list(body(*operands))
     if transpose is None:
         transpose = functools.partial(_transpose_body, body)
     closed = jax.make_jaxpr(lambda *xs: list(body(*xs)))(*operands)
-    return _primitive(label).bind(*operands, jaxpr=closed, transpose=transpose)
+    return _primitive(label).bind(*operands, jaxpr=closed, transpose=transpose, jvp=jvp)
 
 
 def _primitive(label: str) -> _Collective:
@@ -74,44 +85,48 @@ def _primitive(label: str) -> _Collective:
 def _register(p: _Collective) -> _Collective:
     p.multiple_results = True
 
-    def abstract_eval(*avals, jaxpr, transpose):
-        del avals, transpose
+    def abstract_eval(*avals, jaxpr, transpose, jvp):
+        del avals, transpose, jvp
         return list(jaxpr.out_avals)
 
-    def impl(*args, jaxpr, transpose):
-        del transpose
+    def impl(*args, jaxpr, transpose, jvp):
+        del transpose, jvp
         return jex_core.jaxpr_as_fun(jaxpr)(*args)
 
-    def lower(ctx, *args, jaxpr, transpose):
-        del transpose
+    def lower(ctx, *args, jaxpr, transpose, jvp):
+        del transpose, jvp
         return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
 
-    def jvp(primals, tangents, *, jaxpr, transpose):
-        outs = p.bind(*primals, jaxpr=jaxpr, transpose=transpose)
+    def jvp_rule(primals, tangents, *, jaxpr, transpose, jvp):
+        if jvp is not None:
+            return jvp(primals, tangents)
+        outs = p.bind(*primals, jaxpr=jaxpr, transpose=transpose, jvp=jvp)
         if all(type(t) is ad.Zero for t in tangents):
             return outs, [jax_compat.zero_tangent(o) for o in outs]
         # Integer operands have no tangent: zeros of their own type stand in,
         # and integer results get symbolic zeros.
         tangents = [_zeros(jax.typeof(x)) if type(t) is ad.Zero or not _inexact(jax.typeof(x))
                     else t for x, t in zip(primals, tangents)]
-        touts = p.bind(*tangents, jaxpr=jaxpr, transpose=transpose)
+        touts = p.bind(*tangents, jaxpr=jaxpr, transpose=transpose, jvp=jvp)
         return outs, [t if _inexact(jax.typeof(o)) else jax_compat.zero_tangent(o)
                       for o, t in zip(outs, touts)]
 
-    def transpose_rule(cts, *args, jaxpr, transpose):
-        del jaxpr
-        avals = [a.aval if ad.is_undefined_primal(a) else jax.typeof(a) for a in args]
+    def transpose_rule(cts, *args, jaxpr, transpose, jvp):
+        del jvp
+        # The operands' own types, as traced: jax may give an undefined
+        # operand the type of its cotangent instead (reduced for an unreduced
+        # operand), and the body's transpose must see what it was traced on.
+        avals = list(jaxpr.in_avals)
         if all(type(c) is ad.Zero for c in cts):
-            return [ad.Zero(a) if ad.is_undefined_primal(x) else None
-                    for x, a in zip(args, avals)]
+            return [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None for x in args]
         cts = [_zeros(c.aval) if type(c) is ad.Zero else c for c in cts]
         known = [None if ad.is_undefined_primal(a) else a for a in args]
         outs = transpose(cts, avals, known)
         return [None if not ad.is_undefined_primal(x) else
-                (ad.Zero(a) if o is None else o) for x, a, o in zip(args, avals, outs)]
+                (ad.Zero(x.aval) if o is None else o) for x, o in zip(args, outs)]
 
-    def batch(axis_data, args, dims, *, jaxpr, transpose):
-        del transpose
+    def batch(axis_data, args, dims, *, jaxpr, transpose, jvp):
+        del transpose, jvp
         fun = jex_core.jaxpr_as_fun(jaxpr)
         outs = jax.vmap(lambda *xs: fun(*xs), in_axes=tuple(dims), out_axes=0,
                         axis_name=axis_data.name, axis_size=axis_data.size,
@@ -122,7 +137,7 @@ def _register(p: _Collective) -> _Collective:
     p.def_impl(impl)
     for platform in ("cpu", "cuda"):
         mlir.register_lowering(p, lower, platform=platform, cacheable=False)
-    ad.primitive_jvps[p] = jvp
+    ad.primitive_jvps[p] = jvp_rule
     ad.primitive_transposes[p] = transpose_rule
     jax_compat.register_named_batcher(p, batch)
     return p
@@ -134,9 +149,43 @@ def _transpose_body(body, cts, avals, known):
     return list(jax.linear_transpose(lambda *xs: list(body(*xs)), *operands)(list(cts)))
 
 
+def inexact(aval) -> bool:
+    """Whether values of `aval` have tangents (floating or complex)."""
+    return _inexact(aval)
+
+
 def _inexact(aval) -> bool:
     return bool(np.issubdtype(aval.dtype, np.inexact)) or aval.dtype == jax.numpy.bfloat16
 
 
 def _zeros(aval):
     return jax_compat.zeros_of(aval)
+
+
+# -- inside a body only: an unreduced operand taken as varying ----------------
+# lax's psum_scatter of an operand unreduced over the axes (jax's FSDP form:
+# the cotangent of a gather to='reduced') reduce-scatters each device's
+# partial sum. herring's reduce-scatter takes varying operands, and no jax
+# cast turns unreduced into varying (it has no transpose of its own), so a
+# body marks them so with this identity; the composite around it is what
+# jax differentiates and transposes.
+
+unreduced_as_varying_p = jex_core.Primitive("herring_unreduced_as_varying")
+
+
+def unreduced_as_varying(x, axes):
+    if not jax_compat.check_vma_enabled() or not jax_compat.is_unreduced(jax.typeof(x), axes):
+        return x
+    return unreduced_as_varying_p.bind(x, axes=tuple(axes))
+
+
+def _cast_batch(args, dims, *, axes):
+    (x,), (d,) = args, dims
+    return unreduced_as_varying_p.bind(x, axes=axes), d
+
+
+unreduced_as_varying_p.def_abstract_eval(lambda aval, *, axes: jax_compat.unreduced_as_varying(
+    aval, axes))
+unreduced_as_varying_p.def_impl(lambda x, *, axes: x)
+mlir.register_lowering(unreduced_as_varying_p, lambda ctx, x, *, axes: [x])
+batching.primitive_batchers[unreduced_as_varying_p] = _cast_batch

@@ -124,6 +124,18 @@ def drop_reduced_axes(aval, axes):
     return aval.update(manual_axis_type=aval.mat.update(**update))
 
 
+def unreduced_as_varying(aval, axes):
+    """The aval of an operand unreduced over `axes` taken as varying over
+    them: each device's partial sum as its own value (the type lax's
+    unreduced_reduce_scatter gives its operand's data; no jax cast does it)."""
+    unreduced = _unreduced(aval)
+    left = frozenset(a for a in unreduced if a not in axes)
+    update = dict(varying=_varying(aval) | frozenset(axes), unreduced=left)
+    if _HAS_UNREDUCED_KIND and not left:
+        update["unreduced_kind"] = None
+    return aval.update(manual_axis_type=aval.mat.update(**update))
+
+
 def varies_over_all(aval, axes) -> bool:
     """Whether `aval` is varying over every one of `axes` (check_vma=True)."""
     return _varying(aval).issuperset(axes)
@@ -151,6 +163,11 @@ def vary_over(x, axes):
 
 def is_varying(aval, axes) -> bool:
     return bool(_varying(aval).intersection(axes))
+
+
+def is_reduced(aval, axes) -> bool:
+    mat = getattr(aval, "mat", None)
+    return bool(frozenset(getattr(mat, "reduced", ()) or ()).intersection(axes))
 
 
 def is_unreduced(aval, axes) -> bool:
@@ -278,10 +295,18 @@ def auto_pcast_enabled() -> bool:
     return bool(_config.auto_pcast.value)
 
 
-def check_axis_names(axes, api_name: str) -> None:
-    """Raises lax's NameError for an axis name no enclosing transform binds,
-    naming the axes that are bound."""
+def check_axis_names(axes, api_name: str, like: str = "psum") -> None:
+    """Raises lax's NameError for an axis name no enclosing transform binds:
+    lax's own message first (code that matches lax's text keeps working),
+    then herring's detail, naming `api_name` and the axes that are bound.
+
+    `like`: whose message comes first, "psum" (lax.psum, pmean, pmax and pmin:
+    "Found an unbound axis name: x. To fix this, please call psum under
+    `jax.shard_map`.") or "axis_size" (lax.psum_scatter and all_gather, which
+    ask the axis's size first: "unbound axis name: x").
+    """
     try:
+        # herring's name in lax's other refusals (jax 0.12's no_collectives).
         _parallel._check_axis_names(tuple(axes), api_name)
     except NameError:
         bound = [a for a in _core.unsafe_get_axis_names()]
@@ -290,7 +315,22 @@ def check_axis_names(axes, api_name: str) -> None:
                  "the spelling" if bound else
                  "no axis is bound here: call it inside jax.shard_map (or jax.pmap) over a "
                  "mesh with that axis")
-        raise NameError(f"{api_name}: unbound axis name(s) {missing}; {where}.") from None
+        first = missing[0] if missing else axes[0]
+        raise NameError(f"{_lax_unbound_text(first, like).rstrip('.')}. {api_name}: "
+                        f"unbound axis name(s) {missing}; {where}.") from None
+
+
+def _lax_unbound_text(name, like: str) -> str:
+    """lax's own text for the unbound axis `name`: lax.psum's check, or where
+    lax asks the axis's size (all_gather, psum_scatter)."""
+    try:
+        if like == "psum":
+            _parallel._check_axis_names((name,), "psum")
+        else:
+            _core.get_axis_env().axis_size(name)
+    except NameError as e:
+        return str(e)
+    return f"unbound axis name: {name}"
 
 
 def skip_one_sized_axes(axes) -> tuple:

@@ -7,6 +7,11 @@ Devices of one process that belong to the same group are summed inside the
 process first, then the group's processes of each host through memory; only
 each host's share crosses the network.
 
+Each call is one equation whose str() is the name of the primitive lax
+binds for it (psum_invariant under shard_map's varying-axis checks, psum
+without them, unreduced_psum for values unreduced over the axes, pmax, pmin;
+composite.py), so that remat policies and jaxpr readers treat it as lax's.
+
 Where lax and herring differ, by design: sums are taken in a fixed order
 (local devices, then the processes of a host by rank, then the hosts), so
 floating results are bitwise reproducible but may differ from XLA's own
@@ -15,6 +20,7 @@ all-reduce in the last bits; a pmean of floating values divides on the server.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -22,6 +28,7 @@ import numpy as np
 
 from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
+from herring_jax._src import composite
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
 
@@ -113,7 +120,8 @@ def _vary(v, axes, op: str, api: str):
 
 
 def _bind(leaves, axes, groups, op, codec, api):
-    if jax_compat.check_vma_enabled():
+    check_vma = jax_compat.check_vma_enabled()
+    if check_vma:
         if groups is not None and op in ("sum", "mean"):
             raise NotImplementedError(
                 f"axis_index_groups needs jax.shard_map(..., check_vma=False) or jax.pmap, as "
@@ -121,7 +129,52 @@ def _bind(leaves, axes, groups, op, codec, api):
         leaves = [_vary(v, axes, op, api) for v in leaves]
     # Integers are averaged after the sum (see _reduce).
     ops = ["sum" if op == "mean" and not _allreduce.is_floating(v) else op for v in leaves]
-    return _allreduce.bind_grouped(leaves, ops=ops, codec=codec, axes=axes, groups=groups)
+    # One equation per kind of leaf, named as lax's primitive for it (a remat
+    # policy or jaxpr reader that looks for lax's sees herring's; composite.py).
+    labels = [_lax_primitive(op, v, axes, check_vma) for v in leaves]
+    outs = [None] * len(leaves)
+    for label in sorted(set(labels)):
+        idx = [i for i, k in enumerate(labels) if k == label]
+        kind_ops = [ops[i] for i in idx]
+        results = composite.bind(
+            label, functools.partial(_reduce_leaves, ops=kind_ops, codec=codec, axes=axes,
+                                     groups=groups),
+            [leaves[i] for i in idx],
+            functools.partial(_reduced_cotangents, axes=axes, mean=op == "mean")
+            if label == "unreduced_psum" else None,
+            functools.partial(_not_differentiable, op) if op in ("max", "min") else None)
+        for i, r in zip(idx, results):
+            outs[i] = r
+    return outs
+
+
+def _reduce_leaves(*leaves, ops, codec, axes, groups):
+    return _allreduce.bind_grouped(list(leaves), ops=ops, codec=codec, axes=axes, groups=groups)
+
+
+def _reduced_cotangents(cts, avals, known, *, axes, mean):
+    del known
+    """The transpose of a sum of unreduced operands, as lax's unreduced_psum:
+    the cotangent, the same on every device, typed reduced (no traffic)."""
+    n = layout.group_size(axes, None)
+    return [jax_compat.preduced(ct / np.asarray(n, ct.dtype) if mean else ct, axes)
+            if composite.inexact(a) else None for ct, a in zip(cts, avals)]
+
+
+def _lax_primitive(op: str, v, axes, check_vma: bool) -> str:
+    """The name of the primitive lax binds for this leaf (pmean: its psum)."""
+    if op in ("max", "min"):
+        return f"p{op}"
+    if check_vma and jax_compat.is_unreduced(jax.typeof(v), axes):
+        return "unreduced_psum"
+    return "psum_invariant" if check_vma else "psum"
+
+
+def _not_differentiable(op, primals, tangents):
+    raise NotImplementedError(
+        f"herring_jax's p{op} (and allreduce(op={op!r})) is not differentiable, as "
+        f"jax.lax.p{op} is not (\"Differentiation rule for 'p{op}' not implemented\"): "
+        "apply it to jax.lax.stop_gradient(x) where its gradient is not needed")
 
 
 def check_axes_bound(axis_name, api: str) -> None:

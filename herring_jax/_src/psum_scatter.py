@@ -16,15 +16,27 @@ Where lax and herring differ, by design: sums are taken in herring's fixed
 order (local devices, then the processes of a host by rank, then the hosts),
 so floating results are bitwise reproducible and bitwise equal to the same
 elements of herring_jax.psum's result, but may differ from XLA's own
-reduce-scatter in the last bits. Not supported (each raises, saying what to do
-instead): an unreduced operand of psum_scatter, all_gather(..., to='reduced'),
-axis_index_groups with to='invarying' (as in lax), both over an axis bound by
-jax.vmap together with mesh axes (as in lax), axis_index_groups over a vmapped
-axis (as in lax), and XLA:CUDA (use lax there for now).
+reduce-scatter in the last bits.
+
+jax's newer FSDP forms are lax's too: all_gather(..., to='reduced') (the
+gathered weights typed the same on every device, their cotangent unreduced)
+transposes to a psum_scatter of that unreduced cotangent, and psum_scatter of
+an operand unreduced over the axes scatters each device's partial sums (as
+lax's unreduced_reduce_scatter) and transposes to the gather to='reduced'.
+Each call is one equation whose str() is lax's primitive's name
+(reduce_scatter, unreduced_reduce_scatter, all_gather, all_gather_invariant,
+all_gather_reduced; composite.py), so remat policies treat them as lax's.
+
+Not supported (each raises, saying what to do instead): axis_index_groups
+with to='invarying' or 'reduced', or with an unreduced operand (as in lax),
+both over an axis bound by jax.vmap together with mesh axes (as in lax),
+axis_index_groups over a vmapped axis (as in lax), and XLA:CUDA (use lax
+there for now).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -74,8 +86,9 @@ def _setup(x, axis_name, axis_index_groups, api):
     if any(isinstance(a, int) for a in axes):
         raise TypeError(f"{api} works over named axes only, got {axes}")
     groups = _groups(axis_index_groups, api)
-    # lax's NameError, while tracing, for an axis nothing binds.
-    jax_compat.check_axis_names(axes, api)
+    # lax's NameError (its text where it asks the axis's size), while
+    # tracing, for an axis nothing binds.
+    jax_compat.check_axis_names(axes, api, like="axis_size")
     size = layout.group_size(axes, groups)
     return axes, groups, size, leaves, _allreduce.leaf_names(x), treedef
 
@@ -93,7 +106,10 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
     must equal the group size G and is removed; with ``tiled=True`` it must be
     divisible by G and is divided by it. Differentiable (its transpose is
     ``all_gather`` with the same dimension, tiling and groups), batchable and
-    typed (varying axes) as lax's. bool is refused, as by lax.
+    typed (varying axes) as lax's. bool is refused, as by lax. An operand
+    unreduced over the axes (jax's FSDP form: the cotangent of a gather
+    ``to="reduced"``) is scattered as each device's partial sums, as lax
+    does; its transpose is then that gather.
 
     Args:
       x: a pytree of arrays (float16/32/64, bfloat16, complex64/128,
@@ -115,8 +131,10 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
       ValueError: the scatter dimension does not fit the group size, is
         negative on jax 0.10 (as lax there; jax 0.12 counts it from the end),
         or a codec's block is not a multiple of 256.
-      TypeError: bool or unsupported dtype. NameError: unbound axis.
-      NotImplementedError: an unreduced operand, or see the module notes.
+      TypeError: bool or unsupported dtype. NameError: unbound axis (lax's
+        text first).
+      NotImplementedError: axis_index_groups with an unreduced operand, or
+        see the module notes.
 
     Examples:
       >>> mesh = jax.make_mesh((4,), ("i",))                       # doctest: +SKIP
@@ -131,7 +149,7 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
     if setup is None:
         return x
     axes, groups, size, leaves, names, treedef = setup
-    operands, shapes = [], []
+    operands, dims, unreduced = [], [], []
     for name, v in zip(names, leaves):
         if _allreduce.is_bool(v):
             raise TypeError(f"{api}: {name} is bool, which jax.lax.psum_scatter does not sum "
@@ -149,17 +167,63 @@ def psum_scatter(x: Any, axis_name, *, scatter_dimension: int = 0, axis_index_gr
                 f"{api}: scatter dimension {d} of {name} has size {n}, which must equal the "
                 f"group size {size} (the devices of {axes}{' in each group' if groups else ''})"
                 f"; use tiled=True to scatter a dimension that is a multiple of {size}")
-        v = _vary(v, axes, api)
-        if tiled:
-            v = v.reshape(v.shape[:d] + (size, n // size) + v.shape[d + 1:])
-        operands.append(jnp.moveaxis(v, d, 0))
-        shapes.append(v.shape[:d] + v.shape[d + 1:])
+        unreduced.append(_unreduced(v, axes, groups, api))
+        if not unreduced[-1]:
+            v = _vary(v, axes, api)
         if size > 1:
-            _check_codec_block(api, name, v, codec, int(np.prod(shapes[-1])))
-    outs = _allreduce.bind_grouped(operands, ops=["sum"] * len(operands), codec=codec,
-                                   axes=axes, groups=groups, collective="reduce_scatter")
-    outs = [o.reshape(shape) for o, shape in zip(outs, shapes)]
+            _check_codec_block(api, name, v, codec, v.size // size)
+        operands.append(v)
+        dims.append(d)
+
+    def scatter(*vs, dims):
+        moved, shapes = [], []
+        for v, d in zip(vs, dims):
+            v = composite.unreduced_as_varying(v, axes)
+            if tiled:
+                v = v.reshape(v.shape[:d] + (size, v.shape[d] // size) + v.shape[d + 1:])
+            moved.append(jnp.moveaxis(v, d, 0))
+            shapes.append(v.shape[:d] + v.shape[d + 1:])
+        outs = _allreduce.bind_grouped(moved, ops=["sum"] * len(moved), codec=codec, axes=axes,
+                                       groups=groups, collective="reduce_scatter")
+        return [o.reshape(shape) for o, shape in zip(outs, shapes)]
+
+    def gather_reduced(cts, avals, known, dims):
+        del known
+        # lax's transpose of its unreduced_reduce_scatter: the cotangents,
+        # varying over the axes, gathered to='reduced' (the type of an
+        # unreduced operand's cotangent).
+        return [all_gather(ct, axes, axis=d, tiled=tiled, to="reduced")
+                for ct, d in zip(cts, dims)]
+
+    # One equation per kind of operand, each seen by remat policies as lax's
+    # (reduce_scatter, unreduced_reduce_scatter; composite.py says why).
+    outs = [None] * len(operands)
+    for kind in (False, True):
+        idx = [i for i, u in enumerate(unreduced) if u == kind]
+        if not idx:
+            continue
+        kind_dims = [dims[i] for i in idx]
+        results = composite.bind(
+            "unreduced_reduce_scatter" if kind else "reduce_scatter",
+            functools.partial(scatter, dims=kind_dims), [operands[i] for i in idx],
+            functools.partial(gather_reduced, dims=kind_dims) if kind else None)
+        for i, r in zip(idx, results):
+            outs[i] = r
     return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _unreduced(v, axes, groups, api) -> bool:
+    """Whether lax would scatter `v` as partial sums (unreduced over the axes,
+    where shard_map checks varying axes): jax's FSDP form, the cotangent of a
+    gather to='reduced'."""
+    if not jax_compat.check_vma_enabled():
+        return False
+    if jax_compat.axis_state(jax.typeof(v), axes, api) != "unreduced":
+        return False
+    if groups is not None:
+        raise NotImplementedError(f"{api} of an operand unreduced over {axes} takes no "
+                                  "axis_index_groups (nor does jax.lax.psum_scatter)")
+    return True
 
 
 def _scatter_dimension(api, d, v, name) -> int:
@@ -184,17 +248,12 @@ def _check_codec_block(api, name, v, codec, block):
 
 def _vary(v, axes, api):
     """The operand as lax takes it where shard_map checks varying axes: a value
-    the same on every device is marked varying first (as lax); an unreduced one
-    is refused."""
+    the same on every device is marked varying first (as lax); a reduced one
+    is refused (as lax)."""
     if not jax_compat.check_vma_enabled():
         return v
     aval = jax.typeof(v)
     state = jax_compat.axis_state(aval, axes, api)
-    if state == "unreduced":
-        raise NotImplementedError(
-            f"{api} does not take an operand that is unreduced over {axes} "
-            f"({aval.str_short(True)}), which jax.lax.psum_scatter scatters as partial sums: "
-            "use jax.lax.psum_scatter for it, or herring_jax.psum and keep your block")
     if state == "reduced":
         raise ValueError(f"{api} cannot accept args which are reduced. Got "
                          f"{aval.str_short(True)} and axes={set(axes)}")
@@ -203,6 +262,19 @@ def _vary(v, axes, api):
                          f"{aval.str_short(True)}: mark it varying first with "
                          "jax.lax.pcast(x, axes, to='varying')")
     return jax_compat.vary_over(v, axes)
+
+
+def _check_gather_reduced(api, aval, axes):
+    """lax's checks of all_gather(..., to='reduced') (all_gather_reduced)."""
+    if jax_compat.is_reduced(aval, axes):
+        raise ValueError(f"{api}(..., to='reduced')'s input cannot be reduced across the "
+                         f"axis_name provided (nor can jax.lax.all_gather's). Got "
+                         f"{aval.str_short(True)} and axis_name={axes}")
+    if not jax_compat.is_varying(aval, axes):
+        raise ValueError(
+            f"{api}(..., to='reduced') is a Varying -> Reduced collective, as in lax: the "
+            f"axes {axes} must be among the input's varying axes ({aval.str_short(True)}); "
+            "gather a value that is the same on every device with to='invarying'")
 
 
 def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tiled: bool = False,
@@ -222,7 +294,10 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
     device gets bitwise the values sent. ``to="invarying"`` (lax's
     ``all_gather_invariant``) types the result as the same on every device
     of the axes; its transpose then takes each device's block of the
-    cotangent, with no traffic.
+    cotangent, with no traffic. ``to="reduced"`` (jax's FSDP form) types it
+    as reduced over the axes (the same on every device, its cotangent
+    unreduced): its transpose reduce-scatters that unreduced cotangent, so
+    that each device gets its block of the summed gradient.
 
     Args:
       x: a pytree of arrays.
@@ -231,16 +306,17 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
         size.
       axis: where the gathered blocks go.
       tiled: concatenate along ``axis`` rather than stack in a new one.
-      to: ``"varying"`` (lax's default) or ``"invarying"``; ``"reduced"`` is
-        not supported.
+      to: ``"varying"`` (lax's default), ``"invarying"`` or ``"reduced"``
+        (inside ``jax.shard_map`` with ``check_vma``, as lax).
 
     Returns:
       The pytree of gathered arrays.
 
     Raises:
-      ValueError: an unknown ``to``, an unreduced operand. NameError: unbound
-        axis. NotImplementedError: ``to="reduced"``, or axis_index_groups with
-        ``to="invarying"`` (as lax).
+      ValueError: an unknown ``to``, an unreduced operand, ``to="reduced"``
+        of a value that does not vary over the axes (as lax). NameError:
+        unbound axis (lax's text first). NotImplementedError:
+        axis_index_groups with ``to="invarying"`` or ``"reduced"`` (as lax).
 
     Examples:
       >>> f = jax.shard_map(lambda p: herring_jax.all_gather(p, "i", tiled=True),
@@ -250,12 +326,8 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
     if to not in ("varying", "invarying", "reduced"):
         raise ValueError(f"Got unexpected `to` value {to!r} for `{api}`. Allowed `to` values "
                          "are: 'varying', 'invarying', 'reduced'")
-    if to == "reduced":
-        raise NotImplementedError(
-            f"{api}(..., to='reduced') is not supported; herring_jax gathers to='varying' "
-            "(lax's default) or 'invarying'. Use jax.lax.all_gather(..., to='reduced') for it")
-    if to == "invarying" and axis_index_groups is not None:
-        raise NotImplementedError(f"{api}(..., to='invarying') takes no axis_index_groups "
+    if to != "varying" and axis_index_groups is not None:
+        raise NotImplementedError(f"{api}(..., to={to!r}) takes no axis_index_groups "
                                   "(nor does jax.lax.all_gather)")
     setup = _setup(x, axis_name, axis_index_groups, api)
     if setup is None:
@@ -272,12 +344,19 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
                 raise ValueError(f"{api} cannot accept args which are unreduced (nor can "
                                  f"jax.lax.all_gather); got {aval.str_short(True)}: reduce "
                                  "them first with herring_jax.psum or psum_scatter")
+            if to == "reduced":
+                _check_gather_reduced(api, aval, axes)
             v = jax_compat.vary_over(v, axes)
+        elif to == "reduced":
+            raise ValueError(
+                f"{api}(..., to='reduced') only accepts inputs that are varying (as "
+                f"jax.lax.all_gather), which needs jax.shard_map's varying-axis checks: "
+                f"call it inside jax.shard_map(..., check_vma=True), or gather to='varying'")
         operands.append(v)
     # As lax: without shard_map's checks, jax 0.12's invariant all-gather is a
     # plain one (its transpose sums the cotangents).
-    invariant = to == "invarying" and (jax_compat.check_vma_enabled()
-                                       or not jax_compat.invariant_gather_needs_check_vma())
+    invariant = to == "reduced" or to == "invarying" and (
+        jax_compat.check_vma_enabled() or not jax_compat.invariant_gather_needs_check_vma())
     collective = "all_gather_invariant" if invariant else "all_gather"
 
     def gather(*vs):
@@ -288,11 +367,26 @@ def all_gather(x: Any, axis_name, *, axis_index_groups=None, axis: int = 0, tile
             o = jnp.moveaxis(o, 0, d)
             if tiled:
                 o = o.reshape(v.shape[:d] + (size * v.shape[d],) + v.shape[d + 1:])
+            if to == "reduced":
+                # The gather to 'invarying' then the cast lax's own type rule
+                # amounts to: the same on every device, its cotangent unreduced.
+                o = jax_compat.preduced(o, axes)
             results.append(o)
         return results
 
-    # One equation that remat policies see as lax's all_gather, its result
-    # already in place (composite.py says why).
-    results = composite.bind("all_gather", gather, operands)
+    def scatter_unreduced(cts, avals, known):
+        del known
+        # lax's transpose of all_gather_reduced: the unreduced cotangents
+        # reduce-scattered back to each device's block (not lax.preduced's
+        # transpose, an all-reduce, and then a slice).
+        return [psum_scatter(ct, axes, scatter_dimension=d, tiled=tiled)
+                if composite.inexact(a) else None for ct, a, d in zip(cts, avals, dims)]
+
+    # One equation that remat policies see as lax's all_gather (or
+    # all_gather_invariant, all_gather_reduced), its result already in place
+    # (composite.py says why).
+    label = {"varying": collective, "invarying": collective, "reduced": "all_gather_reduced"}[to]
+    results = composite.bind(label, gather, operands,
+                             scatter_unreduced if to == "reduced" else None)
     results = [o.astype(np.bool_) if b else o for o, b in zip(results, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, results)

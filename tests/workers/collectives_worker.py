@@ -365,6 +365,15 @@ def error_cases(m, x):
         "untiled-size": both(ValueError, lambda lib, v: lib.psum_scatter(v[:3], "i")),
         "bool": both(TypeError, lambda lib, v: lib.psum_scatter(v > 0, "i", tiled=True)),
         "unbound-axis": both(NameError, lambda lib, v: lib.all_gather(v, "nope")),
+        # jax's FSDP forms (reduced / unreduced types; tests/test_fsdp_recipe.py
+        # runs them): what lax refuses of them, herring refuses too.
+        "to-reduced-invariant": both(ValueError, lambda lib, v: lib.all_gather(
+            jnp.ones(3), "i", to="reduced")),
+        "to-reduced-groups": both(NotImplementedError, lambda lib, v: lib.all_gather(
+            v, "i", to="reduced", axis_index_groups=[[0, 1], [2, 3]])),
+        "unreduced-groups": both(NotImplementedError, lambda lib, v: lib.psum_scatter(
+            jax.lax.pcast(v, "i", to="unreduced"), "i", tiled=True,
+            axis_index_groups=[[0, 1], [2, 3]])),
         # numpy's AxisError from herring (an IndexError and a ValueError);
         # IndexError from jax 0.10's lax, ValueError from 0.12's.
         "scatter-dimension-out-of-range": both((IndexError, ValueError),
@@ -396,10 +405,6 @@ def error_cases(m, x):
     checks["out_specs-P()"] = (all(ok for ok, _ in refused), [why for _, why in refused])
     # What herring refuses and lax does not (see psum_scatter.py's notes).
     ours = {
-        "unreduced": (NotImplementedError, lambda v: herring_jax.psum_scatter(
-            jax.lax.pcast(v, "i", to="unreduced"), "i", tiled=True)),
-        "to-reduced": (NotImplementedError, lambda v: herring_jax.all_gather(
-            v, "i", to="reduced")),
         "complex-pmax": (TypeError, lambda v: herring_jax.pmax(v.astype(jnp.complex64), "i")),
         "unequal-groups": (ValueError, lambda v: herring_jax.psum_scatter(
             v, "i", tiled=True, axis_index_groups=[[0], [1, 2, 3]])),
