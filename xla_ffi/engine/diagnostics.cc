@@ -62,12 +62,13 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
       line += " has sent nothing for " + std::to_string(static_cast<int64_t>(silent)) + " s";
     } else if (peer_wait_[rank].what.empty()) {
       line += " is alive and waits in no reduction";
-    } else if (!peer_wait_[rank].report.empty()) {
-      line += " is alive and " + peer_wait_[rank].report;  // its own words, with its call site
     } else {
-      line += " is alive and has waited " +
-              std::to_string(static_cast<int64_t>(peer_wait_[rank].seconds)) + " s in " +
-              peer_wait_[rank].what;
+      // Its kStall adds the call site, if it is about what the heartbeat
+      // says it waits in now.
+      const PeerWait& wait = peer_wait_[rank];
+      const bool same = wait.site.compare(0, wait.what.size(), wait.what) == 0;
+      line += " is alive and has waited " + std::to_string(static_cast<int64_t>(wait.seconds)) +
+              " s in " + (same ? wait.site : wait.what);
     }
     report += (report.empty() ? "" : "; ") + line;
   }
