@@ -100,3 +100,21 @@ def test_the_first_stall_line_of_each_rank_names_both_call_sites(stage):
         assert stalls, f"rank {rank} reported no stall\n{run.explain()}"
         assert all(site in stalls[0] for site in sites), (
             f"rank {rank}'s first stall line lacks {sites}: {stalls[0]}")
+
+
+def test_a_rerun_with_jax_persistent_compilation_cache_does_not_stall(tmp_path):
+    # jax writes its cache from process 0 only: on the rerun, process 0 loaded
+    # its step from it and the others compiled theirs, under other run ids,
+    # and the first step stalled until HERRING_TIMEOUT_S.
+    env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+           "HERRING_TIMEOUT_S": "20", "HERRING_STALL_S": "5"}
+    runs = [launch(WORKER, ["steps"], nproc=2, env=env, timeout=120) for _ in range(2)]
+    digests = [assert_all_ok(run, expected_cases=1)["steps"] for run in runs]
+    assert len(digests[0]) == 1 and digests[0] == digests[1], digests
+    # Said once, by rank 0, each time.
+    for run in runs:
+        said = [line for line in run.stderr.splitlines()
+                if "jax's persistent compilation cache" in line]
+        assert len(said) == 1 and said[0].startswith("[rank 0] "), run.explain()

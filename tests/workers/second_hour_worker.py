@@ -11,6 +11,8 @@ Modes:
 - fail --rank R --where init|user --others sleep|reduce: rank R raises, at
   sharded_optimizer(optax.lamb)'s init or as plain user code (KeyError), while
   the others sleep (no reduction in flight) or wait in a reduction.
+- steps: two jitted training steps with sharded_optimizer (run twice with
+  jax's persistent compilation cache).
 - stall: rank 0 reduces float32[8] and rank 1 float32[12] (after 1.5 s), each
   at its own line below (marked "# stall: rank R's call"), and both wait.
 
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -116,9 +119,26 @@ def stall() -> None:
     common.report("stall", False, error="the mismatched reduction returned")
 
 
+def steps() -> None:
+    tx = herring_jax.sharded_optimizer(optax.sgd(0.1))
+    params = {"w": jnp.ones((16, 4)), "b": jnp.zeros(4)}
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, x):
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"]) ** 2))(p)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    for i in range(2):
+        x = jnp.full((2, 16), float(herring_jax.process_index() + i))
+        params, state = step(params, state, x)
+    common.report("steps", True, digest=common.digest(np.asarray(params["w"])))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["transforms", "lamb", "fail", "stall"])
+    parser.add_argument("mode", choices=["transforms", "lamb", "fail", "stall", "steps"])
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--where", choices=["init", "user"], default="user")
     parser.add_argument("--others", choices=["sleep", "reduce"], default="sleep")
@@ -127,7 +147,7 @@ def main() -> int:
     if args.mode == "fail":
         fail(args.rank, args.where, args.others)
     else:
-        {"transforms": transforms, "lamb": lamb, "stall": stall}[args.mode]()
+        {"transforms": transforms, "lamb": lamb, "stall": stall, "steps": steps}[args.mode]()
     herring_jax.shutdown()
     return 0
 
