@@ -82,13 +82,15 @@ def _marked_lines(marker: str) -> int:
     return number
 
 
-@pytest.mark.parametrize("stage", ["1", "0"])
-def test_the_first_stall_line_of_each_rank_names_both_call_sites(stage):
+@pytest.mark.parametrize("stage, collective", [("1", "allreduce"), ("0", "allreduce"),
+                                               ("1", "reduce_scatter")])
+def test_the_first_stall_line_of_each_rank_names_both_call_sites(stage, collective):
     # Rank 0 reduces float32[8] at one line, rank 1 float32[12] at another,
     # 1.5 s later. Before, rank 0's first (and only) stall line gave rank 1's
     # shape but not its line: rank 1's call site came in its own stall notice,
-    # sent once it had waited HERRING_STALL_S itself.
-    run = launch(WORKER, ["stall"], nproc=2, timeout=120,
+    # sent once it had waited HERRING_STALL_S itself. (A reduce-scatter's
+    # description names the collective, which a heartbeat's does not.)
+    run = launch(WORKER, ["stall", "--collective", collective], nproc=2, timeout=120,
                  env={"HERRING_STALL_S": "3", "HERRING_TIMEOUT_S": "12",
                       "HERRING_HOST_STAGE": stage})
     assert run.returncode != 0, run.explain()

@@ -13,8 +13,9 @@ Modes:
   the others sleep (no reduction in flight) or wait in a reduction.
 - steps: two jitted training steps with sharded_optimizer (run twice with
   jax's persistent compilation cache).
-- stall: rank 0 reduces float32[8] and rank 1 float32[12] (after 1.5 s), each
-  at its own line below (marked "# stall: rank R's call"), and both wait.
+- stall --collective allreduce|reduce_scatter: rank 0 reduces float32[8] and
+  rank 1 float32[12] (after 1.5 s), each at its own line below (marked
+  "# stall: rank R's call"), and both wait.
 
 Usage (under the launcher): python tests/workers/second_hour_worker.py MODE
 """
@@ -109,12 +110,13 @@ def fail(failing: int, where: str, others: str) -> None:
     common.report("survived", False, error="the failing rank's error never reached this one")
 
 
-def stall() -> None:
+def stall(collective: str) -> None:
+    reduce = getattr(herring_jax, collective)
     if herring_jax.process_index() == 0:
-        f, x = jax.jit(lambda x: herring_jax.allreduce(x)), jnp.ones(8)  # stall: rank 0's call
+        f, x = jax.jit(lambda x: reduce(x)), jnp.ones(8)  # stall: rank 0's call
     else:
         time.sleep(1.5)
-        f, x = jax.jit(lambda x: herring_jax.allreduce(x)), jnp.ones(12)  # stall: rank 1's call
+        f, x = jax.jit(lambda x: reduce(x)), jnp.ones(12)  # stall: rank 1's call
     jax.block_until_ready(f(x))
     common.report("stall", False, error="the mismatched reduction returned")
 
@@ -142,12 +144,16 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--where", choices=["init", "user"], default="user")
     parser.add_argument("--others", choices=["sleep", "reduce"], default="sleep")
+    parser.add_argument("--collective", choices=["allreduce", "reduce_scatter"],
+                        default="allreduce")
     args = parser.parse_args()
     herring_jax.initialize()
     if args.mode == "fail":
         fail(args.rank, args.where, args.others)
+    elif args.mode == "stall":
+        stall(args.collective)
     else:
-        {"transforms": transforms, "lamb": lamb, "stall": stall, "steps": steps}[args.mode]()
+        {"transforms": transforms, "lamb": lamb, "steps": steps}[args.mode]()
     herring_jax.shutdown()
     return 0
 

@@ -400,10 +400,15 @@ class Communicator {
     std::string what;
     double seconds = 0;
     int64_t run_id = 0;   // of what it waits in (its program's executable)
-    // What it said it waits in (kStall): the description `what` gives,
-    // followed by the call site; kept while it still waits.
+    // What it said it waits in (kStall): the reduction's description with
+    // its call site; kept while it still waits (SiteMatches).
     std::string site;
   };
+  // Whether `wait.site` is about the reduction its heartbeat says it waits
+  // in: the site contains the "(key K; run R, ...)" part of `wait.what` (the
+  // rest of the two descriptions may differ: a heartbeat does not say which
+  // collective a reduction serves).
+  static bool SiteMatches(const PeerWait& wait);
   mutable std::mutex peer_wait_mu_;
   std::vector<PeerWait> peer_wait_;
   // [rank] steady_clock nanoseconds of the last valid message from it.

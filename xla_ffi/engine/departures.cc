@@ -350,7 +350,7 @@ bool Communicator::SitesKnown(const std::set<int>& ranks) const {
     if (rank == config_.rank) continue;
     const PeerWait& wait = peer_wait_[rank];
     const bool silent = (now - last_heard_[rank].load()) * 1e-9 > 3 * config_.heartbeat_s + 1;
-    if (!silent && !wait.what.empty() && wait.site.compare(0, wait.what.size(), wait.what) != 0) {
+    if (!silent && !wait.what.empty() && !SiteMatches(wait)) {
       return false;
     }
   }

@@ -66,13 +66,17 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
       // Its kStall adds the call site, if it is about what the heartbeat
       // says it waits in now.
       const PeerWait& wait = peer_wait_[rank];
-      const bool same = wait.site.compare(0, wait.what.size(), wait.what) == 0;
       line += " is alive and has waited " + std::to_string(static_cast<int64_t>(wait.seconds)) +
-              " s in " + (same ? wait.site : wait.what);
+              " s in " + (SiteMatches(wait) ? wait.site : wait.what);
     }
     report += (report.empty() ? "" : "; ") + line;
   }
   return report;
+}
+
+bool Communicator::SiteMatches(const PeerWait& wait) {
+  const size_t at = wait.what.find(" (key ");
+  return at != std::string::npos && wait.site.find(wait.what.substr(at)) != std::string::npos;
 }
 
 std::set<int> Communicator::MissingRanks(const Batch& batch) {
