@@ -142,7 +142,7 @@ def failure_reason(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip()
     if len(text) > _REASON_CHARS:
         text = text[:_REASON_CHARS] + " [...]"
-    return text + " (uncaught; its traceback is in this rank's output)"
+    return text + " (uncaught; its traceback is in that rank's output)"
 
 
 def install_excepthook(fast_exit: bool = True) -> None:

@@ -19,6 +19,7 @@ import threading
 import time
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from herring_jax._src import jax_compat
 from herring_jax._src import knobs
@@ -193,6 +194,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             _default_sigterm_under_launcher()
         client = jax_compat.distributed_client()
         rank, size = jax.process_index(), jax.process_count()
+        _turn_off_persistent_cache(rank, size)
         if client is None:
             raise HerringError("jax.distributed has no client; cannot exchange addresses")
 
@@ -307,6 +309,33 @@ def _join_distributed(coordinator_address, num_processes, process_id) -> None:
                                    num_processes=1, process_id=0)
     except RuntimeError as e:
         raise HerringError(f"jax.distributed.initialize() failed: {e}") from e
+
+
+def _turn_off_persistent_cache(rank: int, size: int) -> None:
+    """Turns jax's persistent compilation cache off in a job of several
+    processes, saying so once.
+
+    jax writes the cache from process 0 only, and its entries are per
+    process (they name the devices), so on a rerun process 0 loads its
+    reducing programs from the cache while the others compile theirs. A
+    loaded program gets other run ids than a compiled one (XLA's run id
+    derives from the executable's fingerprint), and nothing would pair the
+    processes' reductions: measured, the first step stalled until
+    HERRING_TIMEOUT_S ("Rank 1 runs a different compiled program").
+    """
+    if size < 2 or not getattr(jax.config, "jax_compilation_cache_dir", None):
+        return
+    if not getattr(jax.config, "jax_enable_compilation_cache", True):
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    # It decides once, at the first compile, whether the cache is in use.
+    compilation_cache.reset_cache()
+    if rank == 0:
+        print(f"herring_jax: jax's persistent compilation cache (jax_compilation_cache_dir="
+              f"{jax.config.jax_compilation_cache_dir}) is off for this job of {size} "
+              "processes: jax writes it from process 0 only, and a program process 0 loads "
+              "from it runs under other run ids than the ones the other processes compile, "
+              "so their reductions would never pair", file=sys.stderr, flush=True)
 
 
 def _free_port() -> int:

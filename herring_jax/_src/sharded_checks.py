@@ -160,10 +160,11 @@ def stand_in(params, seed: int):
     """Small parameters shaped like `params` (every axis at most
     _STAND_IN_AXIS), filled with seeded normal values."""
     rng = np.random.default_rng(seed)
+    # numpy arrays: jnp's conversion would compile a program per leaf shape.
     return jax.tree_util.tree_map(
-        lambda p: jnp.asarray(rng.normal(size=tuple(min(d, _STAND_IN_AXIS)
-                                                    for d in np.shape(p))) * 3.0,
-                              dtype=p.dtype), params)
+        lambda p: np.asarray(rng.normal(size=tuple(min(d, _STAND_IN_AXIS)
+                                                   for d in np.shape(p))) * 3.0,
+                             dtype=p.dtype), params)
 
 
 def _chunks(tree, n: int):
@@ -192,7 +193,16 @@ def check_elementwise(inner: optax.GradientTransformation, params, n: int) -> No
     """Raises ValueError if `inner` on n workers' chunks updates otherwise
     than on whole leaves (stand-in parameters shaped like `params`; two
     steps, then a step with one non-finite gradient)."""
-    with jax.ensure_compile_time_eval():
+    if isinstance(jnp.zeros(()), jax.core.Tracer):
+        # Called while tracing (init under jax.jit): the check's programs
+        # must run now, on the concrete stand-ins, not join the caller's.
+        with jax.ensure_compile_time_eval():
+            _check(inner, params, n)
+    else:
+        # Not without need: inside it, every operation of the inner
+        # transformation on constants (its zeros, its hyper-parameters) runs
+        # and compiles on its own while the two programs are traced, which
+        # took as long again as compiling the programs.
         _check(inner, params, n)
 
 
@@ -206,7 +216,8 @@ def _check(inner, params, n: int) -> None:
         # worker, which it cannot on chunks.
         big = max(range(len(leaves)), key=lambda i: np.size(leaves[i]))
         bad = list(leaves)
-        bad[big] = jnp.ravel(bad[big]).at[0].set(jnp.nan).reshape(np.shape(leaves[big]))
+        bad[big] = bad[big].copy()
+        bad[big].reshape(-1)[0] = np.nan
         grads.append(jax.tree_util.tree_unflatten(treedef, bad))
 
     def run_steps(params, grads_list):
@@ -227,8 +238,11 @@ def _check(inner, params, n: int) -> None:
             return run_steps(p_c, g_cs)
 
     def all_chunk_steps(p, grads_list):
-        return jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(
+        outs = jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(
             _chunks(p, n), [_chunks(g, n) for g in grads_list])
+        # Joined back into whole leaves here, not op by op afterwards.
+        return [jax.tree_util.tree_map(lambda rows, x: from_rows(rows, np.shape(x)), out, p)
+                for out in outs]
 
     # Each side as one compiled program. Op by op (as the compile-time
     # evaluation around this would run it) every operation is compiled apart:
@@ -241,7 +255,7 @@ def _check(inner, params, n: int) -> None:
     for k, (w, g) in enumerate(zip(want, got)):
         paths = jax.tree_util.tree_flatten_with_path(w)[0]
         for (path, wv), gv in zip(paths, jax.tree_util.tree_leaves(g)):
-            diff = _differs(from_rows(gv, np.shape(wv)), wv)
+            diff = _differs(gv, wv)
             if diff > _TOLERANCE:
                 raise ValueError(
                     "herring_jax.sharded_optimizer: the inner transformation does not treat "

@@ -51,6 +51,8 @@ struct Batch {
   std::atomic<bool> started{false};
   // Its stall was reported (Communicator::ReportStalls): once per batch.
   std::atomic<bool> stall_reported{false};
+  // The ranks it waits for were told where it waits (kStall): once per batch.
+  std::atomic<bool> wait_noticed{false};
   // The host stage's state (host_stage.cc); null for a flat batch, whose jobs
   // then carry the per-peer counters. A host batch's jobs only describe.
   std::unique_ptr<HostWait> host;

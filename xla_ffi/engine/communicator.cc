@@ -40,12 +40,14 @@ std::unique_ptr<Communicator> Communicator::Create(const CommConfig& config, Sta
   comm->last_sent_.reset(new std::atomic<int64_t>[config.size]);
   comm->waiter_until_.reset(new std::atomic<int64_t>[config.size]);
   comm->heartbeat_busy_.reset(new std::atomic<bool>[config.size]);
+  comm->abort_seen_.reset(new std::atomic<bool>[config.size]);
   comm->ledger_.Reset(config.size);
   for (int r = 0; r < config.size; ++r) {
     comm->last_heard_[r] = now;
     comm->last_sent_[r] = 0;
     comm->waiter_until_[r] = 0;
     comm->heartbeat_busy_[r] = false;
+    comm->abort_seen_[r] = false;
   }
   comm->peer_wait_.resize(config.size);
   comm->transport_->SetFatalHandler([c = comm.get()](const std::string& why) {

@@ -74,7 +74,7 @@ class Communicator {
 
   // This process is failing (its program raised): breaks the communicator,
   // fails what is in flight and tells every other rank `why`, waiting up to
-  // `wait_s` for the messages to leave (the process exits next).
+  // `wait_s` until each has printed it (kAbortSeen; the process exits next).
   void Abort(const std::string& why, double wait_s);
   // The first fatal error ("" while the communicator works).
   std::string Broken();
@@ -225,8 +225,8 @@ class Communicator {
   void TellPeers(MsgKind kind, const std::string& text, const std::vector<int>& peers,
                  double wait_s, bool report);
   std::vector<int> AllPeers() const;
-  // A notice from `sender` (kLeave, kStall, kReceipt; `header` and its
-  // payload `text`) arrived.
+  // A notice from `sender` (kLeave, kStall, kReceipt, kAbortSeen; `header`
+  // and its payload `text`) arrived.
   void OnNotice(MsgKind kind, uint32_t sender, const WireHeader& header,
                 const std::string& text);
   // The leave protocol (leave_ledger.h), run by the destructor once every
@@ -250,8 +250,16 @@ class Communicator {
   std::string LeftText(const Batch& batch, int rank) const;
   // Fails the batches that still wait for a rank that has shut down.
   void WatchLeavers();
-  // Reports (once each) the batches that have waited longer than stall_s.
+  // Tells the ranks that the oldest batch waits for where it waits (kStall),
+  // and reports (once each) the batches that have waited longer than stall_s.
   void ReportStalls();
+  // Whether the stall report of a batch missing `ranks` can name where each
+  // of them waits: none waits (as its heartbeat says) in a reduction whose
+  // kStall has not arrived.
+  bool SitesKnown(const std::set<int>& ranks) const;
+  // After Abort's kAbort: waits until every peer has answered kAbortSeen,
+  // has exited or is silent, or until `deadline`.
+  void AwaitAbortSeen(std::chrono::steady_clock::time_point deadline);
   // "float32[1000] sum (key ...; run ...) at train.py:42 (step)".
   std::string DescribeJob(const Job& job) const;
   // Whether a control message whose tag and header name `sender` came from
@@ -370,6 +378,9 @@ class Communicator {
   // A peer's abort broke the communicator: its message names the cause, and
   // this rank's own view of the batches it failed is no news.
   std::atomic<bool> told_by_peer_{false};
+  // [rank] it has printed this rank's abort (kAbortSeen); AwaitAbortSeen is
+  // woken through leave_cv_.
+  std::unique_ptr<std::atomic<bool>[]> abort_seen_;
   // The leave protocol's counts (leave_ledger.h); leaving_ once Leave runs,
   // leave_cv_ woken by the notices and failed sends it waits for.
   LeaveLedger ledger_;
@@ -389,8 +400,15 @@ class Communicator {
     std::string what;
     double seconds = 0;
     int64_t run_id = 0;   // of what it waits in (its program's executable)
-    std::string report;   // its last stall notice (kStall), with its call site
+    // What it said it waits in (kStall): the reduction's description with
+    // its call site; kept while it still waits (SiteMatches).
+    std::string site;
   };
+  // Whether `wait.site` is about the reduction its heartbeat says it waits
+  // in: the site contains the "(key K; run R, ...)" part of `wait.what` (the
+  // rest of the two descriptions may differ: a heartbeat does not say which
+  // collective a reduction serves).
+  static bool SiteMatches(const PeerWait& wait);
   mutable std::mutex peer_wait_mu_;
   std::vector<PeerWait> peer_wait_;
   // [rank] steady_clock nanoseconds of the last valid message from it.

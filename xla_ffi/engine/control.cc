@@ -68,8 +68,28 @@ void Communicator::OnControl(size_t slot, const transport::Completion& c) {
                               (mine.empty() ? std::string()
                                             : " [rank " + std::to_string(config_.rank) +
                                                   " was waiting in " + mine + "]");
+  bool first;
+  {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    first = broken_.empty();
+  }
+  if (first) {
+    // At once, whatever this rank is doing (computing, compiling, waiting in
+    // jax): a rank that waits in no reduction would otherwise say nothing
+    // until jax.distributed ends it with its own abort, once the failed rank
+    // (its coordinator, for rank 0) has exited. Printed before kAbortSeen,
+    // which that exit waits for.
+    std::fprintf(stderr, "herring_jax rank %d: %s. The job cannot go on: this rank's "
+                 "reductions fail from here on, and jax.distributed may end this process\n",
+                 config_.rank, message.c_str());
+    std::fflush(stderr);
+  }
   told_by_peer_ = true;
   FailAll(message, /*tell_peers=*/false);
+  // From a server thread: the progress thread never posts itself.
+  Enqueue([this, sender] {
+    TellPeers(MsgKind::kAbortSeen, "", {static_cast<int>(sender)}, 0.0, false);
+  });
 }
 
 bool Communicator::FromSender(const transport::Completion& c, uint32_t sender,

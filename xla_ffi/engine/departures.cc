@@ -2,9 +2,10 @@
 // program that fails (an uncaught exception: Abort), the leave protocol of an
 // orderly shutdown (kLeave and kReceipt with the counts of leave_ledger.h:
 // Leave, OnNotice, WatchLeavers), and the stall report of a reduction that
-// waits too long (printed here, and sent as kStall to the ranks it waits for,
-// so that their errors can name both ends). Where each reduction was written
-// in the user's program (NoteCallSite) goes into these texts.
+// waits too long (printed here; the ranks it waits for are told where it
+// waits as kStall beforehand, so that every rank's report and error can name
+// both ends). Where each reduction was written in the user's program
+// (NoteCallSite) goes into these texts.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -36,6 +37,14 @@ constexpr double kHostLeaveGraceS = 2.0;
 // again every kLeaveReportEveryS.
 constexpr double kLeaveReportS = 5.0;
 constexpr double kLeaveReportEveryS = 30.0;
+
+// A reduction that has waited this long (or HERRING_STALL_S, if shorter)
+// tells the ranks it waits for where it waits (kStall). Reductions rarely
+// wait this long in a healthy job, and then one message per peer is sent.
+constexpr double kWaitNoticeS = 1.0;
+// How long a stall report may wait beyond HERRING_STALL_S for the call site
+// of a rank that waits too (its kStall), so that its first line names both.
+constexpr double kStallSiteGraceS = 3.0;
 
 // One control message and its sends in flight; the callbacks keep it alive.
 struct Outgoing {
@@ -121,9 +130,39 @@ void Communicator::Abort(const std::string& why, double wait_s) {
     for (Batch* batch : active_) Fail(batch, mine, /*tell_peers=*/false);
   }
   if (!connected_ || config_.size < 2) return;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(wait_s));
   // The peers prefix "rank R failed: " themselves. Once per rank: where this
   // rank has failed before, every peer has been told of that already.
-  std::call_once(abort_once_, [&] { TellPeers(MsgKind::kAbort, why, AllPeers(), wait_s, true); });
+  std::call_once(abort_once_, [&] {
+    TellPeers(MsgKind::kAbort, why, AllPeers(), wait_s, true);
+    AwaitAbortSeen(deadline);
+  });
+}
+
+void Communicator::AwaitAbortSeen(std::chrono::steady_clock::time_point deadline) {
+  const double limit = std::min(config_.peer_timeout_s, config_.timeout_s);
+  std::unique_lock<std::mutex> lock(leave_mu_);
+  for (;;) {
+    bool all = true;
+    const int64_t now = NowNs();
+    for (int peer : AllPeers()) {
+      if (abort_seen_[peer].load()) continue;
+      // Nobody to print it: dead by the peer watch's measure, or its process
+      // on this host has exited.
+      if (config_.heartbeat_s > 0 && (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
+      if (!topology_.empty() && topology_.host_of[peer] == topology_.host_of[config_.rank] &&
+          ProcessExited(topology_.pid_of[peer])) {
+        continue;
+      }
+      all = false;
+      break;
+    }
+    if (all || std::chrono::steady_clock::now() >= deadline) return;
+    leave_cv_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
+                                                      std::chrono::milliseconds(50)));
+  }
 }
 
 std::string Communicator::Broken() {
@@ -146,8 +185,14 @@ void Communicator::OnNotice(MsgKind kind, uint32_t sender, const WireHeader& hea
     leave_cv_.notify_all();
     return;
   }
+  if (kind == MsgKind::kAbortSeen) {
+    abort_seen_[sender] = true;
+    { std::lock_guard<std::mutex> lock(leave_mu_); }
+    leave_cv_.notify_all();
+    return;
+  }
   std::lock_guard<std::mutex> lock(peer_wait_mu_);
-  peer_wait_[sender].report = text;
+  peer_wait_[sender].site = text;
 }
 
 void Communicator::TookFrom(int peer) {
@@ -297,26 +342,64 @@ void Communicator::WatchLeavers() {
   }
 }
 
+bool Communicator::SitesKnown(const std::set<int>& ranks) const {
+  if (!last_heard_ || config_.heartbeat_s <= 0) return true;
+  const int64_t now = NowNs();
+  std::lock_guard<std::mutex> lock(peer_wait_mu_);
+  for (int rank : ranks) {
+    if (rank == config_.rank) continue;
+    const PeerWait& wait = peer_wait_[rank];
+    const bool silent = (now - last_heard_[rank].load()) * 1e-9 > 3 * config_.heartbeat_s + 1;
+    if (!silent && !wait.what.empty() && !SiteMatches(wait)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 void Communicator::ReportStalls() {
-  if (config_.stall_s <= 0) return;
   const int64_t now = NowNs();
   struct Stall {
     std::string text;
-    std::string notice;
     std::set<int> missing;
   };
   std::vector<Stall> stalls;
+  std::string notice;
+  std::vector<int> notice_to;
   {
     std::lock_guard<std::mutex> lock(active_mu_);
+    // The oldest batch is what the heartbeats say this rank waits in; its
+    // kStall gives the ranks it waits for the call site to go with it, so
+    // that their first stall line names where both ends wait.
+    Batch* oldest = nullptr;
+    for (Batch* batch : active_) {
+      if (!batch->Failed() && (oldest == nullptr || batch->started_ns < oldest->started_ns)) {
+        oldest = batch;
+      }
+    }
+    const double notice_after_s =
+        config_.stall_s > 0 ? std::min(kWaitNoticeS, config_.stall_s) : kWaitNoticeS;
+    if (oldest != nullptr && (now - oldest->started_ns) * 1e-9 >= notice_after_s) {
+      std::set<int> missing = MissingRanks(*oldest);
+      missing.erase(config_.rank);
+      if (!missing.empty() && !oldest->wait_noticed.exchange(true)) {
+        notice = DescribeJob(*oldest->jobs.front());
+        notice_to.assign(missing.begin(), missing.end());
+      }
+    }
     for (Batch* batch : active_) {
       const double waited = (now - batch->started_ns) * 1e-9;
-      if (waited < config_.stall_s || batch->Failed() || batch->stall_reported.exchange(true)) {
+      if (config_.stall_s <= 0 || waited < config_.stall_s || batch->Failed() ||
+          batch->stall_reported.load()) {
         continue;
       }
       const Job& job = *batch->jobs.front();
       Stall stall;
       stall.missing = MissingRanks(*batch);
-      stall.notice = "has waited " + Seconds(waited) + " s in " + DescribeJob(job);
+      // A rank that waits in a reduction whose call site has not arrived yet
+      // (it began waiting later than this one) is given a moment to send it.
+      if (!SitesKnown(stall.missing) && waited < config_.stall_s + kStallSiteGraceS) continue;
+      batch->stall_reported = true;
       std::string verdict;
       {
         std::lock_guard<std::mutex> peers_lock(peer_wait_mu_);
@@ -337,12 +420,10 @@ void Communicator::ReportStalls() {
       stalls.push_back(std::move(stall));
     }
   }
+  if (!notice_to.empty()) TellPeers(MsgKind::kStall, notice, notice_to, 0.0, false);
   for (const Stall& stall : stalls) {
     std::fprintf(stderr, "%s\n", stall.text.c_str());
     std::fflush(stderr);
-    std::vector<int> peers(stall.missing.begin(), stall.missing.end());
-    peers.erase(std::remove(peers.begin(), peers.end(), config_.rank), peers.end());
-    if (!peers.empty()) TellPeers(MsgKind::kStall, stall.notice, peers, 0.0, false);
   }
 }
 

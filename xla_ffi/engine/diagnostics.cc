@@ -62,16 +62,21 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
       line += " has sent nothing for " + std::to_string(static_cast<int64_t>(silent)) + " s";
     } else if (peer_wait_[rank].what.empty()) {
       line += " is alive and waits in no reduction";
-    } else if (!peer_wait_[rank].report.empty()) {
-      line += " is alive and " + peer_wait_[rank].report;  // its own words, with its call site
     } else {
-      line += " is alive and has waited " +
-              std::to_string(static_cast<int64_t>(peer_wait_[rank].seconds)) + " s in " +
-              peer_wait_[rank].what;
+      // Its kStall adds the call site, if it is about what the heartbeat
+      // says it waits in now.
+      const PeerWait& wait = peer_wait_[rank];
+      line += " is alive and has waited " + std::to_string(static_cast<int64_t>(wait.seconds)) +
+              " s in " + (SiteMatches(wait) ? wait.site : wait.what);
     }
     report += (report.empty() ? "" : "; ") + line;
   }
   return report;
+}
+
+bool Communicator::SiteMatches(const PeerWait& wait) {
+  const size_t at = wait.what.find(" (key ");
+  return at != std::string::npos && wait.site.find(wait.what.substr(at)) != std::string::npos;
 }
 
 std::set<int> Communicator::MissingRanks(const Batch& batch) {

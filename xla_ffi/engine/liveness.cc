@@ -70,8 +70,9 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
         wait.run_id = h.run_id;
       }
       std::lock_guard<std::mutex> lock(peer_wait_mu_);
-      // Its stall notice stays while it still waits in something.
-      if (!wait.what.empty()) wait.report = std::move(peer_wait_[sender].report);
+      // Its kStall stays while it still waits in something (PeerReport
+      // checks that it is about the same reduction).
+      if (!wait.what.empty()) wait.site = std::move(peer_wait_[sender].site);
       peer_wait_[sender] = std::move(wait);
     } else {
       CountDropped(why);

@@ -30,10 +30,16 @@ enum class MsgKind : uint8_t {
   // `occurrence` counts the data messages it sent the receiver, and
   // `total_elems` those it took in from the receiver (leave_ledger.h).
   kLeave = 8,         // any -> all
-  kStall = 9,         // any -> the ranks it waits for: what it has waited in, for how long
+  // kStall: what this rank waits in, with its call site, once a reduction has
+  // waited a second (a heartbeat has no room for the call site).
+  kStall = 9,         // any -> the ranks it waits for
   // kReceipt: the answer to a kLeave once every data message of the leaver
   // has arrived; `total_elems` counts those taken in.
   kReceipt = 10,      // any -> a rank that left
+  // kAbortSeen: the answer to a kAbort once this rank has printed it, so that
+  // the failing rank exits (and jax.distributed ends the others) only after
+  // herring's line naming the failure comes first on every rank.
+  kAbortSeen = 11,    // any -> a rank that aborted
 };
 
 // The `contributors` of a kHostDone that withdraws (host_posting.cc); a
@@ -42,7 +48,7 @@ constexpr uint32_t kHostWithdrawn = 2;
 
 inline bool IsControlKind(MsgKind kind) {
   return kind == MsgKind::kAbort || kind == MsgKind::kLeave || kind == MsgKind::kStall ||
-         kind == MsgKind::kReceipt;
+         kind == MsgKind::kReceipt || kind == MsgKind::kAbortSeen;
 }
 
 inline bool IsHostKind(MsgKind kind) {

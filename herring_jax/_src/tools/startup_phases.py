@@ -7,8 +7,10 @@ a 1.2k-parameter MLP with sharded_optimizer(adamw) (or allreduce_gradients):
 Rank 0 prints each phase's seconds (the slowest process's, as the job waits
 for it): importing jax and herring_jax, initialize(), the optimizer's init
 (for sharded_optimizer, its check of the inner transformation), the first
-step (compiling it), the other steps, and shutdown(). JAX_COMPILATION_CACHE_DIR
-(jax's persistent compilation cache) makes a rerun's compiles cheaper.
+step (compiling it), the other steps, and shutdown(). jax's persistent
+compilation cache (JAX_COMPILATION_CACHE_DIR) is turned off by initialize() in
+a job of several processes (see runtime._turn_off_persistent_cache); the
+results are in docs/getting_started.md, "Start-up time".
 """
 
 from __future__ import annotations
