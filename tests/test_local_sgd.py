@@ -1,0 +1,71 @@
+"""local_sgd, slowmo and diloco (tests/workers/local_sgd_worker.py): with
+every=1 and the plain outer sgd(1.0), bitwise allreduce_gradients' training;
+each preset bitwise a numpy model of its algorithm at every step on 2 and 4
+processes, herring reducing at the sync steps only; int8 with error
+feedback bitwise the codec's model; inside nnx.Optimizer and a Linen
+TrainState bitwise the plain pytree; an NNX checkpoint saved mid-period
+resuming bitwise; and inside shard_map over a mesh axis.
+
+XLA_FLAGS=--xla_backend_optimization_level=0: with LLVM's optimizations
+XLA:CPU contracts a multiply and an add of one fused loop into one fused
+multiply-add, differently in the two programs compared (tests/test_sharded.py
+says more). HERRING_HOST_STAGE=0: a codec applies where data crosses the
+transport, which with the host stage on is nowhere between processes of one
+host.
+"""
+
+import pytest
+
+from multiproc import assert_all_ok, launch
+
+ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": "0"}
+PRESETS = ["localsgd/model", "slowmo/model", "diloco/model"]
+FLAX = ["nnx/vs-plain", "nnx/checkpoint", "linen/vs-plain"]
+
+
+def _check(run, cases):
+    digests = assert_all_ok(run, expected_cases=len(cases))
+    assert sorted(r["case"] for r in run.results[0]) == sorted(cases)
+    return digests, {r["case"]: r for r in run.results[0]}
+
+
+def test_every_step_is_allreduce_gradients_and_the_presets_match_their_model(tmp_path):
+    run = launch("local_sgd_worker.py", ["--dir", str(tmp_path)], nproc=2, env=ENV)
+    digests, cases = _check(run, ["h1/vs-allreduce", *PRESETS, "int8/model", *FLAX])
+    # H = 1 and every sync: the same parameters on every process.
+    assert len(digests["h1/vs-allreduce"]) == 1, digests
+    for name in PRESETS:
+        # 7 steps with every=3: reductions at steps 3 and 6 only.
+        assert cases[name]["reduced_at_syncs_only"] == [True] * 7, cases[name]
+    assert cases["int8/model"]["residual_max"] > 0, cases["int8/model"]
+
+
+def test_the_presets_match_their_model_on_four_processes():
+    run = launch("local_sgd_worker.py", ["--cases", "presets,int8"], nproc=4, env=ENV)
+    _check(run, [*PRESETS, "int8/model"])
+
+
+def test_inside_shard_map_every_device_is_a_worker():
+    # 2 processes x 2 devices: the engine sums each process's devices first.
+    run = launch("local_sgd_worker.py", ["--mesh"], nproc=2, devices=2, env=ENV)
+    _check(run, [f"mesh/{p}" for p in PRESETS])
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    import jax.numpy as jnp
+    import optax
+
+    import herring_jax
+    for every in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="every must be a positive int"):
+            herring_jax.local_sgd(optax.sgd(0.1), every)
+    with pytest.raises(ValueError, match="unknown codec"):
+        herring_jax.diloco(optax.adamw(1e-3), 4, compression="int4")
+    tx = herring_jax.local_sgd(optax.sgd(0.1), 2)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    assert isinstance(state, herring_jax.LocalSGDState)
+    with pytest.raises(ValueError, match=r"tx.update\(grads, state, params\)"):
+        tx.update(params, state)
+    with pytest.raises(TypeError, match="LocalSGDState"):
+        tx.update(params, optax.EmptyState(), params)
