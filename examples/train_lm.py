@@ -102,7 +102,7 @@ def main() -> None:
     eval_loss = jax.jit(lambda p: loss_fn(p, (eval_batch[:, :-1], eval_batch[:, 1:])))
 
     def report(params):
-        local = jax.tree_util.tree_map(lambda a: a.addressable_shards[0].data, params)
+        local = data_parallel.local_params(params, args)
         return f"held-out loss {float(eval_loss(local)):.4f}"
 
     params, opt_state, step = data_parallel.make_trainer(

@@ -14,10 +14,16 @@ transport, which with the host stage on is nowhere between processes of one
 host.
 """
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from multiproc import assert_all_ok, launch
 
+ROOT = Path(__file__).resolve().parent.parent
 ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": "0"}
 PRESETS = ["localsgd/model", "slowmo/model", "diloco/model"]
 FLAX = ["nnx/vs-plain", "nnx/checkpoint", "linen/vs-plain"]
@@ -69,3 +75,37 @@ def test_bad_arguments_are_refused_with_the_fix():
         tx.update(params, state)
     with pytest.raises(TypeError, match="LocalSGDState"):
         tx.update(params, optax.EmptyState(), params)
+
+
+def test_train_bench_names_the_local_runs():
+    from herring_jax._src.tools.train_bench import _codec_args
+    assert _codec_args("diloco16-int8") == (
+        ["--local-steps", "16", "--outer", "diloco", "--compression", "int8"], "diloco16-int8")
+    assert _codec_args("localsgd4") == (
+        ["--local-steps", "4", "--outer", "sgd", "--compression", "none"], "localsgd4")
+    assert _codec_args("slowmo8-bf16")[0][3] == "slowmo"
+    assert _codec_args("compute") == (["--reduce", "none"], "compute")
+    for bad in ("diloco0", "diloco16-int4", "diloco", "slowmo-4", "localsgd4-none"):
+        assert _codec_args(bad) is None, bad
+
+
+def test_train_bench_runs_diloco_against_allreduce_and_compute(tmp_path):
+    # 2 processes over the transport, a tiny model, 6 steps, a sync every 2:
+    # the train_lm options reach herring_jax.diloco (the script reports the
+    # name back), int8 pseudo-gradients every other step send far fewer bytes
+    # than float32 gradients every step, and compute sends none of either.
+    out = tmp_path / "local.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "6",
+         "--codecs", "none,compute,diloco2-int8", "--log-every", "2", "--script",
+         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
+         "--layers", "1", "--text-bytes", str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"none", "compute", "diloco2-int8"}
+    assert runs["diloco2-int8"]["bytes_reduction"] > 5, runs
+    assert runs["compute"]["sent_mib_per_step"] < runs["diloco2-int8"]["sent_mib_per_step"]
+    assert runs["diloco2-int8"]["held_out_loss"] != runs["none"]["held_out_loss"]
+    assert "time to none's final held-out loss" in proc.stdout, proc.stdout
+    assert all("time_to_none_loss_s" in r for r in runs.values()), runs
