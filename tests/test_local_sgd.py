@@ -37,7 +37,7 @@ def _check(run, cases):
 
 def test_every_step_is_allreduce_gradients_and_the_presets_match_their_model(tmp_path):
     run = launch("local_sgd_worker.py", ["--dir", str(tmp_path)], nproc=2, env=ENV)
-    digests, cases = _check(run, ["h1/vs-allreduce", *PRESETS, "int8/model", *FLAX])
+    digests, cases = _check(run, ["h1/vs-allreduce", "donated", *PRESETS, "int8/model", *FLAX])
     # H = 1 and every sync: the same parameters on every process.
     assert len(digests["h1/vs-allreduce"]) == 1, digests
     for name in PRESETS:
@@ -59,12 +59,17 @@ def test_inside_shard_map_every_device_is_a_worker():
 
 def test_bad_arguments_are_refused_with_the_fix():
     import jax.numpy as jnp
+    import numpy as np
     import optax
 
     import herring_jax
     for every in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="every must be a positive int"):
             herring_jax.local_sgd(optax.sgd(0.1), every)
+    assert isinstance(herring_jax.local_sgd(optax.sgd(0.1), np.int64(4)),
+                      optax.GradientTransformation)
+    with pytest.raises(ValueError, match="learning_rate is gamma"):
+        herring_jax.slowmo(optax.sgd(0.1), 4, learning_rate=0.0)
     with pytest.raises(ValueError, match="unknown codec"):
         herring_jax.diloco(optax.adamw(1e-3), 4, compression="int4")
     tx = herring_jax.local_sgd(optax.sgd(0.1), 2)

@@ -29,6 +29,7 @@ update handed back is (s - p) + o for the outer update o, so that
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -106,17 +107,21 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
       >>> opt_state = tx.init(params)                                 # doctest: +SKIP
       >>> updates, opt_state = tx.update(grads, opt_state, params)    # doctest: +SKIP
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
         raise ValueError(f"herring_jax.local_sgd: every must be a positive int (the inner "
                          f"steps between syncs), got {every!r}")
+    every = int(every)
     outer = optax.sgd(1.0) if outer is None else outer
     reducer = allreduce_gradients(axis_name, compression=compression,
                                   error_feedback=error_feedback, fusion_bytes=fusion_bytes,
                                   first_bucket_bytes=first_bucket_bytes)
 
     def init_fn(params):
+        # A copy: a step that donates both the parameters and the state
+        # (donate_argnums) must not be handed one buffer twice.
         return LocalSGDState(count=jnp.zeros([], jnp.int32),
-                             synced=jax.tree_util.tree_map(jnp.asarray, params),
+                             synced=jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True),
+                                                           params),
                              inner=inner.init(params), outer=outer.init(params),
                              reduce=reducer.init(params))
 
@@ -168,6 +173,10 @@ def slow_momentum(learning_rate: float, momentum: float,
     pseudo-gradient d = x0 - x_avg, u = beta u + d / gamma and the update
     -alpha gamma u (gamma = `learning_rate`, beta = `momentum`, alpha =
     `slow_learning_rate`)."""
+    if not learning_rate > 0:
+        raise ValueError(f"herring_jax.slowmo: learning_rate is gamma, the inner optimizer's "
+                         f"learning rate, which the pseudo-gradient is divided by: it must be "
+                         f"positive, got {learning_rate!r}")
 
     def init_fn(params):
         return SlowMomentumState(jax.tree_util.tree_map(jnp.zeros_like, params))

@@ -6,6 +6,8 @@ Cases (every rank reports each):
     an MLP. The learning rate is a power of two so that scaling commutes
     with rounding: the mean of the workers' lr * g is then exactly lr times
     the mean of their g, as synchronous training computes it.
+  donated: a step that donates the parameters and the state (init outside
+    jit) runs and equals the same steps without donation.
   <preset>/model: local_sgd (inner sgd with momentum), slowmo (inner sgd)
     and diloco (inner adamw), every=3, equal a numpy model of the algorithm
     at every step (the inner updates by optax on each modelled worker's own
@@ -225,6 +227,24 @@ def train_mlp(tx, rank: int, steps: int = STEPS):
     return p
 
 
+def donated(rank: int) -> None:
+    """init outside jit, then steps that donate both the parameters and the
+    state: the synced copy must be a buffer of its own."""
+    tx = herring_jax.local_sgd(optax.sgd(0.1), every=2)
+
+    def step(p, state, x, y):
+        updates, state = tx.update(jax.grad(mlp_loss)(p, x, y), state, p)
+        return optax.apply_updates(p, updates), state
+
+    fast = jax.jit(step, donate_argnums=(0, 1))
+    p = mlp_params()
+    state = tx.init(p)
+    for k in range(3):
+        p, state = fast(p, state, *batch(rank, k))
+    want = flat(train_mlp(tx, rank, steps=3))
+    common.report("donated", flat(p).tobytes() == want.tobytes(), digest=common.digest(want))
+
+
 def h1(rank: int) -> None:
     lr = 2.0 ** -3
     got = flat(train_mlp(herring_jax.local_sgd(optax.sgd(lr), every=1), rank))
@@ -411,6 +431,7 @@ def main() -> None:
         return
     if "h1" in cases:
         h1(rank)
+        donated(rank)
     if "presets" in cases:
         for name, (tx, inner, outer_np) in presets().items():
             against_model(f"{name}/model", tx, inner, outer_np, rank, n)
