@@ -77,12 +77,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-at-step", type=int, default=None,
                         help="fault injection for tests: the last process SIGKILLs itself "
                              "after this step (then relaunch to resume)")
+    add_local_sgd_arguments(parser)
+
+
+def add_local_sgd_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local-steps", type=int, default=0,
+                        help="--reduce herring: every device trains alone for this many steps "
+                             "(the --optimizer), then the devices average their parameters' "
+                             "change and --outer steps them (herring_jax.local_sgd; 0: off). "
+                             "The reported loss is this process's own")
+    parser.add_argument("--outer", choices=("sgd", "slowmo", "diloco"), default="diloco",
+                        help="with --local-steps: the outer step. sgd: the average (Local "
+                             "SGD); slowmo: slow momentum (herring_jax.slowmo, the base "
+                             "learning rate --lr); diloco: Nesterov SGD (herring_jax.diloco)")
+    parser.add_argument("--outer-lr", type=float, default=None,
+                        help="with --local-steps: the outer learning rate (sgd, slowmo: 1.0; "
+                             "diloco: 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="with --local-steps: slowmo's slow momentum (0.5) or diloco's "
+                             "outer momentum (0.9)")
 
 
 def compression_name(args) -> str:
     if getattr(args, "fully_sharded", False):
         name = "fully-reshard" if args.reshard_after_forward else "fully"
         return name if args.compression == "none" else f"{name}-{args.compression}"
+    local = local_sgd_name(args)
+    if local:
+        return local
     if getattr(args, "sharded_optimizer", False):
         return "sharded" if args.compression == "none" else f"sharded-{args.compression}"
     if args.topk_fraction:
@@ -95,6 +117,16 @@ def compression_name(args) -> str:
     if args.powersgd_iterations != 1:
         name += f"-it{args.powersgd_iterations}"
     return name
+
+
+def local_sgd_name(args) -> str | None:
+    """train-bench's names of the --local-steps runs and of the compute-only one."""
+    if args.reduce == "none":
+        return "compute"
+    if not getattr(args, "local_steps", 0):
+        return None
+    name = f"{'localsgd' if args.outer == 'sgd' else args.outer}{args.local_steps}"
+    return name if args.compression == "none" else f"{name}-{args.compression}"
 
 
 def setup(args) -> jax.sharding.Mesh:
@@ -153,6 +185,8 @@ def make_trainer(mesh, args, loss_fn, init_fn):
     """Returns (params, opt_state, step(params, opt_state, batch) -> (..., loss))."""
     if getattr(args, "fully_sharded", False):
         return make_fully_sharded_trainer(mesh, args, loss_fn, init_fn)
+    if getattr(args, "local_steps", 0):
+        return make_local_sgd_trainer(mesh, args, loss_fn, init_fn)
     if args.reduce == "herring":
         if args.topk_fraction:
             grad_tx = herring_jax.topk(args.topk_fraction, "data")
@@ -200,6 +234,64 @@ def make_trainer(mesh, args, loss_fn, init_fn):
     opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_spec,
                                       check_vma=False))(params)
     return params, opt_state, step
+
+
+def make_local_sgd_trainer(mesh, args, loss_fn, init_fn):
+    """make_trainer for --local-steps: every device a worker of
+    herring_jax.local_sgd, with parameters and optimizer state of its own
+    between syncs (a leading axis of one per device, sharded over "data")."""
+    if (args.reduce != "herring" or args.topk_fraction or args.powersgd_rank
+            or args.sharded_optimizer or args.local_steps < 0):
+        raise SystemExit("--local-steps takes a positive count and --reduce herring, without "
+                         "--topk-fraction, --powersgd-rank or --sharded-optimizer")
+    inner = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
+             else optax.adamw(args.lr))
+    kw = {"axis_name": "data", "compression": args.compression}
+    if args.outer == "sgd":
+        tx = herring_jax.local_sgd(inner, args.local_steps, optax.sgd(args.outer_lr or 1.0), **kw)
+    elif args.outer == "slowmo":
+        tx = herring_jax.slowmo(inner, args.local_steps, learning_rate=args.lr,
+                                momentum=0.5 if args.outer_momentum is None
+                                else args.outer_momentum,
+                                slow_learning_rate=args.outer_lr or 1.0, **kw)
+    else:
+        tx = herring_jax.diloco(inner, args.local_steps, outer_learning_rate=args.outer_lr or 0.7,
+                                outer_momentum=0.9 if args.outer_momentum is None
+                                else args.outer_momentum, **kw)
+    spec = P("data")
+
+    def one(tree):
+        return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+    def stack(tree):
+        return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+    def local_step(params, opt_state, batch):
+        p = one(params)
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, opt_state = tx.update(grads, one(opt_state), p)
+        # The loss of this device's own model, not averaged: a reduction
+        # every step would make every step wait for the slowest process.
+        return stack(optax.apply_updates(p, updates)), stack(opt_state), loss
+
+    step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(spec, spec, spec),
+                                 out_specs=(spec, spec, P()), check_vma=False),
+                   donate_argnums=(0, 1))
+    n = mesh.devices.size
+    params = jax.jit(lambda: jax.tree_util.tree_map(
+        lambda x: jax.numpy.broadcast_to(x, (n, *x.shape)), init_fn()),
+        out_shardings=NamedSharding(mesh, spec))()
+    opt_state = jax.jit(jax.shard_map(lambda p: stack(tx.init(one(p))), mesh=mesh,
+                                      in_specs=spec, out_specs=spec, check_vma=False))(params)
+    return params, opt_state, step
+
+
+def local_params(params, args):
+    """This process's first device's copy of the parameters."""
+    local = jax.tree_util.tree_map(lambda a: a.addressable_shards[0].data, params)
+    if getattr(args, "local_steps", 0):
+        local = jax.tree_util.tree_map(lambda a: a[0], local)
+    return local
 
 
 def state_mib(opt_state) -> float:

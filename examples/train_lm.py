@@ -102,14 +102,15 @@ def main() -> None:
     eval_loss = jax.jit(lambda p: loss_fn(p, (eval_batch[:, :-1], eval_batch[:, 1:])))
 
     def report(params):
-        local = jax.tree_util.tree_map(lambda a: a.addressable_shards[0].data, params)
+        local = data_parallel.local_params(params, args)
         return f"held-out loss {float(eval_loss(local)):.4f}"
 
     params, opt_state, step = data_parallel.make_trainer(
         mesh, args, loss_fn,
         lambda: model.init(jax.random.key(args.seed), jnp.zeros((1, args.context), jnp.int32)))
     if rank == 0:
-        n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(
+            data_parallel.local_params(params, args)))
         print(f"{n_params / 1e6:.2f} M parameters, {len(text) / 2**20:.1f} MiB of stdlib text, "
               f"{nproc} processes x {local_devices} devices, reduce={args.reduce}", flush=True)
     data_parallel.train(mesh, args, params, opt_state, step, next_local_batch, report)

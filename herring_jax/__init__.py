@@ -55,6 +55,10 @@ _EXPORTS = {
     "powersgd": "powersgd",
     "TopKState": "topk",
     "topk": "topk",
+    "LocalSGDState": "local_sgd",
+    "local_sgd": "local_sgd",
+    "slowmo": "local_sgd",
+    "diloco": "local_sgd",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -62,6 +66,7 @@ if TYPE_CHECKING:  # what static analysis and IDEs see
     from herring_jax._src.allreduce import allreduce
     from herring_jax._src.broadcast import broadcast
     from herring_jax._src.errors import HerringError, herring_errors
+    from herring_jax._src.local_sgd import LocalSGDState, diloco, local_sgd, slowmo
     from herring_jax._src.optax_transform import (AllReduceGradientsState,
                                                   CompressedGradientsState, allreduce_gradients)
     from herring_jax._src.powersgd import PowerSGDState, powersgd

@@ -57,6 +57,11 @@ EXTENDED_CASES = {
     # recipes (2 processes, then a resume on 3) take 1.5-3 min.
     "test_nnx.py::test_herring_inside_nnx_optimizer_on_two_processes",
     "test_nnx.py::test_the_nnx_example_matches_one_process[sharded]",
+    # Local SGD: the core tier keeps the 2-process run of every case (about
+    # 30 s); 4 processes, shard_map and the train-bench run another 2.5 min.
+    "test_local_sgd.py::test_the_presets_match_their_model_on_four_processes",
+    "test_local_sgd.py::test_inside_shard_map_every_device_is_a_worker",
+    "test_local_sgd.py::test_train_bench_runs_diloco_against_allreduce_and_compute",
 }
 # The C++ unit tests under ThreadSanitizer: the core tier runs them under
 # AddressSanitizer + UBSan, and .ci/sanitizers.sh runs the engine under both.

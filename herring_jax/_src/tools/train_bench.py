@@ -34,6 +34,11 @@ per step, the optimizer state each process holds, the parameters and
 optimizer state it holds between steps (held) and the compiled step's
 temporary buffers (temp, from XLA's memory_analysis); --plot draws the
 held-out loss against the steps.
+Names for the optimizers that sync every H steps: localsgd<H>, slowmo<H>,
+diloco<H>[-<codec>] (herring_jax.local_sgd and its presets, the script's
+--local-steps H --outer ...; e.g. diloco16-int8), and compute (no reduction at
+all: each process trains alone, the compute-only step). With none in the list
+it also prints the time each run took to reach none's final held-out loss.
 With --seeds 0,1,2 every codec trains once per seed (the model's
 initialization and the batches) and the table gives the mean held-out loss
 and bytes (the median of the median steps), the distance from none as the
@@ -169,6 +174,9 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
     if _topk_name(codec):
         fraction = codec[len("topk"):]
         return ["--topk-fraction", fraction], f"topk{float(fraction):g}"
+    local = _local_sgd_args(codec)
+    if local:
+        return local
     lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
     m = re.fullmatch(rf"powersgd([1-9]\d*)(?:-({lossy}))?(?:-it([1-9]\d*))?", codec)
     if m is None:
@@ -184,6 +192,41 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
         how += ["--powersgd-iterations", str(iterations)]
         name += f"-it{iterations}"
     return how, name
+
+
+def _local_sgd_args(codec: str) -> tuple[list[str], str] | None:
+    """compute: no reduction at all (--reduce none, every process alone: the
+    compute-only step); localsgd<H>, slowmo<H>, diloco<H>[-<codec>]: the
+    script's --local-steps H --outer ... (herring_jax.local_sgd and its
+    presets, the pseudo-gradients sent with that codec)."""
+    from herring_jax._src import codecs as codecs_lib
+    if codec == "compute":
+        return ["--reduce", "none"], codec
+    lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
+    m = re.fullmatch(rf"(localsgd|slowmo|diloco)([1-9]\d*)(?:-({lossy}))?", codec)
+    if m is None:
+        return None
+    outer = "sgd" if m.group(1) == "localsgd" else m.group(1)
+    return (["--local-steps", m.group(2), "--outer", outer, "--compression",
+             m.group(3) or "none"], codec)
+
+
+def _print_time_to_loss(results: list[dict], base: dict) -> None:
+    """For each run, the first logged step whose held-out loss (mean over the
+    seeds) is at most none's final one, and that step's time at the run's
+    median step (step + 1 steps); stored as time_to_none_loss_s (None: never)."""
+    target = base["held_out_loss"]
+    for r in results:
+        reached = next((s for s, loss in r["held_out_curve"] if loss <= target), None)
+        r["time_to_none_loss_s"] = (None if reached is None
+                                    else (reached + 1) * r["median_step_ms"] / 1e3)
+    print(f"time to none's final held-out loss {target:.4f} (median step x steps):")
+    for r in results:
+        if r["time_to_none_loss_s"] is None:
+            print(f"  {r['codec']}: not reached in {r['held_out_curve'][-1][0] + 1} steps")
+            continue
+        ratio = (base["time_to_none_loss_s"] or float("nan")) / r["time_to_none_loss_s"]
+        print(f"  {r['codec']}: {r['time_to_none_loss_s']:.2f} s, {ratio:.2f}x as fast as none")
 
 
 def _run_codec(args, codec: str, env: dict, seed: int | None) -> dict:
@@ -278,7 +321,8 @@ def run_codecs(args: argparse.Namespace) -> int:
         print(f"herring-jax train-bench: unknown codecs {unknown}; known: "
               f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>[-<codec>][-it<iterations>] "
               "(e.g. powersgd4-bf16-it2), topk<fraction> (e.g. topk0.01), sharded[-<codec>], "
-              "fully[-reshard][-<codec>]", file=sys.stderr)
+              "fully[-reshard][-<codec>], localsgd|slowmo|diloco<H>[-<codec>] (e.g. "
+              "diloco16-int8), compute", file=sys.stderr)
         return 2
     if len(set(names)) != len(names):
         print(f"herring-jax train-bench: a codec is named twice in --codecs {args.codecs}",
@@ -347,6 +391,8 @@ def run_codecs(args: argparse.Namespace) -> int:
               f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8} "
               f"{r['state_mib_per_process']:>9.3f} {r['held_mib_per_process']:>8.3f} "
               f"{r['step_temp_mib']:>8.3f}" + per_seed)
+    if base:
+        _print_time_to_loss(results, base)
     # The JSON first: a plot that fails must not lose the runs.
     if args.json:
         with open(args.json, "w") as f:

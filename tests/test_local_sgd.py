@@ -1,0 +1,116 @@
+"""local_sgd, slowmo and diloco (tests/workers/local_sgd_worker.py): with
+every=1 and the plain outer sgd(1.0), bitwise allreduce_gradients' training;
+each preset bitwise a numpy model of its algorithm at every step on 2 and 4
+processes, herring reducing at the sync steps only; int8 with error
+feedback bitwise the codec's model; inside nnx.Optimizer and a Linen
+TrainState bitwise the plain pytree; an NNX checkpoint saved mid-period
+resuming bitwise; and inside shard_map over a mesh axis.
+
+XLA_FLAGS=--xla_backend_optimization_level=0: with LLVM's optimizations
+XLA:CPU contracts a multiply and an add of one fused loop into one fused
+multiply-add, differently in the two programs compared (tests/test_sharded.py
+says more). HERRING_HOST_STAGE=0: a codec applies where data crosses the
+transport, which with the host stage on is nowhere between processes of one
+host.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multiproc import assert_all_ok, launch
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": "0"}
+PRESETS = ["localsgd/model", "slowmo/model", "diloco/model"]
+FLAX = ["nnx/vs-plain", "nnx/checkpoint", "linen/vs-plain"]
+
+
+def _check(run, cases):
+    digests = assert_all_ok(run, expected_cases=len(cases))
+    assert sorted(r["case"] for r in run.results[0]) == sorted(cases)
+    return digests, {r["case"]: r for r in run.results[0]}
+
+
+def test_every_step_is_allreduce_gradients_and_the_presets_match_their_model(tmp_path):
+    run = launch("local_sgd_worker.py", ["--dir", str(tmp_path)], nproc=2, env=ENV)
+    digests, cases = _check(run, ["h1/vs-allreduce", "donated", *PRESETS, "int8/model", *FLAX])
+    # H = 1 and every sync: the same parameters on every process.
+    assert len(digests["h1/vs-allreduce"]) == 1, digests
+    for name in PRESETS:
+        # 7 steps with every=3: reductions at steps 3 and 6 only.
+        assert cases[name]["reduced_at_syncs_only"] == [True] * 7, cases[name]
+    assert cases["int8/model"]["residual_max"] > 0, cases["int8/model"]
+
+
+def test_the_presets_match_their_model_on_four_processes():
+    run = launch("local_sgd_worker.py", ["--cases", "presets,int8"], nproc=4, env=ENV)
+    _check(run, [*PRESETS, "int8/model"])
+
+
+def test_inside_shard_map_every_device_is_a_worker():
+    # 2 processes x 2 devices: the engine sums each process's devices first.
+    run = launch("local_sgd_worker.py", ["--mesh"], nproc=2, devices=2, env=ENV)
+    _check(run, [f"mesh/{p}" for p in PRESETS])
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import herring_jax
+    for every in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="every must be a positive int"):
+            herring_jax.local_sgd(optax.sgd(0.1), every)
+    assert isinstance(herring_jax.local_sgd(optax.sgd(0.1), np.int64(4)),
+                      optax.GradientTransformation)
+    with pytest.raises(ValueError, match="learning_rate is gamma"):
+        herring_jax.slowmo(optax.sgd(0.1), 4, learning_rate=0.0)
+    with pytest.raises(ValueError, match="unknown codec"):
+        herring_jax.diloco(optax.adamw(1e-3), 4, compression="int4")
+    tx = herring_jax.local_sgd(optax.sgd(0.1), 2)
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    assert isinstance(state, herring_jax.LocalSGDState)
+    with pytest.raises(ValueError, match=r"tx.update\(grads, state, params\)"):
+        tx.update(params, state)
+    with pytest.raises(TypeError, match="LocalSGDState"):
+        tx.update(params, optax.EmptyState(), params)
+
+
+def test_train_bench_names_the_local_runs():
+    from herring_jax._src.tools.train_bench import _codec_args
+    assert _codec_args("diloco16-int8") == (
+        ["--local-steps", "16", "--outer", "diloco", "--compression", "int8"], "diloco16-int8")
+    assert _codec_args("localsgd4") == (
+        ["--local-steps", "4", "--outer", "sgd", "--compression", "none"], "localsgd4")
+    assert _codec_args("slowmo8-bf16")[0][3] == "slowmo"
+    assert _codec_args("compute") == (["--reduce", "none"], "compute")
+    for bad in ("diloco0", "diloco16-int4", "diloco", "slowmo-4", "localsgd4-none"):
+        assert _codec_args(bad) is None, bad
+
+
+def test_train_bench_runs_diloco_against_allreduce_and_compute(tmp_path):
+    # 2 processes over the transport, a tiny model, 6 steps, a sync every 2:
+    # the train_lm options reach herring_jax.diloco (the script reports the
+    # name back), int8 pseudo-gradients every other step send far fewer bytes
+    # than float32 gradients every step, and compute sends none of either.
+    out = tmp_path / "local.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "6",
+         "--codecs", "none,compute,diloco2-int8", "--log-every", "2", "--script",
+         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
+         "--layers", "1", "--text-bytes", str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(runs) == {"none", "compute", "diloco2-int8"}
+    assert runs["diloco2-int8"]["bytes_reduction"] > 5, runs
+    assert runs["compute"]["sent_mib_per_step"] < runs["diloco2-int8"]["sent_mib_per_step"]
+    assert runs["diloco2-int8"]["held_out_loss"] != runs["none"]["held_out_loss"]
+    assert "time to none's final held-out loss" in proc.stdout, proc.stdout
+    assert all("time_to_none_loss_s" in r for r in runs.values()), runs
