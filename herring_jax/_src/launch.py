@@ -8,6 +8,7 @@ Usage (the two forms are the same)::
                                -- COMMAND [ARG ...]
   herring-jax launch -n 4 --devices-per-process 2 -- python train.py --steps 100
   herring-jax launch -n 4 --netns --host-rate 1gbit --flow-rate 250mbit -- python train.py
+  herring-jax launch -n 4 --max-restarts 3 [--min-processes 2] -- python train.py
 
 Each child gets the launcher's environment plus HERRING_COORDINATOR_ADDRESS
 (127.0.0.1:P, P a free port by default), HERRING_NUM_PROCESSES,
@@ -28,13 +29,27 @@ The first child to fail stops the job: the others get SIGTERM, SIGKILL after
 HERRING_LAUNCH_GRACE_S seconds (default 10), and the launcher exits with that
 child's code (128 + N for a death by signal N). --timeout expiry exits 124;
 SIGINT, SIGTERM or SIGHUP to the launcher stops every child the same way and
-exits 130, 143 or 129. Each child leads its own process group and whole
+exits 130, 143 or 129; the children get SIGTERM, and the wait before SIGKILL
+is at least HERRING_PREEMPTION_GRACE_S + 2 s then, so that ranks that save on
+preemption (herring_jax.preemption_requested) can finish their checkpoint.
+Each child leads its own process group and whole
 groups are killed, so nothing a rank started outlives the job. A launcher
 killed outright (SIGKILL, e.g. by a test harness's timeout) cannot do that:
 on Linux each child gets SIGKILL as its parent-death signal, so the ranks die
 with it (a rank's own children then live on unless the rank gives them a
 parent-death signal too). Standard library only: the launcher never imports
 jax.
+
+With --max-restarts K a failed run (a rank's non-zero exit or death by a
+signal; the others are stopped as above) is followed by a new run of the whole
+job, up to K times, each child told its run's number in HERRING_RESTART
+(0 first), with one line per restart naming the rank that failed and how. A
+stop by a signal or --timeout (one deadline for all runs) is never restarted.
+With --min-processes M, a host (a process; with --netns a simulated host) that
+failed in two runs in a row is left out of the next one if at least M
+processes remain: the ranks are numbered from 0 again, and the program
+resumes from its checkpoint on fewer processes. The exit code is the last
+run's.
 """
 
 from __future__ import annotations
@@ -52,9 +67,11 @@ import threading
 import time
 
 from herring_jax._src import knobs
+from herring_jax._src.launch_restarts import RESTART_ENV, Restarts
 
 PROG = "herring-jax launch"
 GRACE_ENV = "HERRING_LAUNCH_GRACE_S"
+PREEMPTION_GRACE_ENV = "HERRING_PREEMPTION_GRACE_S"
 DEFAULT_GRACE_S = knobs.KNOBS[GRACE_ENV].default
 EXIT_TIMEOUT = 124
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -144,6 +161,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--processes-per-host", type=_number(int, 1), default=1, metavar="P",
                      help="with --netns: P processes share each host's namespace (ranks "
                           "hP..hP+P-1 on host h); N must be a multiple of P")
+    restarts = parser.add_argument_group(
+        "restarts", "start the whole job again after a failure (the program resumes from "
+        "its checkpoint)")
+    restarts.add_argument("--max-restarts", type=_number(int, 0), default=0, metavar="K",
+                          help="after a rank fails, stop the others and start the job again, "
+                               f"up to K times; each run gets {RESTART_ENV}=0, 1, ... "
+                               "(default 0: no restarts)")
+    restarts.add_argument("--min-processes", type=_number(int, 1), metavar="M",
+                          help="with --max-restarts: leave out a process (with --netns: a "
+                               "host) that failed in two runs in a row, while at least M "
+                               "processes remain")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command every process runs, after '--'")
     # run() must report a missing command as a usage error of whichever parser
@@ -160,7 +188,7 @@ def free_port() -> int:
 
 def child_env(base: dict, rank: int, num_processes: int, port: int,
               devices_per_process: int | None = None, host: str = "127.0.0.1",
-              local_rank: int | None = None) -> dict:
+              local_rank: int | None = None, restart: int = 0) -> dict:
     """Builds one child's environment.
 
     Args:
@@ -171,6 +199,7 @@ def child_env(base: dict, rank: int, num_processes: int, port: int,
       devices_per_process: if set, the number of host-platform devices.
       host: the coordinator's address (rank 0's host).
       local_rank: its index among the processes of its host (default: rank).
+      restart: the run's number under --max-restarts (0: the first run).
 
     Returns:
       A new dict with the HERRING_* variables (and XLA settings) added.
@@ -182,6 +211,7 @@ def child_env(base: dict, rank: int, num_processes: int, port: int,
         "HERRING_PROCESS_ID": str(rank),
         "HERRING_LOCAL_RANK": str(rank if local_rank is None else local_rank),
         "PYTHONUNBUFFERED": "1",
+        RESTART_ENV: str(restart),
     })
     if devices_per_process is not None:
         # Replaced, not appended: two copies would leave a reader of the
@@ -201,6 +231,15 @@ def _grace_s() -> float:
         print(f"{PROG}: ignoring {GRACE_ENV}={text!r} (not a number); using "
               f"{DEFAULT_GRACE_S:g} s", file=sys.stderr, flush=True)
         return DEFAULT_GRACE_S
+
+
+def _preemption_grace_s() -> float:
+    """The ranks' preemption grace (HERRING_PREEMPTION_GRACE_S), for the
+    launcher's own wait after forwarding a stop signal."""
+    try:
+        return knobs.get(PREEMPTION_GRACE_ENV)
+    except ValueError:
+        return knobs.KNOBS[PREEMPTION_GRACE_ENV].default
 
 
 def _ignores_sigterm(pid: int) -> bool:
@@ -302,13 +341,19 @@ class _Job:
         self.signals.append(signum)
         self.events.put(("signal", signum, 0))
 
-    def wait_for_end(self, timeout: float | None) -> tuple[int, str | None, int | None]:
+    def wait_for_end(self, timeout: float | None,
+                     deadline: float | None = None) -> tuple[int, str | None, int | None]:
         """Blocks until every child succeeded, one failed, a signal came or time ran out.
+
+        Args:
+          timeout: the --timeout to report.
+          deadline: when it runs out (time.monotonic()); default: timeout from now.
 
         Returns:
           (exit code, the line to report or None, the failed rank or None).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if deadline is None and timeout is not None:
+            deadline = time.monotonic() + timeout
         running = set(range(len(self.procs)))
         while running:
             # Bounded waits: a signal caught by another thread gets its Python
@@ -322,6 +367,8 @@ class _Job:
                                            f"{_processes(len(running))}"), None)
                 continue
             if kind == "signal":
+                # Ranks that save on preemption need their grace, not just ours.
+                self.grace_s = max(self.grace_s, _preemption_grace_s() + 2.0)
                 return (128 + what, (f"got {signal.Signals(what).name}; stopping all "
                                      f"{_processes(len(running))}"), None)
             running.discard(what)
@@ -390,7 +437,9 @@ class _Job:
                and len(self.signals) == signals_before):
             if not announced and end - time.monotonic() < self.grace_s - _ANNOUNCE_AFTER_S:
                 alive = sum(proc.poll() is None for proc in self.procs)
-                self.say(f"waiting up to {self.grace_s:g} s ({GRACE_ENV}) for "
+                why = GRACE_ENV if self.grace_s == _grace_s() else \
+                    f"{PREEMPTION_GRACE_ENV} + 2 s"
+                self.say(f"waiting up to {self.grace_s:g} s ({why}) for "
                          f"{_processes(max(alive, 1))} to exit after SIGTERM, then SIGKILL "
                          "(Ctrl-C again: at once)")
                 announced = True
@@ -433,6 +482,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: -n {n} is not a multiple of --processes-per-host {per_host}",
               file=sys.stderr)
         return 2
+    max_restarts = getattr(args, "max_restarts", 0) or 0
+    min_processes = getattr(args, "min_processes", None)
+    if min_processes is not None and (not max_restarts or min_processes >= n):
+        print(f"{PROG}: error: --min-processes {min_processes} needs --max-restarts K > 0 "
+              f"and fewer processes than -n {n} (it says how far a restart may shrink the "
+              "job)", file=sys.stderr)
+        return 2
+    restarts = Restarts(n // per_host, per_host, max_restarts, min_processes)
     net = None
     if netns:
         from herring_jax._src.tools.netns import SimulatedNetwork
@@ -449,12 +506,19 @@ def run(args: argparse.Namespace) -> int:
               "job's coordinator?); choose another port, or leave the option out for a free "
               "one", file=sys.stderr)
         return 2
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     job = _Job(_grace_s())
+    # One handler for every run: it reaches whichever job runs now.
+    current = [job]
+
+    def on_signal(signum, frame):
+        current[0].on_signal(signum, frame)
+
     # Handlers go in before any child exists, so a Ctrl-C during start-up
     # cannot leave children running; signal.signal only works on the main thread.
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, job.on_signal) for s in _STOP_SIGNALS}
+        previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
     message = failed_rank = None
     try:
         if net is not None:
@@ -465,23 +529,56 @@ def run(args: argparse.Namespace) -> int:
                 job.say(f"cannot build the simulated network: {e}")
                 return 2
             job.say(f"simulated network: {net.describe()}")
-        for rank in range(n):
-            try:
-                job.start(rank, net.wrap(rank // per_host, command) if net else command,
-                          child_env(os.environ, rank, n, port, args.devices_per_process,
-                                    net.address(0) if net else "127.0.0.1",
-                                    local_rank=rank % per_host if net else rank))
-            except OSError as e:
-                job.say(f"cannot start {command[0]!r}: {e}")
-                return 126 if isinstance(e, PermissionError) else 127
-        code, message, failed_rank = job.wait_for_end(args.timeout)
-        return code
+        while True:
+            code = _start_all(job, command, args, restarts, net, port)
+            if code is not None:
+                return code
+            code, message, failed_rank = job.wait_for_end(args.timeout, deadline)
+            if failed_rank is None:
+                return code
+            rank, why = failed_rank, message.split(";")[0].removeprefix(f"rank {failed_rank} ")
+            job.stop(message, rank)
+            message = failed_rank = None  # stopped: the finally clause has nothing left
+            if job.signals:  # stopped by hand while stopping: no restart
+                return 128 + job.signals[0]
+            line = restarts.after_failure(rank, why)
+            if line is None:
+                if max_restarts:
+                    job.say(f"giving up: the job failed again after {max_restarts} "
+                            f"restart{'s' if max_restarts > 1 else ''} (--max-restarts)")
+                return code
+            job.say(line)
+            job = _Job(_grace_s())
+            current[0] = job
+            if not net:
+                # The last run's coordinator may still hold its port for a moment.
+                port = args.coordinator_port or free_port()
+            else:
+                port += 1
     finally:
         job.stop(message, failed_rank)
         if net is not None:
             net.destroy()  # after every process in it has ended
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _start_all(job: _Job, command: list[str], args, restarts: Restarts, net,
+               port: int) -> int | None:
+    """Starts every process of the next run; returns an exit code if one cannot start."""
+    n, per_host = restarts.num_processes, restarts.per_host
+    for rank in range(n):
+        host = restarts.slot_of(rank)
+        try:
+            job.start(rank, net.wrap(host, command) if net else command,
+                      child_env(os.environ, rank, n, port, args.devices_per_process,
+                                net.address(restarts.slots[0]) if net else "127.0.0.1",
+                                local_rank=rank % per_host if net else rank,
+                                restart=restarts.restart))
+        except OSError as e:
+            job.say(f"cannot start {command[0]!r}: {e}")
+            return 126 if isinstance(e, PermissionError) else 127
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
