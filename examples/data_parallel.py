@@ -71,9 +71,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "from the latest checkpoint found there")
     parser.add_argument("--checkpoint-every", type=int, default=50,
                         help="steps between checkpoints (and one after the last step)")
-    parser.add_argument("--kill-at-step", type=int, default=None,
-                        help="fault injection for tests: the last process SIGKILLs itself "
-                             "after this step (then relaunch to resume)")
+    parser.add_argument("--kill-at-step", type=kill_plan, default=None,
+                        metavar="STEP[:RANK][,...]",
+                        help="fault injection for tests: the last process (or RANK) "
+                             "SIGKILLs itself after STEP (then relaunch to resume); under "
+                             "herring-jax launch --max-restarts, the k-th item applies to "
+                             "restart k (HERRING_RESTART)")
+
+
+def kill_plan(text: str) -> list[tuple[int, int | None]]:
+    """--kill-at-step's value: [(step, rank or None for the last), ...]."""
+    plan = []
+    for item in text.split(","):
+        step, _, rank = item.partition(":")
+        try:
+            plan.append((int(step), int(rank) if rank else None))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected STEP or STEP:RANK items separated by commas, got {item!r}") from None
+    return plan
+
+
+def kill_now(args, step: int) -> bool:
+    """Whether this process SIGKILLs itself after `step` (--kill-at-step): one
+    kill per run, the k-th item in restart k, so that a restarted job that
+    resumes before that step is not killed again at the same point."""
+    if not args.kill_at_step:
+        return False
+    restart = int(os.environ.get("HERRING_RESTART", "0"))
+    if restart >= len(args.kill_at_step):
+        return False
+    at, rank = args.kill_at_step[restart]
+    return step == at and jax.process_index() == (
+        jax.process_count() - 1 if rank is None else rank)
 
 
 def compression_name(args) -> str:
@@ -259,13 +289,42 @@ class Checkpoints:
         target = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             {"params": params, "opt_state": opt_state})
+        self.check_shapes(done, target)
         state = self.manager.restore(done, args=self._ocp.args.StandardRestore(target))
         return state["params"], state["opt_state"], done
 
+    def check_shapes(self, done: int, target) -> None:
+        """Refuses, saying why, a checkpoint whose arrays have other shapes than
+        this job's: --sharded-optimizer's state has one chunk per device, so a
+        job resumed on another number of devices (herring-jax launch
+        --min-processes) cannot take it."""
+        saved = jax.tree_util.tree_leaves_with_path(self.manager.item_metadata(done))
+        here = jax.tree_util.tree_leaves_with_path(target)
+        for (path, was), (_, now) in zip(saved, here):
+            if tuple(was.shape) != tuple(now.shape):
+                raise SystemExit(
+                    f"the checkpoint after step {done} in {self.manager.directory} holds "
+                    f"{jax.tree_util.keystr(path)} of shape {tuple(was.shape)}, this job's is "
+                    f"{tuple(now.shape)}: it was saved by a job of another number of devices "
+                    f"({len(jax.devices())} here). --sharded-optimizer's state holds one chunk "
+                    "per device: resume on as many devices as saved it, or use the "
+                    "replicated state (allreduce_gradients), which restores onto any number")
+
     def maybe_save(self, done: int, last: bool, params, opt_state) -> None:
-        if done % self.every == 0 or last:
+        if (done % self.every == 0 or last) and self.manager.latest_step() != done:
             state = {"params": params, "opt_state": opt_state}
             self.manager.save(done, args=self._ocp.args.StandardSave(state), force=True)
+
+    def stop_for_preemption(self, done: int, params, opt_state) -> bool:
+        """After `done` steps: whether the job stops here because a process got
+        SIGTERM (the same answer on every process), saving first if this step
+        was not saved yet. A collective: every process calls it after each step."""
+        if not herring_jax.preemption_requested():
+            return False
+        self.maybe_save(done, True, params, opt_state)
+        print(f"process {jax.process_index()}: preempted, saved the checkpoint after step "
+              f"{done} in {self.manager.directory}; exiting", flush=True)
+        return True
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -284,6 +343,8 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     checkpoints = Checkpoints(args) if args.checkpoint_dir else None
     first = 0
     if checkpoints:
+        # SIGTERM from now on: a save at the next step every process agrees on.
+        herring_jax.catch_preemption()
         params, opt_state, first = checkpoints.restore(params, opt_state)
         if rank == 0 and first:
             print(f"resumed from the checkpoint after step {first} in {args.checkpoint_dir}",
@@ -292,6 +353,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     local = getattr(step, "takes_local_batch", False)
     whole = getattr(step, "whole", lambda p: p)
     memory = ""
+    preempted = False
     for i in range(first, args.steps):
         batch = tuple(next_local_batch(i)) if local else global_batch(mesh, next_local_batch(i))
         if i == first:
@@ -303,7 +365,10 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         losses.append(loss)
         if checkpoints:
             checkpoints.maybe_save(i + 1, i == args.steps - 1, params, opt_state)
-        if i == args.kill_at_step and rank == jax.process_count() - 1:
+            if i < args.steps - 1 and checkpoints.stop_for_preemption(i + 1, params, opt_state):
+                preempted = True
+                break
+        if kill_now(args, i):
             print(f"killing process {rank} after step {i} (--kill-at-step)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if i % args.log_every == 0 or i == args.steps - 1:
@@ -322,7 +387,9 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         checkpoints.close()
     final = whole(params)
     held = state_mib(params) + (state_mib(opt_state) if opt_state is not None else 0.0)
-    if rank == 0 and losses:
+    # A preempted run's processes have said where they saved; its "done" line
+    # comes from the run that resumes.
+    if rank == 0 and losses and not preempted:
         extra = report(final) if report else ""
         print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
               f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
@@ -330,7 +397,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
               f"per step, optimizer state {state_mib(opt_state if not local else params.inner):.3f} "
               f"MiB per process, params and optimizer state held {held:.3f} MiB per process, "
               f"{memory}, params sha256 {params_digest(final)}", flush=True)
-    elif rank == 0:
+    elif rank == 0 and not preempted:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
               f"params sha256 {params_digest(final)}", flush=True)
     herring_jax.shutdown()
