@@ -56,6 +56,15 @@ EXTENDED_CASES = {
     # recipes (2 processes, then a resume on 3) take 1.5-3 min.
     "test_nnx.py::test_herring_inside_nnx_optimizer_on_two_processes",
     "test_nnx.py::test_the_nnx_example_matches_one_process[sharded]",
+    # Restarts of train_lm on 4 processes (several runs each, minutes); the
+    # launcher's own restart tests stay in the core tier.
+    "test_restarts.py::test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
+    "[allreduce]",
+    "test_restarts.py::test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
+    "[sharded]",
+    "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
+    "finishes",
+    "test_restarts.py::test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise",
 }
 # The C++ unit tests under ThreadSanitizer: the core tier runs them under
 # AddressSanitizer + UBSan, and .ci/sanitizers.sh runs the engine under both.
