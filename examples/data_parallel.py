@@ -260,6 +260,12 @@ def params_digest(params) -> str:
     return h.hexdigest()[:16]
 
 
+def _names(path) -> tuple:
+    """A pytree path as names, the same for a tree and orbax's metadata of it
+    (which turns NamedTuples into dicts)."""
+    return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
 class Checkpoints:
     """orbax checkpoints of (params, opt_state) after whole steps.
 
@@ -276,39 +282,80 @@ class Checkpoints:
         self.every = args.checkpoint_every
         if self.every < 1:
             raise SystemExit(f"--checkpoint-every must be at least 1, got {self.every}")
+        self.sharded = bool(getattr(args, "sharded_optimizer", False))
+        # With the handler named, a fresh manager can read a checkpoint's
+        # shapes (item_metadata) before it saves or restores anything.
         self.manager = ocp.CheckpointManager(
-            os.path.abspath(args.checkpoint_dir),
+            os.path.abspath(args.checkpoint_dir), item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=2,
                                                  enable_async_checkpointing=False))
 
     def restore(self, params, opt_state):
-        """Returns (params, opt_state, steps done): the latest checkpoint, or the inputs."""
+        """Returns (params, opt_state, steps done): the latest checkpoint, or the inputs.
+
+        --sharded-optimizer's state saved by more devices than this job has (a
+        restart on fewer processes, herring-jax launch --min-processes) is cut
+        into this job's chunks (restore_fewer)."""
         done = self.manager.latest_step()
         if done is None:
             return params, opt_state, 0
         target = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             {"params": params, "opt_state": opt_state})
-        self.check_shapes(done, target)
-        state = self.manager.restore(done, args=self._ocp.args.StandardRestore(target))
+        saved = {_names(path): tuple(m.shape) for path, m in
+                 jax.tree_util.tree_leaves_with_path(self.manager.item_metadata(done))}
+        if all(saved.get(_names(path)) == t.shape
+               for path, t in jax.tree_util.tree_leaves_with_path(target)):
+            state = self.manager.restore(done, args=self._ocp.args.StandardRestore(target))
+        else:
+            state = self.restore_fewer(done, target, saved)
         return state["params"], state["opt_state"], done
 
-    def check_shapes(self, done: int, target) -> None:
-        """Refuses, saying why, a checkpoint whose arrays have other shapes than
-        this job's: --sharded-optimizer's state has one chunk per device, so a
-        job resumed on another number of devices (herring-jax launch
-        --min-processes) cannot take it."""
-        saved = jax.tree_util.tree_leaves_with_path(self.manager.item_metadata(done))
+    def restore_fewer(self, done: int, target, saved: dict):
+        """--sharded-optimizer's state saved by N devices, onto this job's M < N.
+
+        Each state leaf is a global array of N rows, row d device d's: a chunk
+        (the flattened elements [d*c, (d+1)*c) of a parameter's state, c =
+        ceil(size / N), zero-padded at the end), or a value of its own (a step
+        count, the same in every row; the chunk's index, d). Flattened, their
+        first M rows of c' = ceil(size / M) elements are this job's rows: what
+        lies beyond is padding, or rows of the devices that are gone. Error
+        feedback residuals start from zero (as restore_sharded's do)."""
         here = jax.tree_util.tree_leaves_with_path(target)
-        for (path, was), (_, now) in zip(saved, here):
-            if tuple(was.shape) != tuple(now.shape):
-                raise SystemExit(
-                    f"the checkpoint after step {done} in {self.manager.directory} holds "
-                    f"{jax.tree_util.keystr(path)} of shape {tuple(was.shape)}, this job's is "
-                    f"{tuple(now.shape)}: it was saved by a job of another number of devices "
-                    f"({len(jax.devices())} here). --sharded-optimizer's state holds one chunk "
-                    "per device: resume on as many devices as saved it, or use the "
-                    "replicated state (allreduce_gradients), which restores onto any number")
+        devices = len(jax.devices())
+        rows = {saved.get(_names(p), (None,))[0] for p, _ in here if _names(p)[0] == "opt_state"}
+        params_same = all(saved.get(_names(p)) == t.shape for p, t in here
+                          if _names(p)[0] == "params")
+        saved_devices = max(rows, key=lambda r: r or 0)
+        if not (self.sharded and params_same and len(rows) == 1 and saved_devices > devices):
+            changed = next(p for p, t in here if saved.get(_names(p)) != t.shape)
+            raise SystemExit(
+                f"the checkpoint after step {done} in {self.manager.directory} holds "
+                f"{jax.tree_util.keystr(changed)} of shape {saved.get(_names(changed))}, this "
+                "job's differs: it is not this model's, or --sharded-optimizer's state of "
+                f"fewer devices than this job's {devices} (a restart can leave processes out, "
+                "never add them)")
+        replicated = NamedSharding(jax.tree_util.tree_leaves(target)[0].sharding.mesh, P())
+        read = jax.tree_util.tree_map_with_path(
+            lambda p, t: jax.ShapeDtypeStruct(saved[_names(p)], t.dtype, sharding=replicated),
+            target)
+        state = self.manager.restore(done, args=self._ocp.args.StandardRestore(read))
+
+        def cut(path, was, t):
+            if _names(path)[0] == "params":
+                return was
+            size = int(np.prod(t.shape, dtype=np.int64))
+            flat = np.ravel(np.asarray(was.addressable_shards[0].data))[:size]
+            if "residual" in _names(path):
+                flat = np.zeros(0, flat.dtype)
+            rows = np.pad(flat, (0, size - flat.size)).reshape(t.shape)
+            return jax.make_array_from_callback(t.shape, t.sharding, lambda index: rows[index])
+
+        if jax.process_index() == 0:
+            print(f"the checkpoint after step {done} holds --sharded-optimizer's state of "
+                  f"{saved_devices} devices: cut into chunks of {devices}",
+                  flush=True)
+        return jax.tree_util.tree_map_with_path(cut, state, target)
 
     def maybe_save(self, done: int, last: bool, params, opt_state) -> None:
         if (done % self.every == 0 or last) and self.manager.latest_step() != done:
