@@ -63,7 +63,9 @@ EXTENDED_CASES = {
     "test_restarts.py::test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
     "[sharded]",
     "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
-    "finishes",
+    "finishes[allreduce]",
+    "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
+    "finishes[sharded]",
     "test_restarts.py::test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise",
 }
 # The C++ unit tests under ThreadSanitizer: the core tier runs them under
