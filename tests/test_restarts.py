@@ -89,6 +89,33 @@ def test_a_failed_run_restarts_the_whole_job_and_says_why(tmp_path):
         "(killed by SIGKILL); starting all 3 processes again"], p.stderr
 
 
+def test_a_rank_killed_by_a_signal_is_named_over_a_peer_that_exited_first(tmp_path):
+    # A SIGKILLed rank's peers fail within a moment (herring's peer-death
+    # error, status 1); on a busy machine the launcher can see one of them end
+    # first. Here rank 0 exits 1 first on purpose, and rank 2 is SIGKILLed
+    # 0.3 s later, before the launcher stops anyone: rank 2 is the cause.
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        run, rank = os.environ["HERRING_RESTART"], os.environ["HERRING_PROCESS_ID"]
+        flag = os.path.join({str(tmp_path)!r}, "rank0-exits")
+        if run == "0" and rank == "0":
+            open(flag, "w").close()
+            sys.exit(1)
+        if run == "0" and rank == "2":
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            time.sleep(0.3)
+            os.kill(os.getpid(), 9)
+        time.sleep(0.5 if run == "1" else 30)
+    """)
+    p = _run(["-n", "3", "--max-restarts", "1", "--", sys.executable, "-c", code])
+    assert p.returncode == 0, p.stderr
+    restarts = [line for line in _launcher_lines(p.stderr) if "restart " in line]
+    assert restarts == [
+        "herring-jax launch: restart 1 of 1 (HERRING_RESTART=1): rank 2 exited with code 137 "
+        "(killed by SIGKILL); starting all 3 processes again"], p.stderr
+
+
 def test_the_job_ends_with_the_last_failure_once_the_restarts_are_spent(tmp_path):
     p = _run(["-n", "2", "--max-restarts", "2", "--", sys.executable, "-c",
               _child(tmp_path, "lambda run, rank, n: 5 if rank == 1 else None")])
