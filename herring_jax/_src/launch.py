@@ -27,7 +27,10 @@ on failure or Ctrl-C. Needs root and iproute2.
 
 The first child to fail stops the job: the others get SIGTERM, SIGKILL after
 HERRING_LAUNCH_GRACE_S seconds (default 10), and the launcher exits with that
-child's code (128 + N for a death by signal N). --timeout expiry exits 124;
+child's code (128 + N for a death by signal N), or with that of a child that
+died by a signal while the others were ending by themselves (a killed rank's
+peers fail at once, and one may reach the launcher first). --timeout expiry
+exits 124;
 SIGINT, SIGTERM or SIGHUP to the launcher stops every child the same way and
 exits 130, 143 or 129; the children get SIGTERM, and the wait before SIGKILL
 is at least HERRING_PREEMPTION_GRACE_S + 2 s then, so that ranks that save on
