@@ -5,8 +5,11 @@
   python3 -P tests/restart_bench.py [--kills 10] [--reduce herring native]
 
 Every line of the job is stamped when the launcher writes it; the parts are
-  detect:  the kill to the launcher's line naming the dead rank,
-  stop:    that line to its restart line (the survivors' own exit, else SIGTERM),
+  detect:  the kill to the launcher's line naming the dead rank, written once
+           the survivors have ended by themselves (herring's peer-death error)
+           or 3 s have passed,
+  stop:    that line to its restart line (SIGTERM, HERRING_LAUNCH_GRACE_S = 5 s
+           here, SIGKILL: what is left after the survivors' own exit),
   start:   the restart line to "resumed from the checkpoint" (the processes'
            start, jax's import, initialize(), the model's init, the restore),
   compile: that line to the first step's line (the step's compile and run, and
