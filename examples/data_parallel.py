@@ -74,9 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "from the latest checkpoint found there")
     parser.add_argument("--checkpoint-every", type=int, default=50,
                         help="steps between checkpoints (and one after the last step)")
-    parser.add_argument("--kill-at-step", type=int, default=None,
-                        help="fault injection for tests: the last process SIGKILLs itself "
-                             "after this step (then relaunch to resume)")
+    parser.add_argument("--kill-at-step", type=kill_plan, default=None,
+                        metavar="STEP[:RANK][,...]",
+                        help="fault injection for tests: the last process (or RANK) "
+                             "SIGKILLs itself after STEP (then relaunch to resume); under "
+                             "herring-jax launch --max-restarts, the k-th item applies to "
+                             "restart k (HERRING_RESTART)")
     add_local_sgd_arguments(parser)
 
 
@@ -96,6 +99,33 @@ def add_local_sgd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-momentum", type=float, default=None,
                         help="with --local-steps: slowmo's slow momentum (0.5) or diloco's "
                              "outer momentum (0.9)")
+
+
+def kill_plan(text: str) -> list[tuple[int, int | None]]:
+    """--kill-at-step's value: [(step, rank or None for the last), ...]."""
+    plan = []
+    for item in text.split(","):
+        step, _, rank = item.partition(":")
+        try:
+            plan.append((int(step), int(rank) if rank else None))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected STEP or STEP:RANK items separated by commas, got {item!r}") from None
+    return plan
+
+
+def kill_now(args, step: int) -> bool:
+    """Whether this process SIGKILLs itself after `step` (--kill-at-step): one
+    kill per run, the k-th item in restart k, so that a restarted job that
+    resumes before that step is not killed again at the same point."""
+    if not args.kill_at_step:
+        return False
+    restart = int(os.environ.get("HERRING_RESTART", "0"))
+    if restart >= len(args.kill_at_step):
+        return False
+    at, rank = args.kill_at_step[restart]
+    return step == at and jax.process_index() == (
+        jax.process_count() - 1 if rank is None else rank)
 
 
 def compression_name(args) -> str:
@@ -326,6 +356,12 @@ def params_digest(params) -> str:
     return h.hexdigest()[:16]
 
 
+def _names(path) -> tuple:
+    """A pytree path as names, the same for a tree and orbax's metadata of it
+    (which turns NamedTuples into dicts)."""
+    return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
 class Checkpoints:
     """orbax checkpoints of (params, opt_state) after whole steps.
 
@@ -342,26 +378,96 @@ class Checkpoints:
         self.every = args.checkpoint_every
         if self.every < 1:
             raise SystemExit(f"--checkpoint-every must be at least 1, got {self.every}")
+        self.sharded = bool(getattr(args, "sharded_optimizer", False))
+        # With the handler named, a fresh manager can read a checkpoint's
+        # shapes (item_metadata) before it saves or restores anything.
         self.manager = ocp.CheckpointManager(
-            os.path.abspath(args.checkpoint_dir),
+            os.path.abspath(args.checkpoint_dir), item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=2,
                                                  enable_async_checkpointing=False))
 
     def restore(self, params, opt_state):
-        """Returns (params, opt_state, steps done): the latest checkpoint, or the inputs."""
+        """Returns (params, opt_state, steps done): the latest checkpoint, or the inputs.
+
+        --sharded-optimizer's state saved by more devices than this job has (a
+        restart on fewer processes, herring-jax launch --min-processes) is cut
+        into this job's chunks (restore_fewer)."""
         done = self.manager.latest_step()
         if done is None:
             return params, opt_state, 0
         target = jax.tree_util.tree_map(
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
             {"params": params, "opt_state": opt_state})
-        state = self.manager.restore(done, args=self._ocp.args.StandardRestore(target))
+        saved = {_names(path): tuple(m.shape) for path, m in
+                 jax.tree_util.tree_leaves_with_path(self.manager.item_metadata(done))}
+        if all(saved.get(_names(path)) == t.shape
+               for path, t in jax.tree_util.tree_leaves_with_path(target)):
+            state = self.manager.restore(done, args=self._ocp.args.StandardRestore(target))
+        else:
+            state = self.restore_fewer(done, target, saved)
         return state["params"], state["opt_state"], done
 
+    def restore_fewer(self, done: int, target, saved: dict):
+        """--sharded-optimizer's state saved by N devices, onto this job's M < N.
+
+        Each state leaf is a global array of N rows, row d device d's: a chunk
+        (the flattened elements [d*c, (d+1)*c) of a parameter's state, c =
+        ceil(size / N), zero-padded at the end), or a value of its own (a step
+        count, the same in every row; the chunk's index, d). Flattened, their
+        first M rows of c' = ceil(size / M) elements are this job's rows: what
+        lies beyond is padding, or rows of the devices that are gone. Error
+        feedback residuals start from zero (as restore_sharded's do)."""
+        here = jax.tree_util.tree_leaves_with_path(target)
+        devices = len(jax.devices())
+        rows = {saved.get(_names(p), (None,))[0] for p, _ in here if _names(p)[0] == "opt_state"}
+        params_same = all(saved.get(_names(p)) == t.shape for p, t in here
+                          if _names(p)[0] == "params")
+        saved_devices = max(rows, key=lambda r: r or 0)
+        if not (self.sharded and params_same and len(rows) == 1 and saved_devices > devices):
+            changed = next(p for p, t in here if saved.get(_names(p)) != t.shape)
+            raise SystemExit(
+                f"the checkpoint after step {done} in {self.manager.directory} holds "
+                f"{jax.tree_util.keystr(changed)} of shape {saved.get(_names(changed))}, this "
+                "job's differs: it is not this model's, or --sharded-optimizer's state of "
+                f"fewer devices than this job's {devices} (a restart can leave processes out, "
+                "never add them)")
+        replicated = NamedSharding(jax.tree_util.tree_leaves(target)[0].sharding.mesh, P())
+        read = jax.tree_util.tree_map_with_path(
+            lambda p, t: jax.ShapeDtypeStruct(saved[_names(p)], t.dtype, sharding=replicated),
+            target)
+        state = self.manager.restore(done, args=self._ocp.args.StandardRestore(read))
+
+        def cut(path, was, t):
+            if _names(path)[0] == "params":
+                return was
+            size = int(np.prod(t.shape, dtype=np.int64))
+            flat = np.ravel(np.asarray(was.addressable_shards[0].data))[:size]
+            if "residual" in _names(path):
+                flat = np.zeros(0, flat.dtype)
+            rows = np.pad(flat, (0, size - flat.size)).reshape(t.shape)
+            return jax.make_array_from_callback(t.shape, t.sharding, lambda index: rows[index])
+
+        if jax.process_index() == 0:
+            print(f"the checkpoint after step {done} holds --sharded-optimizer's state of "
+                  f"{saved_devices} devices: cut into chunks of {devices}",
+                  flush=True)
+        return jax.tree_util.tree_map_with_path(cut, state, target)
+
     def maybe_save(self, done: int, last: bool, params, opt_state) -> None:
-        if done % self.every == 0 or last:
+        if (done % self.every == 0 or last) and self.manager.latest_step() != done:
             state = {"params": params, "opt_state": opt_state}
             self.manager.save(done, args=self._ocp.args.StandardSave(state), force=True)
+
+    def stop_for_preemption(self, done: int, params, opt_state) -> bool:
+        """After `done` steps: whether the job stops here because a process got
+        SIGTERM (the same answer on every process), saving first if this step
+        was not saved yet. A collective: every process calls it after each step."""
+        if not herring_jax.preemption_requested():
+            return False
+        self.maybe_save(done, True, params, opt_state)
+        print(f"process {jax.process_index()}: preempted, saved the checkpoint after step "
+              f"{done} in {self.manager.directory}; exiting", flush=True)
+        return True
 
     def close(self) -> None:
         self.manager.wait_until_finished()
@@ -380,6 +486,8 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     checkpoints = Checkpoints(args) if args.checkpoint_dir else None
     first = 0
     if checkpoints:
+        # SIGTERM from now on: a save at the next step every process agrees on.
+        herring_jax.catch_preemption()
         params, opt_state, first = checkpoints.restore(params, opt_state)
         if rank == 0 and first:
             print(f"resumed from the checkpoint after step {first} in {args.checkpoint_dir}",
@@ -388,6 +496,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     local = getattr(step, "takes_local_batch", False)
     whole = getattr(step, "whole", lambda p: p)
     memory = ""
+    preempted = False
     for i in range(first, args.steps):
         batch = tuple(next_local_batch(i)) if local else global_batch(mesh, next_local_batch(i))
         if i == first:
@@ -399,7 +508,10 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         losses.append(loss)
         if checkpoints:
             checkpoints.maybe_save(i + 1, i == args.steps - 1, params, opt_state)
-        if i == args.kill_at_step and rank == jax.process_count() - 1:
+            if i < args.steps - 1 and checkpoints.stop_for_preemption(i + 1, params, opt_state):
+                preempted = True
+                break
+        if kill_now(args, i):
             print(f"killing process {rank} after step {i} (--kill-at-step)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if i % args.log_every == 0 or i == args.steps - 1:
@@ -418,7 +530,9 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         checkpoints.close()
     final = whole(params)
     held = state_mib(params) + (state_mib(opt_state) if opt_state is not None else 0.0)
-    if rank == 0 and losses:
+    # A preempted run's processes have said where they saved; its "done" line
+    # comes from the run that resumes.
+    if rank == 0 and losses and not preempted:
         extra = report(final) if report else ""
         print(f"done: reduce={args.reduce} processes={jax.process_count()} final loss "
               f"{losses[-1]:.4f} (first {losses[0]:.4f}), {extra}, median step "
@@ -426,7 +540,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
               f"per step, optimizer state {state_mib(opt_state if not local else params.inner):.3f} "
               f"MiB per process, params and optimizer state held {held:.3f} MiB per process, "
               f"{memory}, params sha256 {params_digest(final)}", flush=True)
-    elif rank == 0:
+    elif rank == 0 and not preempted:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
               f"params sha256 {params_digest(final)}", flush=True)
     herring_jax.shutdown()

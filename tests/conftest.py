@@ -62,6 +62,17 @@ EXTENDED_CASES = {
     "test_local_sgd.py::test_the_presets_match_their_model_on_four_processes",
     "test_local_sgd.py::test_inside_shard_map_every_device_is_a_worker",
     "test_local_sgd.py::test_train_bench_runs_diloco_against_allreduce_and_compute",
+    # Restarts of train_lm on 4 processes (several runs each, minutes); the
+    # launcher's own restart tests stay in the core tier.
+    "test_restarts.py::test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
+    "[allreduce]",
+    "test_restarts.py::test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
+    "[sharded]",
+    "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
+    "finishes[allreduce]",
+    "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
+    "finishes[sharded]",
+    "test_restarts.py::test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise",
 }
 # The C++ unit tests under ThreadSanitizer: the core tier runs them under
 # AddressSanitizer + UBSan, and .ci/sanitizers.sh runs the engine under both.

@@ -199,6 +199,16 @@ KNOBS: dict[str, Knob] = {
              "preemption notifier catches SIGTERM and lets the process run on. 1 keeps the "
              "notifier (for jax's preemption sync points). A SIGTERM handler installed from "
              "Python before initialize() is always kept."),
+        Knob("HERRING_RESTART", 0, int,
+             "Set by herring-jax launch --max-restarts: the number of the run (0 first, 1 "
+             "after the first restart, ...); set it yourself under another supervisor if "
+             "your program reads it."),
+        Knob("HERRING_PREEMPTION_GRACE_S", 20.0, _positive_float,
+             "herring_jax.catch_preemption / preemption_requested: seconds from the first "
+             "SIGTERM within which the process saves at the step boundary every process "
+             "agrees on and exits; past it, it says so and exits with status 1 (cloud "
+             "notices give 30 s to 2 min). herring-jax launch waits this long plus 2 s "
+             "after forwarding a stop signal."),
         Knob("HERRING_INIT_TIMEOUT_S", 300.0, _positive_float,
              "How long initialize() waits for every process to publish its address."),
         Knob("HERRING_COORDINATOR_ADDRESS", None, str,

@@ -8,6 +8,7 @@ Usage (the two forms are the same)::
                                -- COMMAND [ARG ...]
   herring-jax launch -n 4 --devices-per-process 2 -- python train.py --steps 100
   herring-jax launch -n 4 --netns --host-rate 1gbit --flow-rate 250mbit -- python train.py
+  herring-jax launch -n 4 --max-restarts 3 [--min-processes 2] -- python train.py
 
 Each child gets the launcher's environment plus HERRING_COORDINATOR_ADDRESS
 (127.0.0.1:P, P a free port by default), HERRING_NUM_PROCESSES,
@@ -26,84 +27,51 @@ on failure or Ctrl-C. Needs root and iproute2.
 
 The first child to fail stops the job: the others get SIGTERM, SIGKILL after
 HERRING_LAUNCH_GRACE_S seconds (default 10), and the launcher exits with that
-child's code (128 + N for a death by signal N). --timeout expiry exits 124;
+child's code (128 + N for a death by signal N), or with that of a child that
+died by a signal while the others were ending by themselves (a killed rank's
+peers fail at once, and one may reach the launcher first). --timeout expiry
+exits 124;
 SIGINT, SIGTERM or SIGHUP to the launcher stops every child the same way and
-exits 130, 143 or 129. Each child leads its own process group and whole
+exits 130, 143 or 129; the children get SIGTERM, and the wait before SIGKILL
+is at least HERRING_PREEMPTION_GRACE_S + 2 s then, so that ranks that save on
+preemption (herring_jax.preemption_requested) can finish their checkpoint.
+Each child leads its own process group and whole
 groups are killed, so nothing a rank started outlives the job. A launcher
 killed outright (SIGKILL, e.g. by a test harness's timeout) cannot do that:
 on Linux each child gets SIGKILL as its parent-death signal, so the ranks die
 with it (a rank's own children then live on unless the rank gives them a
 parent-death signal too). Standard library only: the launcher never imports
 jax.
+
+With --max-restarts K a failed run (a rank's non-zero exit or death by a
+signal; the others are stopped as above) is followed by a new run of the whole
+job, up to K times, each child told its run's number in HERRING_RESTART
+(0 first), with one line per restart naming the rank that failed and how. A
+stop by a signal or --timeout (one deadline for all runs) is never restarted.
+With --min-processes M, a host (a process; with --netns a simulated host) that
+failed in two runs in a row is left out of the next one if at least M
+processes remain: the ranks are numbered from 0 again, and the program
+resumes from its checkpoint on fewer processes. The exit code is the last
+run's.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import queue
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 
-from herring_jax._src import knobs
+from herring_jax._src.launch_job import EXIT_TIMEOUT, PROG, _exit_code, _grace_s, _Job
+from herring_jax._src.launch_restarts import RESTART_ENV, Restarts
 
-PROG = "herring-jax launch"
-GRACE_ENV = "HERRING_LAUNCH_GRACE_S"
-DEFAULT_GRACE_S = knobs.KNOBS[GRACE_ENV].default
-EXIT_TIMEOUT = 124
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _DEVICE_FLAG_RE = re.compile(rf"(?:^|\s){_DEVICE_FLAG}(?:=\S*)?(?=\s|$)")
-_POLL_S = 0.05
-# A stop that takes longer than this is announced, with how long it may take.
-_ANNOUNCE_AFTER_S = 0.5
-# After a rank failed, how long the others get to end (and report) by
-# themselves before SIGTERM.
-_SETTLE_S = 3.0
-# A reader can only hang past the kill if something left the child's process
-# group and still holds the pipe; do not let that hang the launcher too.
-_READER_JOIN_S = 2.0
-
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-def _die_with_launcher():
-    """Returns a Popen preexec_fn that makes the child die with this process, or None.
-
-    The children lead their own sessions, so nothing reaches them when the
-    launcher is SIGKILLed; PR_SET_PDEATHSIG (Linux) has the kernel send
-    them SIGKILL then. It survives exec and is set after fork, so a
-    launcher that died in between is caught by comparing getppid() with its
-    pid. The kernel sends it when the thread that started the child ends:
-    run() starts and stops every child on one thread.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    # Everything is looked up here, in the parent: between fork and exec the
-    # child must not import or take locks another thread may hold.
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
-                      ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    launcher, sigkill = os.getpid(), int(signal.SIGKILL)
-    getppid, kill, getpid = os.getppid, os.kill, os.getpid
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
-        if getppid() != launcher:  # the launcher died before prctl
-            kill(getpid(), sigkill)
-
-    return preexec
 
 
 def _number(cast, low, strict: bool = False):
@@ -144,6 +112,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--processes-per-host", type=_number(int, 1), default=1, metavar="P",
                      help="with --netns: P processes share each host's namespace (ranks "
                           "hP..hP+P-1 on host h); N must be a multiple of P")
+    restarts = parser.add_argument_group(
+        "restarts", "start the whole job again after a failure (the program resumes from "
+        "its checkpoint)")
+    restarts.add_argument("--max-restarts", type=_number(int, 0), default=0, metavar="K",
+                          help="after a rank fails, stop the others and start the job again, "
+                               f"up to K times; each run gets {RESTART_ENV}=0, 1, ... "
+                               "(default 0: no restarts)")
+    restarts.add_argument("--min-processes", type=_number(int, 1), metavar="M",
+                          help="with --max-restarts: leave out a process (with --netns: a "
+                               "host) that failed in two runs in a row, while at least M "
+                               "processes remain")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command every process runs, after '--'")
     # run() must report a missing command as a usage error of whichever parser
@@ -160,7 +139,7 @@ def free_port() -> int:
 
 def child_env(base: dict, rank: int, num_processes: int, port: int,
               devices_per_process: int | None = None, host: str = "127.0.0.1",
-              local_rank: int | None = None) -> dict:
+              local_rank: int | None = None, restart: int = 0) -> dict:
     """Builds one child's environment.
 
     Args:
@@ -171,6 +150,7 @@ def child_env(base: dict, rank: int, num_processes: int, port: int,
       devices_per_process: if set, the number of host-platform devices.
       host: the coordinator's address (rank 0's host).
       local_rank: its index among the processes of its host (default: rank).
+      restart: the run's number under --max-restarts (0: the first run).
 
     Returns:
       A new dict with the HERRING_* variables (and XLA settings) added.
@@ -182,6 +162,7 @@ def child_env(base: dict, rank: int, num_processes: int, port: int,
         "HERRING_PROCESS_ID": str(rank),
         "HERRING_LOCAL_RANK": str(rank if local_rank is None else local_rank),
         "PYTHONUNBUFFERED": "1",
+        RESTART_ENV: str(restart),
     })
     if devices_per_process is not None:
         # Replaced, not appended: two copies would leave a reader of the
@@ -192,29 +173,6 @@ def child_env(base: dict, rank: int, num_processes: int, port: int,
     return env
 
 
-def _grace_s() -> float:
-    """The SIGTERM-to-SIGKILL grace period, from HERRING_LAUNCH_GRACE_S if valid."""
-    text = os.environ.get(GRACE_ENV)
-    try:
-        return max(0.0, float(text)) if text else DEFAULT_GRACE_S
-    except ValueError:
-        print(f"{PROG}: ignoring {GRACE_ENV}={text!r} (not a number); using "
-              f"{DEFAULT_GRACE_S:g} s", file=sys.stderr, flush=True)
-        return DEFAULT_GRACE_S
-
-
-def _ignores_sigterm(pid: int) -> bool:
-    """Whether the process has SIGTERM's disposition set to ignore (Linux)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("SigIgn:"):
-                    return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
 def port_in_use(port: int) -> bool:
     """Whether something listens on (or holds) 127.0.0.1:port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -223,184 +181,6 @@ def port_in_use(port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-def _exit_code(returncode: int) -> int:
-    """Maps Popen.returncode to a shell-style exit code (128 + n for signal n)."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _describe(returncode: int) -> str:
-    """Says how a child ended, naming the signal if one killed it."""
-    text = f"exited with code {_exit_code(returncode)}"
-    names = {-s.value: s.name for s in signal.Signals}
-    return f"{text} (killed by {names[returncode]})" if returncode in names else text
-
-
-def _processes(count: int) -> str:
-    """'1 process', '3 processes'."""
-    return f"{count} process" if count == 1 else f"{count} processes"
-
-
-class _Job:
-    """N running children, their output readers and the events that end the job."""
-
-    def __init__(self, grace_s: float):
-        self.grace_s = grace_s
-        self.lock = threading.Lock()  # one whole line at a time, across ranks and streams
-        # SimpleQueue.put is reentrant, so the signal handler may use it too.
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.procs: list[subprocess.Popen] = []
-        self.readers: dict[int, list[threading.Thread]] = {}
-        self.waiters: list[threading.Thread] = []
-        self.signals: list[int] = []
-        self.preexec = _die_with_launcher()
-
-    def say(self, message: str) -> None:
-        """Writes one launcher line to stderr without splitting a child's line."""
-        self._emit(sys.stderr, f"{PROG}: {message}\n")
-
-    def _emit(self, sink, text: str) -> None:
-        with self.lock:
-            try:
-                try:
-                    sink.write(text)
-                except UnicodeEncodeError:  # e.g. an ASCII-only stdout
-                    enc = getattr(sink, "encoding", None) or "ascii"
-                    sink.write(text.encode(enc, "backslashreplace").decode(enc))
-                sink.flush()
-            except (OSError, ValueError):
-                # A closed launcher stdout must not stop the draining, or the
-                # child would block forever on a full pipe.
-                pass
-
-    def _pump(self, stream, sink, prefix: str) -> None:
-        with stream:
-            for raw in iter(stream.readline, b""):
-                line = raw.decode("utf-8", errors="replace")
-                self._emit(sink, prefix + (line if line.endswith("\n") else line + "\n"))
-
-    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
-        self.events.put(("exit", rank, proc.wait()))
-
-    def start(self, rank: int, command: list[str], env: dict) -> None:
-        """Starts one child in its own session, with its reader and waiter threads."""
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=self.preexec)
-        self.procs.append(proc)
-        prefix = f"[rank {rank}] "
-        self.readers[rank] = [
-            threading.Thread(target=self._pump, args=(stream, sink, prefix), daemon=True)
-            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
-        self.waiters.append(threading.Thread(target=self._wait, args=(rank, proc), daemon=True))
-        for t in (*self.readers[rank], self.waiters[-1]):
-            t.start()
-
-    def on_signal(self, signum: int, _frame) -> None:
-        """Signal handler: the main loop (or the grace wait) reacts to it."""
-        self.signals.append(signum)
-        self.events.put(("signal", signum, 0))
-
-    def wait_for_end(self, timeout: float | None) -> tuple[int, str | None, int | None]:
-        """Blocks until every child succeeded, one failed, a signal came or time ran out.
-
-        Returns:
-          (exit code, the line to report or None, the failed rank or None).
-        """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        running = set(range(len(self.procs)))
-        while running:
-            # Bounded waits: a signal caught by another thread gets its Python
-            # handler run only when this thread wakes up.
-            wait_s = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
-            try:
-                kind, what, code = self.events.get(timeout=max(0.0, wait_s))
-            except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline:
-                    return (EXIT_TIMEOUT, (f"timed out after {timeout:g} s; stopping all "
-                                           f"{_processes(len(running))}"), None)
-                continue
-            if kind == "signal":
-                return (128 + what, (f"got {signal.Signals(what).name}; stopping all "
-                                     f"{_processes(len(running))}"), None)
-            running.discard(what)
-            if code != 0:
-                tail = f"; stopping the other {_processes(len(running))}" if running else ""
-                return _exit_code(code), f"rank {what} {_describe(code)}{tail}", what
-        return 0, None, None
-
-    def _signal_groups(self, sig: int) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass  # the whole group is gone already
-
-    def _any_alive(self) -> bool:
-        if any(proc.returncode is None for proc in self.procs):
-            return True
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, 0)
-                return True
-            except (ProcessLookupError, PermissionError):
-                pass
-        return False
-
-    def stop(self, message: str | None = None, failed_rank: int | None = None) -> None:
-        """Ends every child's process group (SIGTERM, grace, SIGKILL) and joins threads.
-
-        Groups are signalled even when their leader has exited, so that what a
-        rank started in the background dies with the job.
-
-        Args:
-          message: the launcher's verdict, written to stderr once SIGTERM is sent.
-          failed_rank: the rank whose last output should come before the verdict.
-        """
-        signals_before = len(self.signals)
-        if failed_rank is not None:
-            # herring_jax has told the other ranks of the failure: those waiting
-            # for the failed rank end by themselves within a moment, each naming
-            # it and its exception; SIGTERM now would cut that report off.
-            settle = time.monotonic() + min(_SETTLE_S, self.grace_s)
-            while (time.monotonic() < settle and len(self.signals) == signals_before
-                   and any(proc.poll() is None for proc in self.procs)):
-                time.sleep(_POLL_S)
-        self._signal_groups(signal.SIGTERM)
-        end = time.monotonic() + self.grace_s
-        # A process that ignores SIGTERM outright gets no grace: it cannot
-        # act on it.
-        for proc in self.procs:
-            if proc.poll() is None and _ignores_sigterm(proc.pid):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        if failed_rank is not None:
-            # Its last words (usually a traceback) belong before the verdict;
-            # SIGTERM first, so a grandchild holding its pipes lets go of them.
-            for t in self.readers[failed_rank]:
-                t.join(max(0.0, min(_READER_JOIN_S, end - time.monotonic())))
-        if message:
-            self.say(message)
-        # A second Ctrl-C means "now": skip the rest of the grace period.
-        announced = False
-        while (self._any_alive() and time.monotonic() < end
-               and len(self.signals) == signals_before):
-            if not announced and end - time.monotonic() < self.grace_s - _ANNOUNCE_AFTER_S:
-                alive = sum(proc.poll() is None for proc in self.procs)
-                self.say(f"waiting up to {self.grace_s:g} s ({GRACE_ENV}) for "
-                         f"{_processes(max(alive, 1))} to exit after SIGTERM, then SIGKILL "
-                         "(Ctrl-C again: at once)")
-                announced = True
-            time.sleep(_POLL_S)
-        self._signal_groups(signal.SIGKILL)
-        for t in self.waiters:
-            t.join()  # reaps every child: no zombies
-        for threads in self.readers.values():
-            for t in threads:
-                t.join(_READER_JOIN_S)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -433,6 +213,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: -n {n} is not a multiple of --processes-per-host {per_host}",
               file=sys.stderr)
         return 2
+    max_restarts = getattr(args, "max_restarts", 0) or 0
+    min_processes = getattr(args, "min_processes", None)
+    if min_processes is not None and (not max_restarts or min_processes >= n):
+        print(f"{PROG}: error: --min-processes {min_processes} needs --max-restarts K > 0 "
+              f"and fewer processes than -n {n} (it says how far a restart may shrink the "
+              "job)", file=sys.stderr)
+        return 2
+    restarts = Restarts(n // per_host, per_host, max_restarts, min_processes)
     net = None
     if netns:
         from herring_jax._src.tools.netns import SimulatedNetwork
@@ -449,12 +237,19 @@ def run(args: argparse.Namespace) -> int:
               "job's coordinator?); choose another port, or leave the option out for a free "
               "one", file=sys.stderr)
         return 2
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     job = _Job(_grace_s())
+    # One handler for every run: it reaches whichever job runs now.
+    current = [job]
+
+    def on_signal(signum, frame):
+        current[0].on_signal(signum, frame)
+
     # Handlers go in before any child exists, so a Ctrl-C during start-up
     # cannot leave children running; signal.signal only works on the main thread.
     previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, job.on_signal) for s in _STOP_SIGNALS}
+        previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
     message = failed_rank = None
     try:
         if net is not None:
@@ -465,23 +260,57 @@ def run(args: argparse.Namespace) -> int:
                 job.say(f"cannot build the simulated network: {e}")
                 return 2
             job.say(f"simulated network: {net.describe()}")
-        for rank in range(n):
-            try:
-                job.start(rank, net.wrap(rank // per_host, command) if net else command,
-                          child_env(os.environ, rank, n, port, args.devices_per_process,
-                                    net.address(0) if net else "127.0.0.1",
-                                    local_rank=rank % per_host if net else rank))
-            except OSError as e:
-                job.say(f"cannot start {command[0]!r}: {e}")
-                return 126 if isinstance(e, PermissionError) else 127
-        code, message, failed_rank = job.wait_for_end(args.timeout)
-        return code
+        while True:
+            code = _start_all(job, command, args, restarts, net, port)
+            if code is not None:
+                return code
+            code, message, failed_rank = job.wait_for_end(args.timeout, deadline)
+            if failed_rank is None:
+                return code
+            job.stop(message, failed_rank)
+            message = failed_rank = None  # stopped: the finally clause has nothing left
+            if job.signals:  # stopped by hand while stopping: no restart
+                return 128 + job.signals[0]
+            rank, returncode, why = job.verdict
+            code = _exit_code(returncode)
+            line = restarts.after_failure(rank, why)
+            if line is None:
+                if max_restarts:
+                    job.say(f"giving up: the job failed again after {max_restarts} "
+                            f"restart{'s' if max_restarts > 1 else ''} (--max-restarts)")
+                return code
+            job.say(line)
+            job = _Job(_grace_s())
+            current[0] = job
+            if not net:
+                # The last run's coordinator may still hold its port for a moment.
+                port = args.coordinator_port or free_port()
+            else:
+                port += 1
     finally:
         job.stop(message, failed_rank)
         if net is not None:
             net.destroy()  # after every process in it has ended
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _start_all(job: _Job, command: list[str], args, restarts: Restarts, net,
+               port: int) -> int | None:
+    """Starts every process of the next run; returns an exit code if one cannot start."""
+    n, per_host = restarts.num_processes, restarts.per_host
+    for rank in range(n):
+        host = restarts.slot_of(rank)
+        try:
+            job.start(rank, net.wrap(host, command) if net else command,
+                      child_env(os.environ, rank, n, port, args.devices_per_process,
+                                net.address(restarts.slots[0]) if net else "127.0.0.1",
+                                local_rank=rank % per_host if net else rank,
+                                restart=restarts.restart))
+        except OSError as e:
+            job.say(f"cannot start {command[0]!r}: {e}")
+            return 126 if isinstance(e, PermissionError) else 127
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

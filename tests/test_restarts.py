@@ -1,0 +1,366 @@
+"""Restarts and preemption: `herring-jax launch --max-restarts K
+[--min-processes M]`, herring_jax.preemption_requested, and
+examples/train_lm.py resuming from its orbax checkpoints after real kills.
+
+The launcher's own tests run `python -c` children (no jax, a few seconds);
+the training ones (extended tier, tests/conftest.py) launch train_lm on 4
+processes and compare the params sha256 of its "done" line with an
+uninterrupted run's.
+"""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+EXAMPLES = TESTS.parent / "examples"
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+LM_ARGS = ["--steps", "16", "--log-every", "1", "--dim", "32", "--layers", "1",
+           "--text-bytes", str(1 << 18), "--checkpoint-every", "4"]
+
+
+def _launcher(args, cwd=TESTS):
+    return [sys.executable, "-m", "herring_jax.launch", *args]
+
+
+def _run(args, env=None, timeout=120, cwd=TESTS):
+    full = {**os.environ, "HERRING_LAUNCH_GRACE_S": "2", **(env or {})}
+    return subprocess.run(_launcher(args), env=full, capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, check=False)
+
+
+# Each child appends "run rank n slot" to DIR/log, then fails as FAIL says:
+# FAIL(run, rank, n) -> None (success), an exit code, or "kill" (SIGKILL).
+_CHILD = textwrap.dedent("""
+    import os, sys, time
+    run = int(os.environ["HERRING_RESTART"])
+    rank = int(os.environ["HERRING_PROCESS_ID"])
+    n = int(os.environ["HERRING_NUM_PROCESSES"])
+    with open(os.path.join(DIR, "log"), "a") as f:
+        f.write(f"{run} {rank} {n}\\n")
+    what = FAIL(run, rank, n)
+    if what == "kill":
+        os.kill(os.getpid(), 9)
+    if what is not None:
+        sys.exit(what)
+    time.sleep(0.3)
+""")
+
+
+def _child(tmp_path, fail: str) -> str:
+    return f"DIR = {str(tmp_path)!r}\nFAIL = {fail}\n" + _CHILD
+
+
+def _runs(tmp_path) -> dict[int, list[tuple[int, int]]]:
+    """run number -> sorted [(rank, n)] of the processes that started in it."""
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for line in (tmp_path / "log").read_text().split("\n"):
+        if line:
+            run, rank, n = map(int, line.split())
+            runs.setdefault(run, []).append((rank, n))
+    return {k: sorted(v) for k, v in runs.items()}
+
+
+def _launcher_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("herring-jax launch: ")]
+
+
+def test_a_failed_run_restarts_the_whole_job_and_says_why(tmp_path):
+    # Rank 1 exits 3 in the first run, rank 0 is SIGKILLed in the second, the third succeeds.
+    fail = ("lambda run, rank, n: 3 if (run, rank) == (0, 1) else "
+            "'kill' if (run, rank) == (1, 0) else None")
+    p = _run(["-n", "3", "--max-restarts", "3", "--", sys.executable, "-c",
+              _child(tmp_path, fail)])
+    assert p.returncode == 0, p.stderr
+    assert _runs(tmp_path) == {k: [(0, 3), (1, 3), (2, 3)] for k in range(3)}
+    restarts = [line for line in _launcher_lines(p.stderr) if "restart " in line]
+    assert restarts == [
+        "herring-jax launch: restart 1 of 3 (HERRING_RESTART=1): rank 1 exited with code 3; "
+        "starting all 3 processes again",
+        "herring-jax launch: restart 2 of 3 (HERRING_RESTART=2): rank 0 exited with code 137 "
+        "(killed by SIGKILL); starting all 3 processes again"], p.stderr
+
+
+def test_a_rank_killed_by_a_signal_is_named_over_a_peer_that_exited_first(tmp_path):
+    # A SIGKILLed rank's peers fail within a moment (herring's peer-death
+    # error, status 1); on a busy machine the launcher can see one of them end
+    # first. Here rank 0 exits 1 first on purpose, and rank 2 is SIGKILLed
+    # 0.3 s later, before the launcher stops anyone: rank 2 is the cause.
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        run, rank = os.environ["HERRING_RESTART"], os.environ["HERRING_PROCESS_ID"]
+        flag = os.path.join({str(tmp_path)!r}, "rank0-exits")
+        if run == "0" and rank == "0":
+            open(flag, "w").close()
+            sys.exit(1)
+        if run == "0" and rank == "2":
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            time.sleep(0.3)
+            os.kill(os.getpid(), 9)
+        time.sleep(0.5 if run == "1" else 30)
+    """)
+    p = _run(["-n", "3", "--max-restarts", "1", "--", sys.executable, "-c", code])
+    assert p.returncode == 0, p.stderr
+    restarts = [line for line in _launcher_lines(p.stderr) if "restart " in line]
+    assert restarts == [
+        "herring-jax launch: restart 1 of 1 (HERRING_RESTART=1): rank 2 exited with code 137 "
+        "(killed by SIGKILL); starting all 3 processes again"], p.stderr
+
+
+def test_the_job_ends_with_the_last_failure_once_the_restarts_are_spent(tmp_path):
+    p = _run(["-n", "2", "--max-restarts", "2", "--", sys.executable, "-c",
+              _child(tmp_path, "lambda run, rank, n: 5 if rank == 1 else None")])
+    assert p.returncode == 5, p.stderr
+    assert sorted(_runs(tmp_path)) == [0, 1, 2]  # the first run and two restarts, no more
+    lines = _launcher_lines(p.stderr)
+    assert sum("restart " in line for line in lines) == 2, lines
+    assert lines[-1] == ("herring-jax launch: giving up: the job failed again after 2 restarts "
+                         "(--max-restarts)"), lines
+
+
+def test_a_process_that_keeps_failing_is_left_out_down_to_min_processes(tmp_path):
+    # The first run's rank 3 fails from its first restart on, for good; after
+    # it is left out (two failures in a row), the next in line (rank 2) fails
+    # twice too, but 2 processes are the minimum: it is restarted as it is.
+    fail = "lambda run, rank, n: 1 if run >= 1 and rank == n - 1 and n > 2 else " \
+           "('kill' if (run, rank) == (0, 3) else None)"
+    p = _run(["-n", "4", "--max-restarts", "5", "--min-processes", "2", "--",
+              sys.executable, "-c", _child(tmp_path, fail)])
+    assert p.returncode == 0, p.stderr
+    runs = _runs(tmp_path)
+    # 4, 4 (rank 3 fails again: 2 in a row) -> 3, 3 (rank 2 twice) -> 2.
+    assert [len(runs[k]) for k in sorted(runs)] == [4, 4, 3, 3, 2], runs
+    assert all(runs[k] == [(r, len(runs[k])) for r in range(len(runs[k]))] for k in runs)
+    lines = [line for line in _launcher_lines(p.stderr) if "restart " in line]
+    assert lines[1] == (
+        "herring-jax launch: restart 2 of 5 (HERRING_RESTART=2): rank 3 exited with code 1, in "
+        "2 runs in a row: leaving its process out and continuing on 3 processes "
+        "(--min-processes 2; ranks renumbered from 0)"), lines
+    assert lines[3].endswith("continuing on 2 processes (--min-processes 2; ranks "
+                             "renumbered from 0)"), lines
+
+
+def test_the_min_processes_floor_holds(tmp_path):
+    # Rank 0 fails every time: left out once (3 -> 2), then restarted on 2
+    # processes until the budget is spent.
+    p = _run(["-n", "3", "--max-restarts", "3", "--min-processes", "2", "--",
+              sys.executable, "-c", _child(tmp_path, "lambda run, rank, n: 1 if rank == 0 "
+                                           "else None")])
+    assert p.returncode == 1, p.stderr
+    assert [len(v) for _, v in sorted(_runs(tmp_path).items())] == [3, 3, 2, 2], p.stderr
+
+
+def test_min_processes_needs_max_restarts_and_fewer_than_n():
+    for args in (["--min-processes", "2"], ["--max-restarts", "2", "--min-processes", "3"]):
+        p = _run(["-n", "3", *args, "--", sys.executable, "-c", "pass"])
+        assert p.returncode == 2, p.stderr
+        assert (f"--min-processes {args[-1]} needs --max-restarts K > 0 and fewer processes "
+                "than -n 3") in p.stderr, p.stderr
+
+
+def test_a_stop_signal_to_the_launcher_is_never_restarted(tmp_path):
+    ready = tmp_path / "ready"
+    code = (f"import os, time; open({str(ready)!r} + os.environ['HERRING_PROCESS_ID'], 'w')"
+            f".close(); time.sleep(60)")
+    env = {**os.environ, "HERRING_LAUNCH_GRACE_S": "2"}
+    proc = subprocess.Popen(_launcher(["-n", "2", "--max-restarts", "3", "--",
+                                       sys.executable, "-c", code]),
+                            env=env, cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        end = time.monotonic() + 60
+        while not all(Path(f"{ready}{r}").exists() for r in range(2)):
+            assert time.monotonic() < end and proc.poll() is None, "the ranks never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "restart" not in err, err
+
+
+def test_a_process_that_does_not_stop_within_the_preemption_grace_exits_1_saying_so():
+    # It never reaches a preemption_requested() call after the signal.
+    code = ("import os, signal, time, herring_jax\n"
+            "herring_jax.catch_preemption(grace_s=1)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.2)\n"
+            "print('still running after SIGTERM', flush=True)\n"
+            "time.sleep(60)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=TESTS)
+    assert p.returncode == 1, p.stderr
+    assert p.stdout == "still running after SIGTERM\n", p.stdout
+    assert "herring_jax rank 0: got SIGTERM; every process saves at the next step boundary " \
+        "and exits (within 1 s, HERRING_PREEMPTION_GRACE_S)" in p.stderr, p.stderr
+    assert "herring_jax rank 0: the preemption grace of 1 s (HERRING_PREEMPTION_GRACE_S) ran " \
+        "out before every process reached a preemption_requested() call; exiting with " \
+        "status 1" in p.stderr, p.stderr
+
+
+# --- train_lm under real kills and SIGTERM (extended tier) ---------------------------------
+
+_DIGEST = re.compile(r"params sha256 ([0-9a-f]{16})")
+_RESUMED = re.compile(r"\] resumed from the checkpoint after step (\d+)")
+_MODES = {"allreduce": [], "sharded": ["--sharded-optimizer"]}
+
+
+def _lm_env():
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE,
+            "HERRING_TIMEOUT_S": "60", "HERRING_LAUNCH_GRACE_S": "5"}
+
+
+def _lm(ckpt: Path, n: int = 4, launch=(), extra=(), command=None, timeout=600):
+    cmd = _launcher(["-n", str(n), "--timeout", str(timeout), *launch, "--",
+                     *(command or [sys.executable, "train_lm.py"]), *LM_ARGS,
+                     "--checkpoint-dir", str(ckpt), *extra])
+    return subprocess.run(cmd, cwd=EXAMPLES, env=_lm_env(), capture_output=True, text=True,
+                          timeout=timeout + 60)
+
+
+def _out(proc) -> str:
+    return f"exit code {proc.returncode}\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
+
+
+def _digest(proc) -> str:
+    found = _DIGEST.findall(proc.stdout)
+    assert len(found) == 1, _out(proc)
+    return found[0]
+
+
+_whole: dict[str, str] = {}
+
+
+def _uninterrupted(mode: str, tmp_path_factory) -> str:
+    """The params sha256 of an uninterrupted run of `mode` on 4 processes."""
+    if mode not in _whole:
+        proc = _lm(tmp_path_factory.mktemp(f"whole-{mode}"), extra=_MODES[mode])
+        assert proc.returncode == 0, _out(proc)
+        _whole[mode] = _digest(proc)
+    return _whole[mode]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("mode", sorted(_MODES))
+def test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters(
+        mode, tmp_path, tmp_path_factory):
+    seed = random.randrange(1 << 16)
+    rng = random.Random(seed)
+    steps = sorted(rng.sample(range(1, 15), 3))  # one kill per run, each later than the last
+    kills = [(s, rng.randrange(4)) for s in steps]
+    plan = ",".join(f"{s}:{r}" for s, r in kills)
+    proc = _lm(tmp_path / "ckpt", launch=["--max-restarts", "3"],
+               extra=[*_MODES[mode], "--kill-at-step", plan])
+    why = f"(--kill-at-step {plan}, seed {seed})\n{_out(proc)}"
+    assert proc.returncode == 0, why
+    restarts = [line for line in proc.stderr.splitlines() if ": restart " in line]
+    assert restarts == [
+        f"herring-jax launch: restart {k + 1} of 3 (HERRING_RESTART={k + 1}): rank {r} exited "
+        f"with code 137 (killed by SIGKILL); starting all 4 processes again"
+        for k, (_, r) in enumerate(kills)], why
+    # Each restart resumed from the last checkpoint before its kill: at most
+    # --checkpoint-every (4) steps of work lost per failure.
+    resumed = [int(s) for s in _RESUMED.findall(proc.stdout)]
+    assert resumed == [(s + 1) // 4 * 4 for s, _ in kills if s >= 3], why
+    assert _digest(proc) == _uninterrupted(mode, tmp_path_factory), why
+
+
+_by_hand: list[str] = []
+
+
+def _fewer_by_hand(tmp_path_factory) -> str:
+    """The params sha256 of allreduce_gradients' chain run by hand: 4
+    processes to the checkpoint after step 4, then 3 resuming from it."""
+    if not _by_hand:
+        ref = tmp_path_factory.mktemp("by-hand")
+        first = _lm(ref, extra=["--steps", "4"])
+        assert first.returncode == 0, _out(first)
+        second = _lm(ref, n=3)
+        assert second.returncode == 0, _out(second)
+        _by_hand.append(_digest(second))
+    return _by_hand[0]
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("mode", sorted(_MODES))
+def test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_finishes(
+        mode, tmp_path, tmp_path_factory):
+    # The first run's rank 3 is SIGKILLed after step 6 (a checkpoint after
+    # step 4), then fails at start in every later run, as a broken host would.
+    wrapper = ("import os, sys\n"
+               "if os.environ['HERRING_RESTART'] != '0' and os.environ['HERRING_PROCESS_ID'] "
+               "== '3':\n    sys.exit('rank 3: this host is broken')\n"
+               "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])\n")
+    command = [sys.executable, "-c", wrapper, "train_lm.py"]
+    proc = _lm(tmp_path / "ckpt", launch=["--max-restarts", "3", "--min-processes", "2"],
+               extra=[*_MODES[mode], "--kill-at-step", "6"], command=command)
+    assert proc.returncode == 0, _out(proc)
+    restarts = [line for line in proc.stderr.splitlines() if ": restart " in line]
+    assert len(restarts) == 2 and restarts[1].endswith(
+        "rank 3 exited with code 1, in 2 runs in a row: leaving its process out and continuing "
+        "on 3 processes (--min-processes 2; ranks renumbered from 0)"), _out(proc)
+    assert [int(s) for s in _RESUMED.findall(proc.stdout)] == [4], _out(proc)
+    assert "done: reduce=herring processes=3 " in proc.stdout, _out(proc)
+    if mode == "sharded":
+        assert ("the checkpoint after step 4 holds --sharded-optimizer's state of 4 devices: "
+                "cut into chunks of 3") in proc.stdout, _out(proc)
+    # Bitwise the unsharded chain resumed the same way: the sharded state, cut
+    # from 4 devices' chunks into 3's, continues exactly (herring's sums and
+    # the sharded optimizer's are the same, in float32 at this XLA level).
+    assert _digest(proc) == _fewer_by_hand(tmp_path_factory)
+
+
+def _rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the launcher's child that runs `rank`."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"HERRING_PROCESS_ID={rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError(f"no child of the launcher runs rank {rank}: {children}")
+
+
+@pytest.mark.timeout(1500)
+def test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise(
+        tmp_path, tmp_path_factory):
+    ckpt = tmp_path / "ckpt"
+    cmd = _launcher(["-n", "4", "--timeout", "600", "--", sys.executable, "train_lm.py",
+                     *LM_ARGS, "--checkpoint-dir", str(ckpt)])
+    env = {**_lm_env(), "HERRING_PREEMPTION_GRACE_S": "20"}
+    proc = subprocess.Popen(cmd, cwd=EXAMPLES, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if re.match(r"\[rank 0\] step\s+5\s", line):
+                break
+        os.kill(_rank_pid(proc.pid, 2), signal.SIGTERM)
+        rest, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    out = "".join(lines) + rest
+    why = f"exit code {proc.returncode}\n{out[-5000:]}\n{err[-5000:]}"
+    # Status 0 everywhere: the grace's watchdog (20 s) would have exited 1.
+    assert proc.returncode == 0, why
+    assert "rank 2] herring_jax rank 2: got SIGTERM" in err, why
+    saved = {int(r): int(s) for r, s in re.findall(
+        r"\[rank (\d)\] process \1: preempted, saved the checkpoint after step (\d+)", out)}
+    assert sorted(saved) == [0, 1, 2, 3] and len(set(saved.values())) == 1, why
+    step = saved[0]
+    assert 6 <= step < 16 and "done:" not in out, why
+    assert max(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == step, why
+    resumed = _lm(ckpt)
+    assert resumed.returncode == 0, _out(resumed)
+    assert [int(s) for s in _RESUMED.findall(resumed.stdout)] == [step], _out(resumed)
+    assert _digest(resumed) == _uninterrupted("allreduce", tmp_path_factory)
