@@ -61,7 +61,8 @@ def _register_targets() -> None:
     # Every time: the handler finds its device's local index in this table,
     # by the number XLA:CPU's handler sees (DeviceOrdinal: the global id;
     # measured 0, 1, 2048, 2049 for two processes of two devices).
-    _ext.set_local_devices("cpu", [d.id for d in jax.local_devices(backend="cpu")])
+    # A process started with JAX_PLATFORMS=cuda has no CPU backend at all.
+    _ext.set_local_devices("cpu", [d.id for d in _local_devices("cpu")])
     # The CUDA handler exists when the extension was built with a CUDA
     # toolkit; it is registered only where jax has CUDA devices.
     cuda = _ext.cuda_registrations() if _has_cuda() else {}
@@ -93,11 +94,17 @@ def _local_device_numbers() -> dict[int, int]:
     return numbers
 
 
-def _has_cuda() -> bool:
+def _local_devices(platform: str) -> list:
+    """This process's devices of `platform`; none where jax has no such
+    backend (JAX_PLATFORMS=cuda leaves out the CPU one)."""
     try:
-        return bool(jax.devices("cuda"))
+        return jax.local_devices(backend=platform)
     except RuntimeError:
-        return False
+        return []
+
+
+def _has_cuda() -> bool:
+    return bool(_local_devices("cuda"))
 
 
 def cuda_handler_built() -> bool:

@@ -293,8 +293,35 @@ def flax_step() -> int:
         "--timeline", str(LOGS / "timeline.json")], 2)
     shutil.rmtree(exchange, ignore_errors=True)
     width, layers, batch = size[1::2]
-    return summary(*judge(run, steps + 1, f"Flax MLP {layers}x{width}, batch {batch}: reduced "
-                          "gradients = numpy mean, parameters equal on both ranks"))
+    status, text = judge(run, steps + 1, f"Flax MLP {layers}x{width}, batch {batch}: reduced "
+                         "gradients = numpy mean, parameters equal on both ranks")
+    return summary(status, text + compare_ranks(LOGS / "step_hlo.txt.checked"))
+
+
+def compare_ranks(prefix: Path) -> str:
+    """Whether both ranks compiled the same checked_step: XLA's run id, which
+    matches reductions across processes, has a base derived from the
+    executable's fingerprint, so where they differ no reduction can match."""
+    texts = []
+    for rank in (0, 1):
+        try:
+            texts.append(Path(f"{prefix}.rank{rank}").read_text().splitlines())
+        except OSError:
+            return f"; rank {rank} wrote no compiled checked_step"
+    a, b = texts
+    if a == b:
+        return "; both ranks compiled the same checked_step"
+    if a[0] != b[0]:
+        print(f"fingerprints: rank 0 {a[0]!r}, rank 1 {b[0]!r}")
+    diffs = [i for i in range(1, max(len(a), len(b)))
+             if i >= len(a) or i >= len(b) or a[i] != b[i]]
+    if not diffs:
+        return "; the ranks' checked_step HLO is equal but the fingerprints differ"
+    print(f"the ranks' compiled checked_step differs on {len(diffs)} lines; the first 5:")
+    for i in diffs[:5]:
+        print(f"  line {i}:\n    rank 0: {a[i] if i < len(a) else '(none)'}\n"
+              f"    rank 1: {b[i] if i < len(b) else '(none)'}")
+    return f"; the ranks' compiled checked_step differs on {len(diffs)} lines (see steps.log)"
 
 
 # What a line of the compiled HLO schedule is, for the overlap map.

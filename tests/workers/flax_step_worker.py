@@ -74,6 +74,17 @@ def exchange(directory: str, name: str, rank: int, nproc: int, mine: np.ndarray,
     return out
 
 
+def _fingerprint(compiled) -> str:
+    """XLA's fingerprint of a compiled function, where jax exposes it."""
+    try:
+        value = compiled.runtime_executable().fingerprint
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        return f"unavailable ({type(e).__name__})"
+    if isinstance(value, bytes):
+        return value.decode("ascii", "backslashreplace")
+    return repr(value)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--width", type=int, default=128)
@@ -118,6 +129,15 @@ def main() -> int:
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s
 
+    # Each rank's compiled checked_step and XLA's fingerprint of it, for
+    # tests/gpu/checks.py to compare when the ranks' run ids differ (the run
+    # id's base derives from that fingerprint). Traced from this one line on
+    # every rank, as the calls below then reuse it.
+    compiled_checked = checked_step.lower(params, *batch(0)).compile()
+    if args.hlo:
+        with open(f"{args.hlo}.checked.rank{rank}", "w") as f:
+            f.write(f"fingerprint {_fingerprint(compiled_checked)}\n")
+            f.write(compiled_checked.as_text())
     buckets = None
     for i in range(args.steps):
         new, grads, reduced = checked_step(params, *batch(i))
