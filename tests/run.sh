@@ -15,4 +15,4 @@ done
 bash .ci/install.sh "$purpose"
 # -P: the source tree's herring_jax (no compiled extension) must not shadow
 # the installed package.
-exec python3 -P -m pytest tests -q -rfEs --durations=10 -m "not extended" "$@"
+exec python3 -P -m pytest tests -q -rfEs --durations=30 -m "not extended" "$@"
