@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from herring_jax._src import sharded, sharded_checks
+from herring_jax._src import sharded_checks
 
 # The test names every alias optax still serves, the deprecated ones too.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -54,7 +54,7 @@ def test_another_thread_gets_optax_norm_while_one_traces_inside_global_norms():
 
     def tracer():
         # As sharded_optimizer around inner.update over the named axis.
-        with sharded_checks.global_norms(sharded._global_sum(AXIS)):
+        with sharded_checks.global_norms(sharded_checks.global_sum(AXIS)):
             seen["tracer"] = {k: _herring_primitives(_trace(f))
                               for k, f in _norms_of_every_kind().items()}
             inside.set()

@@ -45,9 +45,9 @@ from herring_jax._src import composite
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
-from herring_jax._src.chunks import chunk_of, from_rows, to_rows
+from herring_jax._src.sharded_checks import global_sum
+from herring_jax._src.chunks import BucketLayout, chunk_of, from_rows, to_rows
 from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
-from herring_jax._src.sharded import _BucketLayout, _global_sum
 
 
 @jax.tree_util.register_dataclass
@@ -121,7 +121,7 @@ class FullySharded:
         leaves, treedef = jax.tree_util.tree_flatten(params)
         shapes = tuple((tuple(np.shape(p)), np.dtype(p.dtype).name) for p in leaves)
         chunks = jax.tree_util.tree_unflatten(treedef, [chunk_of(p, n, shard) for p in leaves])
-        with sharded_checks.global_norms(_global_sum(None)):
+        with sharded_checks.global_norms(global_sum(None)):
             inner_state = self.inner.init(chunks)
         residual = ()
         if self.feedback:
@@ -149,7 +149,7 @@ class FullySharded:
     def apply_gradients(self, state: FullyShardedState, grads: FullyShardedGrads
                         ) -> FullyShardedState:
         """The inner transformation's step on the chunks."""
-        with sharded_checks.global_norms(_global_sum(None)):
+        with sharded_checks.global_norms(global_sum(None)):
             updates, inner_state = self.inner.update(grads.chunks, state.inner, state.chunks)
         chunks = optax.apply_updates(state.chunks, updates)
         residual = grads.residual if self.feedback else state.residual
@@ -219,7 +219,7 @@ class FullySharded:
                 out[i] = jnp.zeros(s, d)
         gathered = []
         for k, bucket in enumerate(buckets):
-            lay = _BucketLayout(bucket, n, self._align)
+            lay = BucketLayout(bucket, n, self._align)
             ops = [leaves[i] for i in lay.leaves]
             if self.prefetch is not None and k >= self.prefetch:
                 # Not before the gather `prefetch` buckets back has arrived.

@@ -32,12 +32,12 @@ import optax
 
 from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
-from herring_jax._src import fusion
 from herring_jax._src import jax_compat
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
-from herring_jax._src.chunks import chunk_of, chunk_shape, chunk_size, to_rows
+from herring_jax._src.sharded_checks import global_sum
+from herring_jax._src.chunks import BucketLayout, chunk_of, chunk_shape
 from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
 from herring_jax._src.psum import check_axes_bound, check_gradients
 from herring_jax._src.split import split_reductions
@@ -144,7 +144,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
             # must fail there too, not only once it is scaled up.
             sharded_checks.check_elementwise(inner, params, max(n, 2))
         chunks = jax.tree_util.tree_map(lambda p: chunk_of(p, n, shard), params)
-        with sharded_checks.global_norms(_global_sum(axis_name)):
+        with sharded_checks.global_norms(global_sum(axis_name)):
             inner_state = inner.init(chunks)
         residual = ()
         if feedback:
@@ -162,7 +162,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
             residual = treedef.flatten_up_to(state.residual)
             leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
         buckets = plan_buckets(leaves, fusion_bytes, first_bucket_bytes, ready)
-        layouts = [_BucketLayout(b, n, align) for b in buckets]
+        layouts = [BucketLayout(b, n, align) for b in buckets]
         buffers = [lay.pack([leaves[i] for i in lay.leaves]) for lay in layouts]
         # Every bucket's reduce-scatter is issued as soon as its gradients
         # exist (on XLA:CUDA every start before any done), as
@@ -177,7 +177,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         param_chunks = None
         if params is not None:
             param_chunks = jax.tree_util.tree_map(lambda p: chunk_of(p, n, state.shard), params)
-        with sharded_checks.global_norms(_global_sum(axis_name)):
+        with sharded_checks.global_norms(global_sum(axis_name)):
             update_chunks, inner_state = inner.update(
                 jax.tree_util.tree_unflatten(treedef, grad_chunks), state.inner, param_chunks)
         update_chunks = treedef.flatten_up_to(update_chunks)
@@ -205,59 +205,6 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
     # What save_sharded / restore_sharded need to know of the state.
     init_fn.sharded_inner = inner
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-class _BucketLayout:
-    """A fusion bucket laid out worker by worker: row r of the (n, width)
-    buffer holds every leaf's chunk r side by side (chunk_size each), padded
-    at its end to a multiple of `align` elements."""
-
-    def __init__(self, bucket: fusion.Bucket, n: int, align: int):
-        self.dtype = np.dtype(bucket.dtype)
-        self.leaves = bucket.leaves
-        self.shapes = None
-        self.chunks = [chunk_size(s, n) for s in bucket.sizes]
-        self.sizes = bucket.sizes
-        used = sum(self.chunks)
-        self.width = -(-used // align) * align
-        self.n = n
-
-    def pack(self, leaves) -> jax.Array:
-        rows = [to_rows(x, self.n) for x in leaves]
-        pad = self.width - sum(self.chunks)
-        if pad:
-            rows.append(jnp.zeros((self.n, pad), self.dtype))
-        return jnp.concatenate(rows, axis=1).reshape(-1)
-
-    def split(self, part) -> list:
-        """This worker's row (its part of the buffer) as one array per leaf."""
-        offsets = np.cumsum([0] + self.chunks)
-        return [part[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
-
-    def join(self, chunks) -> jax.Array:
-        """Inverse of split: this worker's row from its leaves' chunks."""
-        flat = [jnp.ravel(c) for c in chunks]
-        pad = self.width - sum(self.chunks)
-        if pad:
-            flat.append(jnp.zeros((pad,), flat[0].dtype))
-        return jnp.concatenate(flat) if len(flat) > 1 else flat[0]
-
-    def unpack(self, buffer, n: int) -> list:
-        """The whole buffer (n rows) -> each leaf's flat elements, unpadded."""
-        rows = buffer.reshape(n, self.width)
-        offsets = np.cumsum([0] + self.chunks)
-        return [jnp.ravel(rows[:, a:b])[:size]
-                for a, b, size in zip(offsets[:-1], offsets[1:], self.sizes)]
-
-
-def _global_sum(axis_name):
-    """The sum over the workers of a scalar, in a fixed order."""
-    from herring_jax._src.allreduce import allreduce
-    from herring_jax._src.psum import psum
-
-    def total(x):
-        return allreduce(x) if axis_name is None else psum(x, axis_name)
-    return total
 
 
 def _axes(axis_name):

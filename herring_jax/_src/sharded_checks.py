@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from optax import tree_utils as _tree_utils
 
-from herring_jax._src.chunks import chunk_of, from_rows
+from herring_jax._src.chunks import chunk_shape, chunk_size
 
 # The largest size of any axis of a stand-in parameter: small enough for a
 # quick check, large enough that shape-dependent choices (adafactor factors
@@ -168,9 +168,15 @@ def stand_in(params, seed: int):
 
 
 def _chunks(tree, n: int):
-    """Every worker's chunk of every leaf, stacked: leaves of (n, *chunk_shape)."""
-    return jax.tree_util.tree_map(
-        lambda x: jnp.stack([chunk_of(x, n, r) for r in range(n)]), tree)
+    """Every worker's chunk of every leaf, stacked: leaves of (n, *chunk_shape)
+    (numpy, outside the checked program: jnp's ops per leaf and worker took
+    a third of the check's time to trace)."""
+    def stacked(x):
+        flat = np.ravel(x)
+        c = chunk_size(flat.size, n)
+        rows = np.pad(flat, (0, n * c - flat.size)).reshape(n, c)
+        return rows.reshape((n,) + chunk_shape(np.shape(x), n))
+    return jax.tree_util.tree_map(stacked, tree)
 
 
 def _differs(a, b) -> float:
@@ -237,20 +243,28 @@ def _check(inner, params, n: int) -> None:
         with global_norms(lambda x: jax.lax.psum(x, _PROBE_AXIS)):
             return run_steps(p_c, g_cs)
 
-    def all_chunk_steps(p, grads_list):
-        outs = jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(
-            _chunks(p, n), [_chunks(g, n) for g in grads_list])
-        # Joined back into whole leaves here, not op by op afterwards.
-        return [jax.tree_util.tree_map(lambda rows, x: from_rows(rows, np.shape(x)), out, p)
-                for out in outs]
+    def both(p, grads_list, p_chunks, grads_chunks):
+        with global_norms(lambda x: x):
+            want = run_steps(p, grads_list)
+        return want, jax.vmap(chunk_steps, axis_name=_PROBE_AXIS)(p_chunks, grads_chunks)
 
-    # Each side as one compiled program. Op by op (as the compile-time
-    # evaluation around this would run it) every operation is compiled apart:
-    # the first init of sharded_optimizer(clip + adamw) on a 4-layer MLP took
-    # 4.4-5.4 s that way against 1.8-2.4 s compiled (one process, 2 busy cores).
-    with global_norms(lambda x: x):
-        want = jax.jit(run_steps)(p, grads)
-    got = jax.jit(all_chunk_steps)(p, grads)
+    # Both sides as one compiled program, compiled without XLA's backend
+    # optimisations: op by op (as the compile-time evaluation around this
+    # would run it) every operation is compiled apart (the first init of
+    # sharded_optimizer(clip + adamw) on a 4-layer MLP took 4.4-5.4 s that way
+    # against 1.8-2.4 s compiled), and the check runs once, on small arrays,
+    # so compiling is nearly all its cost: one program at optimisation level
+    # 0 took 2.4 s where the two optimised ones took 5.0 s (train_lm's model,
+    # 4 layers, adamw). The comparison has a tolerance: contracted
+    # multiply-adds cannot change its verdict.
+    args = (p, grads, _chunks(p, n), [_chunks(g, n) for g in grads])
+    compiled = jax.jit(both).lower(*args).compile(
+        compiler_options={"xla_backend_optimization_level": 0})
+    want, outs = compiled(*args)
+    # Each worker's rows joined back into whole leaves.
+    got = [jax.tree_util.tree_map(
+        lambda rows, x: np.ravel(np.asarray(rows))[:np.size(x)].reshape(np.shape(x)), out, p)
+        for out in outs]
     steps = ["step 1", "step 2", "a step with one non-finite gradient"]
     for k, (w, g) in enumerate(zip(want, got)):
         paths = jax.tree_util.tree_flatten_with_path(w)[0]
@@ -268,3 +282,13 @@ def _check(inner, params, n: int) -> None:
                     "cannot run on chunks: use optax.chain(herring_jax.allreduce_gradients(), "
                     "inner) for them, or keep them outside sharded_optimizer where they "
                     "apply to whole updates. (check_inner=False skips this check.)")
+
+
+def global_sum(axis_name):
+    """The sum over the workers of a scalar, in a fixed order."""
+    from herring_jax._src.allreduce import allreduce
+    from herring_jax._src.psum import psum
+
+    def total(x):
+        return allreduce(x) if axis_name is None else psum(x, axis_name)
+    return total
