@@ -113,9 +113,15 @@ def test_a_rank_that_runs_one_reduction_fewer_fails_the_others_fast(stage):
                  env={**ENV, "HERRING_HOST_STAGE": stage}, timeout=120)
     assert sorted(run.results) == list(range(NPROC)), run.explain()
     assert run.results[2][0]["ok"], run.explain()
+    last = int(WORKER_ARGS[1]) - 1
     for rank in (0, 1, 3):
         res = run.results[rank][0]
-        assert not res["ok"] and res["step"] == int(WORKER_ARGS[1]) - 1, run.explain()
+        assert not res["ok"], run.explain()
+        # The first rank to find rank 2 gone fails the job: a rank still one
+        # step behind (a loaded machine: seen in CI) then fails in that step,
+        # with the first rank's error relayed, never earlier.
+        relayed = re.search(r"rank \d+ failed: rank 2 has shut down", res["message"])
+        assert res["step"] == last or (res["step"] == last - 1 and relayed), run.explain()
         assert "rank 2 has shut down herring_jax" in res["message"], run.explain()
         assert res["seconds"] < 15, run.explain()
 
