@@ -94,3 +94,19 @@ def assert_all_ok(run: Run, expected_cases: int | None = None) -> dict[str, set[
             if "digest" in res:
                 digests[res["case"]].add(res["digest"])
     return digests
+
+
+def train_bench_codecs(tmp_path: Path, codecs: str, steps: int, timeout: float = 600,
+                       nproc: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
+    """`herring-jax train-bench --codecs` on a tiny train_lm (nproc processes
+    over the transport, a held-out loss every 2 steps): the finished process
+    (asserted to have succeeded) and its JSON results by codec name."""
+    out = tmp_path / "codecs.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", str(nproc),
+         "--steps", str(steps), "--codecs", codecs, "--log-every", "2", "--script",
+         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
+         "--layers", "1", "--text-bytes", str(1 << 18)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, {r["codec"]: r for r in json.loads(out.read_text())["results"]}

@@ -14,16 +14,10 @@ transport, which with the host stage on is nowhere between processes of one
 host.
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from multiproc import assert_all_ok, launch
+from multiproc import assert_all_ok, launch, train_bench_codecs
 
-ROOT = Path(__file__).resolve().parent.parent
 ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": "0"}
 PRESETS = ["localsgd/model", "slowmo/model", "diloco/model"]
 FLAX = ["nnx/vs-plain", "nnx/checkpoint", "linen/vs-plain"]
@@ -99,15 +93,7 @@ def test_train_bench_runs_diloco_against_allreduce_and_compute(tmp_path):
     # the train_lm options reach herring_jax.diloco (the script reports the
     # name back), int8 pseudo-gradients every other step send far fewer bytes
     # than float32 gradients every step, and compute sends none of either.
-    out = tmp_path / "local.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "6",
-         "--codecs", "none,compute,diloco2-int8", "--log-every", "2", "--script",
-         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
-         "--layers", "1", "--text-bytes", str(1 << 18)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
+    proc, runs = train_bench_codecs(tmp_path, "none,compute,diloco2-int8", steps=6)
     assert set(runs) == {"none", "compute", "diloco2-int8"}
     assert runs["diloco2-int8"]["bytes_reduction"] > 5, runs
     assert runs["compute"]["sent_mib_per_step"] < runs["diloco2-int8"]["sent_mib_per_step"]

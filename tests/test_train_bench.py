@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from multiproc import train_bench_codecs
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -68,16 +70,8 @@ def test_train_bench_rejects_a_missing_script(tmp_path):
 def test_train_bench_codecs_smoke(tmp_path):
     # Two codecs on 2 processes over the transport: held-out losses, the
     # bytes each step sent (int8 about a quarter of none's), the JSON.
-    out = tmp_path / "codecs.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "6",
-         "--codecs", "none,int8", "--log-every", "2", "--script",
-         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
-         "--layers", "1", "--text-bytes", str(1 << 18)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, runs = train_bench_codecs(tmp_path, "none,int8", steps=6)
     assert "HERRING_HOST_STAGE=0" in proc.stdout, proc.stdout
-    runs = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
     assert set(runs) == {"none", "int8"}
     assert [s for s, _ in runs["int8"]["held_out_curve"]] == [0, 2, 4, 5]
     # int8 sends about a quarter of the gradient bytes (plus losses, heartbeats).
@@ -92,16 +86,9 @@ def test_train_bench_fully_sharded_columns(tmp_path):
     # the same model trained (held-out losses within float rounding), and what
     # each process holds between steps: the whole parameters and adamw's
     # state, then 1/N of the state, then 1/N of both.
-    out = tmp_path / "fully.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", "2", "--steps", "4",
-         "--codecs", "none,sharded,fully,fully-reshard", "--log-every", "2", "--script",
-         str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
-         "--layers", "1", "--text-bytes", str(1 << 18)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, runs = train_bench_codecs(tmp_path, "none,sharded,fully,fully-reshard", steps=4,
+                                    timeout=900)
     assert "held MiB" in proc.stdout and "temp MiB" in proc.stdout, proc.stdout
-    runs = {r["codec"]: r for r in json.loads(out.read_text())["results"]}
     none, sharded, fully = runs["none"], runs["sharded"], runs["fully"]
     for r in runs.values():
         assert abs(r["held_out_loss"] - none["held_out_loss"]) < 1e-3, runs

@@ -21,25 +21,7 @@ import common  # noqa: E402
 import herring_jax  # noqa: E402
 from sharded_worker import (CLIPPED, INNERS, REFUSED, STEPS, batch, flat, loss_fn, make_params,  # noqa: E402
                             state_bytes)
-
-
-def train_reference(tx, params, rank, remat=False, loss_fn=loss_fn):
-    """The unsharded chain; with `remat`, the loss under jax.checkpoint (which
-    alone changes last bits of some gradients, with or without herring_jax,
-    so reshard_after_forward is compared with it)."""
-    state = tx.init(params)
-    loss = (jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.everything_saveable)
-            if remat else loss_fn)
-
-    @jax.jit
-    def step(params, state, x):
-        grads = jax.grad(loss)(params, x)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    for k in range(STEPS):
-        params, state = step(params, state, batch(rank, k))
-    return params, state
+from sharded_worker import train as train_reference  # noqa: E402
 
 
 def train_fully_sharded(fs, params, rank, jit_init: bool, loss_fn=loss_fn):

@@ -46,12 +46,17 @@ def batch(rank: int, step: int):
     return jnp.asarray(rng.normal(size=(16, 37)), jnp.float32)
 
 
-def train(tx, params, rank: int):
+def train(tx, params, rank: int, remat: bool = False, loss_fn=loss_fn):
+    """The unsharded chain; with `remat`, the loss under jax.checkpoint (which
+    alone changes last bits of some gradients, with or without herring_jax,
+    so fully_sharded's reshard_after_forward is compared with it)."""
     state = tx.init(params)
+    loss = (jax.checkpoint(loss_fn, policy=jax.checkpoint_policies.everything_saveable)
+            if remat else loss_fn)
 
     @jax.jit
     def step(params, state, x):
-        grads = jax.grad(loss_fn)(params, x)
+        grads = jax.grad(loss)(params, x)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
