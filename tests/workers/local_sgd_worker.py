@@ -49,6 +49,7 @@ import optax  # noqa: E402
 import common  # noqa: E402
 import herring_jax  # noqa: E402
 from herring_jax._src import codecs  # noqa: E402
+from herring_jax._src.local_sgd import slow_momentum  # noqa: E402
 
 EVERY = 3
 STEPS = 7            # two periods and one step into the third
@@ -104,11 +105,14 @@ def start_params(shapes=SHAPES) -> dict:
 
 class Model:
     """The algorithm in numpy for `groups` (the workers of each process, in
-    the order the engine sums them), from the same start on every worker."""
+    the order the engine sums them), from the same start on every worker.
+    With `fragments` (lists of leaf names), fragment f syncs alone at the
+    steps where count % every == f * every // F."""
 
     def __init__(self, inner, outer_np, groups, codec: str = "none", grads=grads_np,
-                 params=None):
+                 params=None, every: int = EVERY, fragments=None):
         self.inner, self.outer_np, self.groups, self.codec = inner, outer_np, groups, codec
+        self.every = every
         self.grads = grads
         self.workers = [w for g in groups for w in g]
         start = params if params is not None else start_params()
@@ -118,28 +122,39 @@ class Model:
         self.outer_state = {k: None for k in start}
         self.residual = {w: {k: np.zeros_like(v) for k, v in start.items()}
                          for w in self.workers}
+        self.fragments = fragments or [sorted(start)]
         self.update = jax.jit(inner.update)
         self.count = 0
 
-    def step(self, k: int) -> bool:
+    def due(self) -> int | None:
+        """The fragment that syncs at the current count (None: none)."""
+        n = len(self.fragments)
+        for f in range(n):
+            if self.count % self.every == f * self.every // n:
+                return f
+        return None
+
+    def step(self, k: int) -> int | None:
+        """One step of every worker; the fragment synced at it (or None)."""
         u = {}
         for w in self.workers:
             out, self.inner_state[w] = self.update(self.grads(w, k, self.x[w]),
                                                    self.inner_state[w], self.x[w])
             u[w] = {n: np.asarray(v) for n, v in out.items()}
         self.count += 1
-        if self.count % EVERY:
-            for w in self.workers:
-                self.x[w] = {n: self.x[w][n] + u[w][n] for n in u[w]}
-            return False
-        for n, s in self.synced.items():
+        f = self.due()
+        names = self.fragments[f] if f is not None else []
+        for w in self.workers:
+            self.x[w] = {n: v if n in names else v + u[w][n] for n, v in self.x[w].items()}
+        for n in names:
+            s = self.synced[n]
             pseudo = {w: (s - self.x[w][n]) - u[w][n] for w in self.workers}
             avg = self.mean(n, pseudo)
             o, self.outer_state[n] = self.outer_np(avg, self.outer_state[n])
             for w in self.workers:
                 self.x[w][n] = self.x[w][n] + ((s - self.x[w][n]) + o)
             self.synced[n] = s + o
-        return True
+        return f
 
     def mean(self, name, pseudo):
         if self.codec == "none":
@@ -156,6 +171,10 @@ def reductions() -> int:
     return int(herring_jax.stats()["reductions"])
 
 
+def reduced_bytes() -> int:
+    return int(herring_jax.stats()["bytes_reduced"])
+
+
 def flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(tree)])
 
@@ -169,21 +188,28 @@ def train_step(tx):
 
 
 def against_model(case: str, tx, inner, outer_np, rank: int, nproc: int,
-                  codec: str = "none", shapes=SHAPES) -> None:
+                  codec: str = "none", shapes=SHAPES, every: int = EVERY, fragments=None,
+                  steps: int = STEPS) -> None:
     params = start_params(shapes)
     grads = (lambda w, k, x: {n: common.make_input("float32", x[n].size, w, k).reshape(
         x[n].shape) + f32(0.5) * x[n] for n in x}) if shapes is not SHAPES else grads_np
-    model = Model(inner, outer_np, [[r] for r in range(nproc)], codec, grads, params)
+    model = Model(inner, outer_np, [[r] for r in range(nproc)], codec, grads, params,
+                  every, fragments)
     p = jax.tree_util.tree_map(jnp.asarray, params)
     state = tx.init(p)
     step = train_step(tx)
-    oks, reduced = [], []
-    for k in range(STEPS):
-        before = reductions()
+    oks, reduced, synced_fragments = [], [], []
+    for k in range(steps):
+        before, bytes_before = reductions(), reduced_bytes()
         g = grads(rank, k, {n: np.asarray(v) for n, v in p.items()})
         p, state = step(g, state, p)
-        synced = model.step(k)
-        reduced.append((reductions() > before) == synced)
+        f = model.step(k)
+        synced_fragments.append(f)
+        # A sync reduces exactly its fragment's bytes (once), a step
+        # without one nothing.
+        want = 0 if f is None else 4 * sum(params[n].size for n in model.fragments[f])
+        reduced.append((reductions() > before) == (f is not None)
+                       and (codec != "none" or reduced_bytes() - bytes_before == want))
         oks.append(common.bitwise_equal(flat(p), flat(model.x[rank])))
     extra = {}
     if codec != "none":
@@ -191,8 +217,33 @@ def against_model(case: str, tx, inner, outer_np, rank: int, nproc: int,
         extra["residual_max"] = float(np.max(np.abs(residual)))
         oks.append(bool(np.any(residual != 0)))
     common.report(case, all(oks) and all(reduced), digest=common.digest(flat(p)),
-                  steps_ok=oks, reduced_at_syncs_only=reduced,
+                  steps_ok=oks, reduced_at_syncs_only=reduced, synced=synced_fragments,
                   max_diff=float(np.max(np.abs(flat(p) - flat(model.x[rank])))), **extra)
+
+
+# -- Streaming: fragments synced in turn ----------------------------------------
+
+# 148, 140, 80 and 48 bytes: two fragments of about 208 cut nearest at a | b c d.
+FRAGMENT_SHAPES = {"a": (37,), "b": (5, 7), "c": (20,), "d": (3, 4)}
+FRAGMENTS = [["a"], ["b", "c", "d"]]
+FRAGMENT_EVERY, FRAGMENT_STEPS = 4, 9     # fragment 1 at counts 2 and 6, 0 at 4 and 8
+INT8_SHAPES = {"a": (3000,), "b": (2000,), "c": (1000,)}
+
+
+def fragment_cases(rank: int, nproc: int) -> None:
+    for name, (_, inner, outer_np) in presets().items():
+        outer = {"localsgd": None,
+                 "slowmo": slow_momentum(GAMMA, BETA, ALPHA),
+                 "diloco": optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)}[name]
+        tx = herring_jax.local_sgd(inner, FRAGMENT_EVERY, outer, fragments=2)
+        against_model(f"fragments/{name}/model", tx, inner, outer_np, rank, nproc,
+                      shapes=FRAGMENT_SHAPES, every=FRAGMENT_EVERY, fragments=FRAGMENTS,
+                      steps=FRAGMENT_STEPS)
+    _, inner, outer_np = presets()["diloco"]
+    tx = herring_jax.diloco(inner, 3, outer_learning_rate=OUTER_LR,
+                            outer_momentum=OUTER_MOMENTUM, compression="int8", fragments=3)
+    against_model("fragments/int8/model", tx, inner, outer_np, rank, nproc, codec="int8",
+                  shapes=INT8_SHAPES, every=3, fragments=[["a"], ["b"], ["c"]])
 
 
 # -- H = 1 against the synchronous chain ---------------------------------------
@@ -419,7 +470,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="checkpoints (the Flax cases)")
     parser.add_argument("--mesh", action="store_true",
                         help="only the presets inside shard_map, every device a worker")
-    parser.add_argument("--cases", default="h1,presets,int8,flax")
+    parser.add_argument("--cases", default="h1,presets,int8,flax,fragments")
     args = parser.parse_args()
     herring_jax.initialize()
     rank, n = herring_jax.process_index(), herring_jax.process_count()
@@ -441,6 +492,8 @@ def main() -> None:
                                 outer_momentum=OUTER_MOMENTUM, compression="int8")
         against_model("int8/model", tx, inner, outer_np, rank, n, codec="int8",
                       shapes={"w": (5000,)})
+    if "fragments" in cases:
+        fragment_cases(rank, n)
     if "flax" in cases:
         flax_cases(rank, args.dir)
     herring_jax.shutdown()
