@@ -34,10 +34,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from herring_jax._src.optax_transform import CompressedGradientsState, allreduce_gradients
+from herring_jax._src import streaming
+from herring_jax._src.optax_transform import allreduce_gradients
 from herring_jax._src.psum import check_gradients
 
 
@@ -65,37 +65,6 @@ class LocalSGDState(NamedTuple):
     reduce: Any
 
 
-def fragment_leaves(params, fragments: int) -> list[int]:
-    """Streaming's partition: the fragment (0 .. F-1) of each leaf of
-    `params`, in ``jax.tree_util.tree_leaves`` order.
-
-    Fragments are contiguous runs of leaves in that order (the layers of a
-    model usually come in it), cut where the running byte count is nearest
-    F equal shares: a leaf goes to the next fragment once its midpoint lies
-    past the current fragment's share, and every fragment gets at least one
-    leaf (so F may not exceed the number of leaves). Leaves are never split,
-    so one large leaf makes its fragment larger than the others.
-    """
-    leaves = jax.tree_util.tree_leaves(params)
-    if fragments > len(leaves):
-        raise ValueError(f"herring_jax.local_sgd: fragments={fragments} but the parameters "
-                         f"have {len(leaves)} leaves, and a fragment is a run of whole "
-                         f"leaves: use at most {len(leaves)} fragments")
-    sizes = [int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
-             for x in leaves]
-    total = max(sum(sizes), 1)
-    out, f, before, members = [], 0, 0, 0
-    for i, b in enumerate(sizes):
-        # Midpoint past the share, compared in integers: 2F(before) + Fb > 2(f+1)total.
-        past = 2 * fragments * before + fragments * b > 2 * (f + 1) * total
-        if members and (past or len(sizes) - i == fragments - 1 - f):
-            f, members = f + 1, 0
-        out.append(f)
-        before += b
-        members += 1
-    return out
-
-
 def _check_count(name: str, value, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"herring_jax.local_sgd: {name} must be an int of at least {least}, "
@@ -107,7 +76,8 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
               outer: optax.GradientTransformation | None = None, *, axis_name=None,
               compression: str = "none", error_feedback: bool = True,
               fusion_bytes: int | None = None, first_bucket_bytes: int | None = None,
-              fragments: int = 1) -> optax.GradientTransformation:
+              fragments: int = 1, delay: int = 0, mixing: float = 0.5
+              ) -> optax.GradientTransformation:
     """Runs `inner` locally and synchronises the workers every `every` steps.
 
     Use it in place of ``optax.chain(herring_jax.allreduce_gradients(), inner)``.
@@ -142,11 +112,27 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
       fusion_bytes, first_bucket_bytes: as for ``allreduce_gradients``.
       fragments: F, Streaming DiLoCo's fragments (Douillard et al., 2025):
         the leaves are cut into F runs of about equal bytes
-        (``fragment_leaves``) and fragment f syncs alone at the steps where
-        ``count % every == f * every // F``, one reduction of its leaves
-        and one outer step of them per period; the other leaves go on with
-        their inner updates. 1 (default): every leaf at once, at the end of
-        each period. At most `every` and at most the number of leaves.
+        (``streaming.fragment_leaves``) and fragment f syncs alone at the
+        steps where ``count % every == f * every // F``, one reduction of
+        its leaves and one outer step of them per period; the other leaves
+        go on with their inner updates. 1 (default): every leaf at once, at
+        the end of each period. At most `every` and at most the number of
+        leaves.
+      delay: D, the steps a fragment's reduction overlaps (Streaming
+        DiLoCo's tau). 0 (default): the fragment's average is applied at its
+        sync step. D >= 1: the pseudo-gradient is sent at the sync step and
+        reduced on herring's threads while the next D steps compute; its
+        outer step is applied D steps later, merged by `mixing`. Less than
+        ``every // fragments``; across processes only (axis_name None) and
+        on XLA:CPU. A checkpoint must be saved where no fragment is in
+        flight (``herring_jax.local_sgd_in_flight``): restored there, the
+        arrival fails with an error that says so. A fragment still in
+        flight when training stops is not applied.
+      mixing: with delay >= 1, what a fragment's parameters become on
+        arrival: ``mixing * local + (1 - mixing) * (synced + outer update)``,
+        local being this worker's parameters then (Streaming DiLoCo's
+        alpha). 0 replaces them by the new global value; 0.5 (default)
+        keeps half of the local progress made meanwhile.
 
     Returns:
       An ``optax.GradientTransformation`` with ``LocalSGDState``.
@@ -165,6 +151,12 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         raise ValueError(f"herring_jax.local_sgd: fragments={fragments} is more than every="
                          f"{every}: each fragment syncs at its own step of the period, so "
                          f"use at most {every} fragments (or a longer period)")
+    delay = _check_count("delay", delay, 0)
+    streaming.check_delay(delay, every, fragments, axis_name)
+    if not 0 <= mixing <= 1:
+        raise ValueError(f"herring_jax.local_sgd: mixing must be in [0, 1] (the share of the "
+                         f"local parameters kept when a delayed fragment arrives), got "
+                         f"{mixing!r}")
     outer = optax.sgd(1.0) if outer is None else outer
     reducer = allreduce_gradients(axis_name, compression=compression,
                                   error_feedback=error_feedback, fusion_bytes=fusion_bytes,
@@ -176,16 +168,9 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         return LocalSGDState(count=jnp.zeros([], jnp.int32),
                              synced=jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True),
                                                            params),
-                             inner=inner.init(params), outer=outer_init(params),
+                             inner=inner.init(params), outer=streaming.init_outer(outer, params, fragments, delay),
                              reduce=reducer.init(params))
 
-    def outer_init(params):
-        if fragments == 1:
-            return outer.init(params)
-        leaves = jax.tree_util.tree_leaves(params)
-        of = fragment_leaves(params, fragments)
-        return tuple(outer.init([x for x, g in zip(leaves, of) if g == f])
-                     for f in range(fragments))
 
     def sync(u, params, synced, outer_state, reduce_state):
         pseudo = jax.tree_util.tree_map(lambda s, p, v: (s - p) - v, synced, params, u)
@@ -210,8 +195,11 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         check_gradients(updates, axis_name, "local_sgd")
         u, inner_state = inner.update(updates, state.inner, params)
         count = state.count + 1
-        if fragments > 1:
-            return streamed(u, params, state, count, inner_state)
+        if fragments > 1 or delay:
+            update, synced, outer_state, reduce_state = streaming.streamed_update(
+                u, params, state, count, every=every, fragments=fragments, delay=delay,
+                mixing=mixing, outer=outer, reducer=reducer, compression=compression)
+            return update, LocalSGDState(count, synced, inner_state, outer_state, reduce_state)
         args = (u, params, state.synced, state.outer, state.reduce)
         if every == 1:
             out = sync(*args)
@@ -221,52 +209,6 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
             out = jax.lax.cond(count % every == 0, sync, stay, *args)
         update, synced, outer_state, reduce_state = out
         return update, LocalSGDState(count, synced, inner_state, outer_state, reduce_state)
-
-    def streamed(u, params, state, count, inner_state):
-        p_leaves, treedef = jax.tree_util.tree_flatten(params)
-        u_leaves = treedef.flatten_up_to(u)
-        s_leaves = treedef.flatten_up_to(state.synced)
-        feedback = isinstance(state.reduce, CompressedGradientsState)
-        r_leaves = treedef.flatten_up_to(state.reduce.residual) if feedback else []
-        of = fragment_leaves(params, fragments)
-        members = [[i for i, g in enumerate(of) if g == f] for f in range(fragments)]
-
-        def sync_fragment(f, u_l, s_l, outer_states, r_l):
-            idx = members[f]
-            sub = (CompressedGradientsState([r_l[i] for i in idx]) if feedback
-                   else state.reduce)
-            pseudo = [(s_l[i] - p_leaves[i]) - u_l[i] for i in idx]
-            average, sub = reducer.update(pseudo, sub)
-            synced_f = [s_l[i] for i in idx]
-            o, outer_f = outer.update(average, outer_states[f], synced_f)
-            new_f = optax.apply_updates(synced_f, o)
-            u_l, s_l, r_l = list(u_l), list(s_l), list(r_l)
-            for j, i in enumerate(idx):
-                u_l[i] = ((s_l[i] - p_leaves[i]) + o[j]).astype(u_l[i].dtype)
-                s_l[i] = new_f[j]
-                if feedback:
-                    r_l[i] = sub.residual[j]
-            outer_states = tuple(outer_f if g == f else x for g, x in enumerate(outer_states))
-            return u_l, s_l, outer_states, r_l
-
-        def stay(u_l, s_l, outer_states, r_l):
-            return list(u_l), list(s_l), outer_states, list(r_l)
-
-        branches = [lambda *a, f=f: sync_fragment(f, *a) for f in range(fragments)] + [stay]
-        # Fragment f syncs at phase f * every // F of the period; the others
-        # (fragments <= every keeps the phases apart) take the last branch.
-        # The count, so the branch, is the same on every worker.
-        table = np.full(every, fragments, np.int32)
-        for f in range(fragments):
-            table[f * every // fragments] = f
-        which = jnp.asarray(table)[count % every]
-        u_l, s_l, outer_state, r_l = jax.lax.switch(
-            which, branches, u_leaves, s_leaves, state.outer, r_leaves)
-        reduce_state = (CompressedGradientsState(jax.tree_util.tree_unflatten(treedef, r_l))
-                        if feedback else state.reduce)
-        return (jax.tree_util.tree_unflatten(treedef, u_l),
-                LocalSGDState(count, jax.tree_util.tree_unflatten(treedef, s_l), inner_state,
-                              outer_state, reduce_state))
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -110,9 +110,11 @@ class Model:
     steps where count % every == f * every // F."""
 
     def __init__(self, inner, outer_np, groups, codec: str = "none", grads=grads_np,
-                 params=None, every: int = EVERY, fragments=None):
+                 params=None, every: int = EVERY, fragments=None, delay: int = 0,
+                 mixing: float = 0.5):
         self.inner, self.outer_np, self.groups, self.codec = inner, outer_np, groups, codec
-        self.every = every
+        self.every, self.delay, self.mixing = every, delay, mixing
+        self.pending = {}  # fragment -> its average, sent and not yet arrived
         self.grads = grads
         self.workers = [w for g in groups for w in g]
         start = params if params is not None else start_params()
@@ -126,12 +128,39 @@ class Model:
         self.update = jax.jit(inner.update)
         self.count = 0
 
-    def due(self) -> int | None:
-        """The fragment that syncs at the current count (None: none)."""
+    def due(self, delay: int = 0) -> int | None:
+        """The fragment that syncs (delay: arrives) at the current count."""
         n = len(self.fragments)
         for f in range(n):
-            if self.count % self.every == f * self.every // n:
+            start = self.count - delay
+            if start >= 1 and start % self.every == f * self.every // n:
                 return f
+        return None
+
+    def delayed_step(self, u) -> str | None:
+        """Delay >= 1: this step's start ("s<f>") or arrival ("a<f>")."""
+        f, g = self.due(), self.due(self.delay)
+        before = {w: dict(self.x[w]) for w in self.workers}
+        for w in self.workers:
+            self.x[w] = {n: v + u[w][n] for n, v in self.x[w].items()}
+        if f is not None:
+            self.pending[f] = {n: self.mean(n, {w: (self.synced[n] - before[w][n]) - u[w][n]
+                                                for w in self.workers})
+                               for n in self.fragments[f]}
+            return f"s{f}"
+        if g is not None:
+            average = self.pending.pop(g)
+            m = f32(self.mixing)
+            for n in self.fragments[g]:
+                s = self.synced[n]
+                o, self.outer_state[n] = self.outer_np(average[n], self.outer_state[n])
+                for w in self.workers:
+                    p = before[w][n]
+                    merged = ((s - p) + o if self.mixing == 0
+                              else (m * (p + u[w][n]) + f32(1 - self.mixing) * (s + o)) - p)
+                    self.x[w][n] = p + merged
+                self.synced[n] = s + o
+            return f"a{g}"
         return None
 
     def step(self, k: int) -> int | None:
@@ -142,6 +171,8 @@ class Model:
                                                    self.inner_state[w], self.x[w])
             u[w] = {n: np.asarray(v) for n, v in out.items()}
         self.count += 1
+        if self.delay:
+            return self.delayed_step(u)
         f = self.due()
         names = self.fragments[f] if f is not None else []
         for w in self.workers:
@@ -189,29 +220,41 @@ def train_step(tx):
 
 def against_model(case: str, tx, inner, outer_np, rank: int, nproc: int,
                   codec: str = "none", shapes=SHAPES, every: int = EVERY, fragments=None,
-                  steps: int = STEPS) -> None:
+                  steps: int = STEPS, delay: int = 0, mixing: float = 0.5) -> None:
     params = start_params(shapes)
     grads = (lambda w, k, x: {n: common.make_input("float32", x[n].size, w, k).reshape(
         x[n].shape) + f32(0.5) * x[n] for n in x}) if shapes is not SHAPES else grads_np
     model = Model(inner, outer_np, [[r] for r in range(nproc)], codec, grads, params,
-                  every, fragments)
+                  every, fragments, delay, mixing)
     p = jax.tree_util.tree_map(jnp.asarray, params)
     state = tx.init(p)
     step = train_step(tx)
     oks, reduced, synced_fragments = [], [], []
+    run_bytes = reduced_bytes()
     for k in range(steps):
         before, bytes_before = reductions(), reduced_bytes()
         g = grads(rank, k, {n: np.asarray(v) for n, v in p.items()})
         p, state = step(g, state, p)
         f = model.step(k)
         synced_fragments.append(f)
+        oks.append(common.bitwise_equal(flat(p), flat(model.x[rank])))
+        if delay:
+            # The reduction ends on herring's threads while later steps run:
+            # its count is checked over the whole run below.
+            reduced.append(True)
+            continue
         # A sync reduces exactly its fragment's bytes (once), a step
         # without one nothing.
         want = 0 if f is None else 4 * sum(params[n].size for n in model.fragments[f])
         reduced.append((reductions() > before) == (f is not None)
                        and (codec != "none" or reduced_bytes() - bytes_before == want))
-        oks.append(common.bitwise_equal(flat(p), flat(model.x[rank])))
     extra = {}
+    if delay:
+        # Every start's bytes reduced once; each has arrived by the last step.
+        sent = sum(4 * params[n].size for e in synced_fragments if e and e[0] == "s"
+                   for n in model.fragments[int(e[1:])])
+        extra["bytes_ok"] = codec != "none" or reduced_bytes() - run_bytes == sent
+        oks.append(extra["bytes_ok"] and not model.pending)
     if codec != "none":
         residual = flat(state.reduce.residual)
         extra["residual_max"] = float(np.max(np.abs(residual)))
@@ -244,6 +287,26 @@ def fragment_cases(rank: int, nproc: int) -> None:
                             outer_momentum=OUTER_MOMENTUM, compression="int8", fragments=3)
     against_model("fragments/int8/model", tx, inner, outer_np, rank, nproc, codec="int8",
                   shapes=INT8_SHAPES, every=3, fragments=[["a"], ["b"], ["c"]])
+
+
+def delay_cases(rank: int, nproc: int) -> None:
+    """Delay 1 with every preset (2 fragments, mixing 0.5), and delay 2 with
+    int8 and error feedback (mixing 0: replace)."""
+    for name, (_, inner, outer_np) in presets().items():
+        outer = {"localsgd": None,
+                 "slowmo": slow_momentum(GAMMA, BETA, ALPHA),
+                 "diloco": optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)}[name]
+        tx = herring_jax.local_sgd(inner, FRAGMENT_EVERY, outer, fragments=2, delay=1,
+                                   mixing=0.5)
+        against_model(f"delay/{name}/model", tx, inner, outer_np, rank, nproc,
+                      shapes=FRAGMENT_SHAPES, every=FRAGMENT_EVERY, fragments=FRAGMENTS,
+                      steps=FRAGMENT_STEPS, delay=1, mixing=0.5)
+    _, inner, outer_np = presets()["diloco"]
+    tx = herring_jax.diloco(inner, 6, outer_learning_rate=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                            compression="int8", fragments=2, delay=2, mixing=0.0)
+    against_model("delay/int8/model", tx, inner, outer_np, rank, nproc, codec="int8",
+                  shapes=INT8_SHAPES, every=6, fragments=[["a"], ["b", "c"]], steps=14,
+                  delay=2, mixing=0.0)
 
 
 # -- H = 1 against the synchronous chain ---------------------------------------
@@ -470,7 +533,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="checkpoints (the Flax cases)")
     parser.add_argument("--mesh", action="store_true",
                         help="only the presets inside shard_map, every device a worker")
-    parser.add_argument("--cases", default="h1,presets,int8,flax,fragments")
+    parser.add_argument("--cases", default="h1,presets,int8,flax,fragments,delay")
     args = parser.parse_args()
     herring_jax.initialize()
     rank, n = herring_jax.process_index(), herring_jax.process_count()
@@ -494,6 +557,8 @@ def main() -> None:
                       shapes={"w": (5000,)})
     if "fragments" in cases:
         fragment_cases(rank, n)
+    if "delay" in cases:
+        delay_cases(rank, n)
     if "flax" in cases:
         flax_cases(rank, args.dir)
     herring_jax.shutdown()
