@@ -3,7 +3,9 @@ every=1 and the plain outer sgd(1.0), bitwise allreduce_gradients' training;
 each preset bitwise a numpy model of its algorithm at every step on 2 and 4
 processes, herring reducing at the sync steps only; int8 with error
 feedback bitwise the codec's model; streaming's fragments (F = 2 and 3)
-each synced alone at its step of the period, bitwise the numpy model; inside nnx.Optimizer and a Linen
+each synced alone at its step of the period, and with a delay (1 and 2
+steps) each reduced while the next steps run and applied once on arrival,
+bitwise the numpy model; inside nnx.Optimizer and a Linen
 TrainState bitwise the plain pytree; an NNX checkpoint saved mid-period
 resuming bitwise; and inside shard_map over a mesh axis.
 
@@ -29,6 +31,7 @@ ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": 
 PRESETS = ["localsgd/model", "slowmo/model", "diloco/model"]
 FLAX = ["nnx/vs-plain", "nnx/checkpoint", "linen/vs-plain"]
 FRAGMENTED = [f"fragments/{p}" for p in PRESETS] + ["fragments/int8/model"]
+DELAYED = [f"delay/{p}" for p in PRESETS] + ["delay/int8/model"]
 
 
 def _check(run, cases):
@@ -40,7 +43,7 @@ def _check(run, cases):
 def test_every_step_is_allreduce_gradients_and_the_presets_match_their_model(tmp_path):
     run = launch("local_sgd_worker.py", ["--dir", str(tmp_path)], nproc=2, env=ENV)
     digests, cases = _check(run, ["h1/vs-allreduce", "donated", *PRESETS, "int8/model", *FLAX,
-                                  *FRAGMENTED])
+                                  *FRAGMENTED, *DELAYED])
     # H = 1 and every sync: the same parameters on every process.
     assert len(digests["h1/vs-allreduce"]) == 1, digests
     for name in PRESETS:
@@ -56,6 +59,17 @@ def test_every_step_is_allreduce_gradients_and_the_presets_match_their_model(tmp
     # every=3 and 3 fragments: one fragment each step, in turn, int8 with error feedback.
     int8 = cases["fragments/int8/model"]
     assert int8["synced"] == [1, 2, 0, 1, 2, 0, 1] and int8["residual_max"] > 0, int8
+    # Delay 1: each fragment sent at its sync step (s) and applied one step
+    # later (a), while the next step computes; fragment 0's first arrival
+    # (count 1) has nothing before it. Every start's bytes reduced once.
+    for name in DELAYED[:-1]:
+        assert cases[name]["synced"] == [None, "s1", "a1", "s0", "a0", "s1", "a1", "s0",
+                                         "a0"], cases[name]
+        assert cases[name]["bytes_ok"], cases[name]
+    # Delay 2, every 6, fragments a | b c, int8 with error feedback.
+    int8 = cases["delay/int8/model"]
+    assert int8["synced"] == [None, None, "s1", None, "a1", "s0", None, "a0", "s1", None, "a1",
+                              "s0", None, "a0"] and int8["residual_max"] > 0, int8
 
 
 def test_the_presets_match_their_model_on_four_processes():
@@ -99,7 +113,7 @@ def test_fragments_are_runs_of_leaves_of_about_equal_bytes():
     import optax
 
     import herring_jax
-    from herring_jax._src.local_sgd import fragment_leaves
+    from herring_jax._src.streaming import fragment_leaves
 
     def tree(*sizes):
         return {f"l{i:02d}": jnp.zeros(n, jnp.float32) for i, n in enumerate(sizes)}
@@ -144,7 +158,15 @@ def test_train_bench_names_the_local_runs():
         ["--local-steps", "4", "--outer", "sgd", "--compression", "none"], "localsgd4")
     assert _codec_args("slowmo8-bf16")[0][3] == "slowmo"
     assert _codec_args("compute") == (["--reduce", "none"], "compute")
-    for bad in ("diloco0", "diloco16-int4", "diloco", "slowmo-4", "localsgd4-none"):
+    # Streaming: f<F> fragments, d<D> delay.
+    assert _codec_args("diloco16f4") == (
+        ["--local-steps", "16", "--outer", "diloco", "--compression", "none", "--fragments",
+         "4"], "diloco16f4")
+    assert _codec_args("diloco16f4d2-int8") == (
+        ["--local-steps", "16", "--outer", "diloco", "--compression", "int8", "--fragments",
+         "4", "--delay", "2"], "diloco16f4d2-int8")
+    for bad in ("diloco0", "diloco16-int4", "diloco", "slowmo-4", "localsgd4-none",
+                "diloco16f0", "diloco16d2f4", "diloco16f"):
         assert _codec_args(bad) is None, bad
 
 

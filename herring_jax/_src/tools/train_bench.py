@@ -196,19 +196,24 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
 
 def _local_sgd_args(codec: str) -> tuple[list[str], str] | None:
     """compute: no reduction at all (--reduce none, every process alone: the
-    compute-only step); localsgd<H>, slowmo<H>, diloco<H>[-<codec>]: the
-    script's --local-steps H --outer ... (herring_jax.local_sgd and its
-    presets, the pseudo-gradients sent with that codec)."""
+    compute-only step); localsgd<H>, slowmo<H>, diloco<H>[f<F>][d<D>][-<codec>]:
+    the script's --local-steps H --outer ... [--fragments F] [--delay D]
+    (herring_jax.local_sgd and its presets, the pseudo-gradients sent with
+    that codec)."""
     from herring_jax._src import codecs as codecs_lib
     if codec == "compute":
         return ["--reduce", "none"], codec
     lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
-    m = re.fullmatch(rf"(localsgd|slowmo|diloco)([1-9]\d*)(?:-({lossy}))?", codec)
+    m = re.fullmatch(rf"(localsgd|slowmo|diloco)([1-9]\d*)(?:f([1-9]\d*))?(?:d([1-9]\d*))?"
+                     rf"(?:-({lossy}))?", codec)
     if m is None:
         return None
     outer = "sgd" if m.group(1) == "localsgd" else m.group(1)
+    # f<F>, d<D>: Streaming DiLoCo's fragments and delay (--fragments, --delay).
+    streaming = (["--fragments", m.group(3)] if m.group(3) else []) + (
+        ["--delay", m.group(4)] if m.group(4) else [])
     return (["--local-steps", m.group(2), "--outer", outer, "--compression",
-             m.group(3) or "none"], codec)
+             m.group(5) or "none", *streaming], codec)
 
 
 def _print_time_to_loss(results: list[dict], base: dict) -> None:
