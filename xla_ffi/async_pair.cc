@@ -47,7 +47,6 @@ namespace {
 constexpr int64_t kTicketRunBit = int64_t{1} << 62;
 
 struct Started {
-  std::string where;
   std::vector<engine::DType> dtypes;
   std::vector<size_t> counts;
   std::vector<size_t> bytes;
@@ -102,7 +101,6 @@ ffi::Error StartImpl(int32_t device, InstructionState* instruction,
     ffi::Error decoded = DecodeOperands(args, attrs->View(), call.get());
     if (decoded.failure()) return decoded;
     call->where = "herring async reduction on rank " + std::to_string(call->comm->rank()) + ": ";
-    task->where = call->where;
     if (OpKind(op) > kOpMean || collective != kCollectiveAllReduce) {
       return ffi::Error::InvalidArgument(call->where + "an async reduction is a sum or a mean");
     }
@@ -176,15 +174,14 @@ ffi::Error DoneImpl(int32_t device, ffi::Buffer<ffi::S32> ticket_buffer,
         "herring async reduction on rank " + std::to_string(comm->rank()) + ": ";
     const double timeout_s = comm->config().timeout_s;
     comm.reset();
-    int64_t ticket_value = 0;
-    ffi::Error read = ReadTicket(ticket_buffer, where, &ticket_value);
+    int64_t ticket = 0;
+    ffi::Error read = ReadTicket(ticket_buffer, where, &ticket);
     if (read.failure()) return read;
-    const int64_t* ticket = &ticket_value;
     std::shared_ptr<Started> task;
     {
       PairTable& table = Table();
       std::lock_guard<std::mutex> lock(table.mu);
-      auto it = table.started.find(PairKey{comm_handle, key, *ticket, device});
+      auto it = table.started.find(PairKey{comm_handle, key, ticket, device});
       if (it != table.started.end()) {
         task = std::move(it->second);
         table.started.erase(it);
@@ -193,7 +190,7 @@ ffi::Error DoneImpl(int32_t device, ffi::Buffer<ffi::S32> ticket_buffer,
     if (!task) {
       return ffi::Error(
           ffi::ErrorCode::kFailedPrecondition,
-          where + "no reduction was started with " + TicketText(*ticket) + " for this call in "
+          where + "no reduction was started with " + TicketText(ticket) + " for this call in "
           "this process, so there is nothing to finish. Its start ran in an earlier life of "
           "the process (a state restored from a checkpoint saved while a reduction was in "
           "flight), or never ran. Save checkpoints where no reduction is in flight, or "
@@ -206,7 +203,7 @@ ffi::Error DoneImpl(int32_t device, ffi::Buffer<ffi::S32> ticket_buffer,
       if (!task->cv.wait_for(lock, std::chrono::duration<double>(timeout_s + 30.0),
                              [&] { return task->finished; })) {
         return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                          where + "the reduction started with " + TicketText(*ticket) +
+                          where + "the reduction started with " + TicketText(ticket) +
                               " has not ended after HERRING_TIMEOUT_S (" +
                               std::to_string(timeout_s) + " s) and 30 s more");
       }

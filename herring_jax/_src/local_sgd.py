@@ -50,9 +50,10 @@ class LocalSGDState(NamedTuple):
         to ``init``), the same on every worker.
       inner: the inner transformation's state, this worker's own.
       outer: the outer transformation's state, the same on every worker;
-        with ``fragments=F > 1`` a tuple of F states, fragment f's made by
-        ``outer.init`` of the list of its leaves (each fragment takes one
-        outer step per period, so a momentum or a step count is its own).
+        with ``fragments=F > 1`` or a delay, a tuple of F states, fragment
+        f's made by ``outer.init`` of the list of its leaves (each fragment
+        takes one outer step per period, so a momentum or a step count is
+        its own).
       reduce: the reduction's state: with a lossy ``compression`` and error
         feedback, what this worker's pseudo-gradients lost on the wire so far
         (``CompressedGradientsState``); else ``AllReduceGradientsState()``.
@@ -168,9 +169,9 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         return LocalSGDState(count=jnp.zeros([], jnp.int32),
                              synced=jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True),
                                                            params),
-                             inner=inner.init(params), outer=streaming.init_outer(outer, params, fragments, delay),
+                             inner=inner.init(params),
+                             outer=streaming.init_outer(outer, params, fragments, delay),
                              reduce=reducer.init(params))
-
 
     def sync(u, params, synced, outer_state, reduce_state):
         pseudo = jax.tree_util.tree_map(lambda s, p, v: (s - p) - v, synced, params, u)
@@ -265,7 +266,8 @@ def slowmo(inner: optax.GradientTransformation, every: int, *, learning_rate: fl
       momentum: beta, the slow momentum.
       slow_learning_rate: alpha, the slow learning rate.
       **kwargs: ``axis_name``, ``compression``, ``error_feedback``,
-        ``fusion_bytes``, ``first_bucket_bytes`` of ``local_sgd``.
+        ``fusion_bytes``, ``first_bucket_bytes``, ``fragments``, ``delay``,
+        ``mixing`` of ``local_sgd``.
 
     Returns:
       An ``optax.GradientTransformation`` with ``LocalSGDState``.
@@ -295,7 +297,8 @@ def diloco(inner: optax.GradientTransformation, every: int, *,
       outer_learning_rate, outer_momentum: the outer Nesterov SGD's (0.7 and
         0.9, the paper's).
       **kwargs: ``axis_name``, ``compression``, ``error_feedback``,
-        ``fusion_bytes``, ``first_bucket_bytes`` of ``local_sgd``.
+        ``fusion_bytes``, ``first_bucket_bytes``, ``fragments``, ``delay``,
+        ``mixing`` of ``local_sgd``.
 
     Returns:
       An ``optax.GradientTransformation`` with ``LocalSGDState``.
