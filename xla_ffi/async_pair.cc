@@ -1,29 +1,40 @@
 // herring_async_start / herring_async_done (XLA:CPU): a reduction that starts
 // in one execution of a jitted step and ends in a later one (Streaming
-// DiLoCo's overlapped fragments, herring_jax/_src/local_sgd.py).
+// DiLoCo's overlapped fragments, herring_jax/_src/streaming.py).
 //
 // Every other reduction starts and ends inside one XLA execution, its buffers
 // XLA's. Here the start copies its operands into memory of the engine's pool,
 // hands the reduction to herring's threads and returns at once; the done, in
 // a later execution, waits for it (within HERRING_TIMEOUT_S) and copies the
-// result out. Both take a runtime `ticket` (int32 scalar, e.g. the step count
-// of the start), which pairs them in this process: (communicator, key,
-// ticket, device). Across processes the start is named by its attributes'
-// slot and instance, as every reduction (call_identity.cc), and by the ticket
-// in place of XLA's run id: the start and the done run in different
-// executions, and two executions of one step have different run ids, so the
-// run id cannot say which start a done belongs to. The ticket is the same on
-// every process where the program is (the step count is).
+// result out.
+//
+// Across processes the start is named by its attributes' slot and instance,
+// as every reduction (call_identity.cc), and by a runtime `ticket` (int32
+// scalar: the step count of the start) in place of XLA's run id: the start
+// and the done run in different executions, and two executions of one step
+// have different run ids. The ticket is the same on every process where the
+// program is (the step count is).
+//
+// In this process the done finds its start by the token the start returns
+// (the caller keeps it, in the optimizer state, and hands it to the done): an
+// id this start alone has, so that two optimizers reducing buffers of equal
+// shapes at equal step counts, or a second training run in the same process,
+// never take each other's results. The id's high half is drawn at random
+// once per process, so a token restored from a checkpoint of an earlier
+// process names nothing here (the done says so) rather than a reduction of
+// this process. The done also checks that its ticket is its start's.
 //
 // A process that shuts down with a start still in flight waits for it first
 // (DrainAsync, from herring_jax.shutdown), so that its peers' matching
 // reduction ends normally; then the unclaimed results are dropped.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -47,6 +58,7 @@ namespace {
 constexpr int64_t kTicketRunBit = int64_t{1} << 62;
 
 struct Started {
+  int64_t key = 0;  // the call's description hash, which the done's must equal
   std::vector<engine::DType> dtypes;
   std::vector<size_t> counts;
   std::vector<size_t> bytes;
@@ -60,12 +72,23 @@ struct Started {
 };
 
 struct PairKey {
-  int64_t comm, key, ticket;
-  int32_t device;
+  int64_t comm;
+  uint64_t token;
   bool operator<(const PairKey& o) const {
-    return std::tie(comm, key, ticket, device) < std::tie(o.comm, o.key, o.ticket, o.device);
+    return std::tie(comm, token) < std::tie(o.comm, o.token);
   }
 };
+
+// A start's id: a random high half per process, a count below it (never 0:
+// a token of zeros is what an optimizer state holds before any start).
+uint64_t NextToken() {
+  static const uint64_t epoch = [] {
+    std::random_device device;
+    return (static_cast<uint64_t>(device()) << 32) | 0x80000000ull;
+  }();
+  static std::atomic<uint32_t> count{0};
+  return epoch ^ (static_cast<uint64_t>(++count) & 0x7fffffffull);
+}
 
 struct PairTable {
   std::mutex mu;
@@ -92,7 +115,6 @@ std::string TicketText(int64_t ticket) { return "ticket " + std::to_string(ticke
 ffi::Error StartImpl(int32_t device, InstructionState* instruction,
                      ffi::Buffer<ffi::S32> ticket_buffer, ffi::RemainingArgs args,
                      ffi::Result<ffi::AnyBuffer> token, HERRING_ATTR_PARAMS) {
-  (void)token;  // returned for XLA's data flow only; never read
   return NoThrow("herring async start", [&]() -> ffi::Error {
     ReceiveInstructionState(instruction);
     auto task = std::make_shared<Started>();
@@ -122,16 +144,16 @@ ffi::Error StartImpl(int32_t device, InstructionState* instruction,
       call->arrival.in[k] = task->in.back().data();
       call->arrival.out.push_back(task->out.back().data());
     }
-    const PairKey pair{comm_handle, key, task->ticket, device};
+    if (token->size_bytes() != sizeof(uint64_t)) {
+      return ffi::Error::InvalidArgument(call->where + "the token must be 8 bytes");
+    }
+    task->key = key;
+    const uint64_t id = NextToken();
+    std::memcpy(token->untyped_data(), &id, sizeof(id));
     PairTable& table = Table();
     {
       std::lock_guard<std::mutex> lock(table.mu);
-      if (!table.started.emplace(pair, task).second) {
-        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                          call->where + "a reduction of this call with " +
-                              TicketText(task->ticket) + " is already in flight: each ticket "
-                              "names one reduction until its done collects it");
-      }
+      table.started.emplace(PairKey{comm_handle, id}, task);
       ++table.running[comm_handle];
     }
     const InstructionState state = *instruction;
@@ -161,7 +183,7 @@ ffi::Error StartImpl(int32_t device, InstructionState* instruction,
   });
 }
 
-ffi::Error DoneImpl(int32_t device, ffi::Buffer<ffi::S32> ticket_buffer,
+ffi::Error DoneImpl(ffi::Buffer<ffi::S32> ticket_buffer, ffi::AnyBuffer token,
                     ffi::RemainingRets rets, int64_t comm_handle, int64_t key) {
   return NoThrow("herring async done", [&]() -> ffi::Error {
     auto comm = engine::Registry::Get().Find(comm_handle);
@@ -177,24 +199,35 @@ ffi::Error DoneImpl(int32_t device, ffi::Buffer<ffi::S32> ticket_buffer,
     int64_t ticket = 0;
     ffi::Error read = ReadTicket(ticket_buffer, where, &ticket);
     if (read.failure()) return read;
+    if (token.size_bytes() != sizeof(uint64_t)) {
+      return ffi::Error::InvalidArgument(where + "the token must be 8 bytes");
+    }
+    uint64_t id = 0;
+    std::memcpy(&id, token.untyped_data(), sizeof(id));
     std::shared_ptr<Started> task;
     {
       PairTable& table = Table();
       std::lock_guard<std::mutex> lock(table.mu);
-      auto it = table.started.find(PairKey{comm_handle, key, ticket, device});
-      if (it != table.started.end()) {
+      auto it = table.started.find(PairKey{comm_handle, id});
+      if (it != table.started.end() && it->second->key == key &&
+          it->second->ticket == ticket) {
         task = std::move(it->second);
         table.started.erase(it);
+      } else if (it != table.started.end()) {
+        return ffi::Error::InvalidArgument(
+            where + "the token handed to this done belongs to a reduction of other buffers "
+            "or another ticket (" + TicketText(it->second->ticket) + ", this done's " +
+            TicketText(ticket) + "): pass each done the token of its own start");
       }
     }
     if (!task) {
       return ffi::Error(
           ffi::ErrorCode::kFailedPrecondition,
-          where + "no reduction was started with " + TicketText(ticket) + " for this call in "
-          "this process, so there is nothing to finish. Its start ran in an earlier life of "
-          "the process (a state restored from a checkpoint saved while a reduction was in "
-          "flight), or never ran. Save checkpoints where no reduction is in flight, or "
-          "start the reduction again.");
+          where + "no reduction was started with " + TicketText(ticket) + " and this token "
+          "in this process, or its result was collected already, so there is nothing to "
+          "finish. Its start ran in an earlier life of the process (a state restored from a "
+          "checkpoint saved while a reduction was in flight), or never ran. Save checkpoints "
+          "where no reduction is in flight, or start the reduction again.");
     }
     {
       std::unique_lock<std::mutex> lock(task->mu);
@@ -254,12 +287,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                            .Ctx<ffi::State<InstructionState>>()
                            .Arg<ffi::Buffer<ffi::S32>>()   // ticket
                            .RemainingArgs()                // buffers to reduce
-                           .Ret<ffi::AnyBuffer>()));       // token
+                           .Ret<ffi::AnyBuffer>()));       // token: this start's id
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HerringAsyncDone, DoneImpl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ticket
+                                  .Arg<ffi::AnyBuffer>()         // its start's token
                                   .RemainingRets()               // the reduced buffers
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("key"));

@@ -5,11 +5,12 @@ and ends in a later one: ``start_reduction`` / ``finish_reduction``
 Every other herring reduction starts and ends inside one XLA execution. These
 two let a step hand buffers to herring's threads and go on (the next steps
 compute while the bytes move), and a later step collect the result: local_sgd's
-streaming fragments with ``delay >= 1``. A runtime int32 ``ticket`` pairs a
-start with its done in a process (the step count of the start is a good one:
-it is the same on every process); the done of a ticket with no start fails
-with an error that says so. XLA:CPU only: on XLA:CUDA they raise
-NotImplementedError when lowered.
+streaming fragments with ``delay >= 1``. A runtime int32 ``ticket`` (the step
+count of the start: the same on every process) names the reduction across
+processes; the start's token, which the caller keeps (in the optimizer state)
+and hands to the done, finds it in this process. A done whose token names no
+start of this process fails with an error that says so. XLA:CPU only: on
+XLA:CUDA they raise NotImplementedError when lowered.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ _NOT_ON_CUDA = (
 def start_reduction(buffers, ticket, *, op: str = "mean", codec: str = "none"):
     """Starts reducing `buffers` (arrays, one device per process) across the
     processes under `ticket` (an int32 scalar, the same on every process);
-    returns at once. ``finish_reduction`` with the same ticket, buffers'
-    shapes and op in a later step gives the result. Inside jax.jit only."""
+    returns its token (uint8[8]) at once. ``finish_reduction`` with the same
+    ticket, that token, the buffers' shapes and op in a later step gives the
+    result. Inside jax.jit only."""
     if op not in ("sum", "mean"):
         raise ValueError(f"start_reduction: op must be 'sum' or 'mean', got {op!r}")
     codecs.check_codec(codec)
@@ -45,11 +47,13 @@ def start_reduction(buffers, ticket, *, op: str = "mean", codec: str = "none"):
     return start_p.bind(jnp.asarray(ticket, jnp.int32), *buffers, op=op, codec=codec)
 
 
-def finish_reduction(ticket, like, *, op: str = "mean", codec: str = "none") -> list:
-    """Waits for the reduction started under `ticket` of buffers shaped as
-    `like` (arrays or ShapeDtypeStructs) and returns its results."""
+def finish_reduction(ticket, token, like, *, op: str = "mean", codec: str = "none") -> list:
+    """Waits for the reduction whose start returned `token` under `ticket`,
+    of buffers shaped as `like` (arrays or ShapeDtypeStructs), and returns
+    its results."""
     avals = tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in like)
-    return done_p.bind(jnp.asarray(ticket, jnp.int32), avals=avals, op=op, codec=codec)
+    return done_p.bind(jnp.asarray(ticket, jnp.int32), jnp.asarray(token, jnp.uint8),
+                       avals=avals, op=op, codec=codec)
 
 
 # Both change what the engine holds (a start that nothing reads would
@@ -61,8 +65,8 @@ def _start_abstract(ticket, *buffers, op, codec):
     return lowering.TOKEN, {jax_compat.HOST_STATE_EFFECT}
 
 
-def _done_abstract(ticket, *, avals, op, codec):
-    del ticket, op, codec
+def _done_abstract(ticket, token, *, avals, op, codec):
+    del ticket, token, op, codec
     return ([jax.core.ShapedArray(shape, np.dtype(dtype)) for shape, dtype in avals],
             {jax_compat.HOST_STATE_EFFECT})
 
@@ -81,14 +85,14 @@ def _lower_start(ctx, ticket, *buffers, platform, op, codec):
                           [lowering.TOKEN], attrs)
 
 
-def _lower_done(ctx, ticket, *, platform, avals, op, codec):
+def _lower_done(ctx, ticket, token, *, platform, avals, op, codec):
     if platform != "cpu":
         raise NotImplementedError(_NOT_ON_CUDA)
     del avals
     attrs = dict(comm=np.int64(runtime.state().handle),
                  key=np.int64(lowering.key(op, ctx.avals_out, codec)))
-    return lowering._call("herring_async_done", ctx, [ticket], ctx.avals_in, ctx.avals_out,
-                          attrs)
+    return lowering._call("herring_async_done", ctx, [ticket, token], ctx.avals_in,
+                          ctx.avals_out, attrs)
 
 
 start_p = jex_core.Primitive("herring_async_start")

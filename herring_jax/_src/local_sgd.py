@@ -57,6 +57,9 @@ class LocalSGDState(NamedTuple):
       reduce: the reduction's state: with a lossy ``compression`` and error
         feedback, what this worker's pseudo-gradients lost on the wire so far
         (``CompressedGradientsState``); else ``AllReduceGradientsState()``.
+      pending: with a delay, the tokens of each fragment's reduction in
+        flight (uint8, this process's own: they name reductions of its
+        engine); else () (no leaves).
     """
 
     count: Any
@@ -64,6 +67,7 @@ class LocalSGDState(NamedTuple):
     inner: Any
     outer: Any
     reduce: Any
+    pending: Any = ()
 
 
 def _check_count(name: str, value, least: int) -> int:
@@ -171,7 +175,8 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
                                                            params),
                              inner=inner.init(params),
                              outer=streaming.init_outer(outer, params, fragments, delay),
-                             reduce=reducer.init(params))
+                             reduce=reducer.init(params),
+                             pending=streaming.init_pending(fragments, delay))
 
     def sync(u, params, synced, outer_state, reduce_state):
         pseudo = jax.tree_util.tree_map(lambda s, p, v: (s - p) - v, synced, params, u)
@@ -197,10 +202,11 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         u, inner_state = inner.update(updates, state.inner, params)
         count = state.count + 1
         if fragments > 1 or delay:
-            update, synced, outer_state, reduce_state = streaming.streamed_update(
+            update, synced, outer_state, reduce_state, pending = streaming.streamed_update(
                 u, params, state, count, every=every, fragments=fragments, delay=delay,
                 mixing=mixing, outer=outer, reducer=reducer, compression=compression)
-            return update, LocalSGDState(count, synced, inner_state, outer_state, reduce_state)
+            return update, LocalSGDState(count, synced, inner_state, outer_state, reduce_state,
+                                         pending)
         args = (u, params, state.synced, state.outer, state.reduce)
         if every == 1:
             out = sync(*args)

@@ -21,10 +21,10 @@ D steps (count: the step count after this step's inner update, 1, 2, ...):
 
 The other fragments go on with their inner updates. A D >= 1 reduction
 starts in one execution of the step and ends in a later one
-(async_reduce.py): its bytes are in the engine's memory meanwhile, not in the
-optimizer state, so a checkpoint must be saved where no fragment is in
-flight (``local_sgd_in_flight``); a done whose start ran before a restore fails with
-an error that says so.
+(async_reduce.py): its bytes are in the engine's memory meanwhile, and the
+optimizer state holds only its token, so a checkpoint must be saved where no
+fragment is in flight (``local_sgd_in_flight``); a done whose start ran
+before a restore fails with an error that says so.
 """
 
 from __future__ import annotations
@@ -119,10 +119,20 @@ def init_outer(outer, params, fragments: int, delay: int):
                  for f in range(fragments))
 
 
+def init_pending(fragments: int, delay: int):
+    """The tokens of the fragments in flight (async_reduce's): for each
+    fragment one per call of its start (float32 leaves, the others); () with
+    no delay, so that the state of local_sgd without streaming keeps its
+    leaves."""
+    if not delay:
+        return ()
+    return tuple(jnp.zeros((2, 8), jnp.uint8) for _ in range(fragments))
+
+
 def streamed_update(u, params, state, count, *, every, fragments, delay, mixing, outer,
                     reducer, compression):
     """local_sgd's update with fragments or a delay: (update, synced, outer
-    state, reduce state)."""
+    state, reduce state, pending tokens)."""
     p_leaves, treedef = jax.tree_util.tree_flatten(params)
     u_leaves = treedef.flatten_up_to(u)
     s_leaves = treedef.flatten_up_to(state.synced)
@@ -140,7 +150,7 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
         states = tuple(outer_f if g == f else x for g, x in enumerate(outer_states))
         return o, optax.apply_updates(synced_f, o), states
 
-    def sync(f, u_l, s_l, outer_states, r_l):
+    def sync(f, u_l, s_l, outer_states, r_l, pend):
         """Delay 0: reduce fragment f through the bucketed path and move it to
         the new synced parameters at once."""
         idx = members[f]
@@ -153,7 +163,7 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
             s_l[i] = new_f[j]
             if feedback:
                 r_l[i] = sub.residual[j]
-        return u_l, s_l, outer_states, r_l
+        return u_l, s_l, outer_states, r_l, pend
 
     def groups_of(idx):
         """The fragment's non-empty leaves in two calls: float32 ones take the
@@ -163,36 +173,39 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
         rest = [i for i in live if i not in f32]
         return [(f32, compression), (rest, "none")]
 
-    def start(f, u_l, s_l, outer_states, r_l):
+    def start(f, u_l, s_l, outer_states, r_l, pend):
         """Delay >= 1: send fragment f's pseudo-gradient under the ticket
-        `count`; the fragment trains on."""
+        `count`, keep the tokens; the fragment trains on."""
         idx = members[f]
         pseudo = dict(zip(idx, pseudo_of(idx, u_l, s_l)))
         r_l = list(r_l)
-        for group, codec in groups_of(idx):
+        tokens = list(pend[f])
+        for g, (group, codec) in enumerate(groups_of(idx)):
             if not group:
                 continue
             sent = [jnp.ravel(pseudo[i] + r_l[i] if feedback and codec != "none"
                               else pseudo[i]) for i in group]
-            async_reduce.start_reduction(sent, count, op="mean", codec=codec)
+            tokens[g] = async_reduce.start_reduction(sent, count, op="mean", codec=codec)
             if feedback and codec != "none":
                 # What each buffer loses on the wire, as allreduce_gradients
                 # keeps it (a non-finite value leaves no residual behind).
                 for i, b in zip(group, sent):
                     lost = jnp.where(jnp.isfinite(b), b - codecs.roundtrip(codec, b), 0.0)
                     r_l[i] = lost.reshape(p_leaves[i].shape)
-        return list(u_l), list(s_l), outer_states, r_l
+        pend = tuple(jnp.stack(tokens) if g == f else x for g, x in enumerate(pend))
+        return list(u_l), list(s_l), outer_states, r_l, pend
 
-    def arrive(f, u_l, s_l, outer_states, r_l):
+    def arrive(f, u_l, s_l, outer_states, r_l, pend):
         """Delay >= 1: collect fragment f's average (started `delay` steps
         ago), take the outer step and merge it into the local parameters."""
         idx = members[f]
         average = {}
-        for group, codec in groups_of(idx):
+        for g, (group, codec) in enumerate(groups_of(idx)):
             if not group:
                 continue
             like = [jax.ShapeDtypeStruct((p_leaves[i].size,), p_leaves[i].dtype) for i in group]
-            got = async_reduce.finish_reduction(count - delay, like, op="mean", codec=codec)
+            got = async_reduce.finish_reduction(count - delay, pend[f][g], like, op="mean",
+                                                codec=codec)
             average.update({i: g.reshape(p_leaves[i].shape) for i, g in zip(group, got)})
         average = [average[i] if i in average else jnp.zeros_like(p_leaves[i]) for i in idx]
         o, new_f, outer_states = outer_step(f, average, s_l, outer_states)
@@ -205,10 +218,10 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
                 merged = (mixing * (p + v) + (1 - mixing) * new_f[j]) - p
             u_l[i] = merged.astype(v.dtype)
             s_l[i] = new_f[j]
-        return u_l, s_l, outer_states, list(r_l)
+        return u_l, s_l, outer_states, list(r_l), pend
 
-    def stay(u_l, s_l, outer_states, r_l):
-        return list(u_l), list(s_l), outer_states, list(r_l)
+    def stay(u_l, s_l, outer_states, r_l, pend):
+        return list(u_l), list(s_l), outer_states, list(r_l), pend
 
     first = [(lambda *a, f=f: (start if delay else sync)(f, *a)) for f in range(fragments)]
     second = [(lambda *a, f=f: arrive(f, *a)) for f in range(fragments)] if delay else [
@@ -221,9 +234,10 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
         which = jnp.where((count <= delay) & (which >= fragments) & (which < 2 * fragments),
                           2 * fragments, which)
     # The count, so the branch, is the same on every worker: the reductions pair up.
-    u_l, s_l, outer_state, r_l = jax.lax.switch(
-        which, [*first, *second, stay], u_leaves, s_leaves, state.outer, r_leaves)
+    u_l, s_l, outer_state, r_l, pending = jax.lax.switch(
+        which, [*first, *second, stay], u_leaves, s_leaves, state.outer, r_leaves,
+        state.pending)
     reduce_state = (CompressedGradientsState(jax.tree_util.tree_unflatten(treedef, r_l))
                     if feedback else state.reduce)
     return (jax.tree_util.tree_unflatten(treedef, u_l),
-            jax.tree_util.tree_unflatten(treedef, s_l), outer_state, reduce_state)
+            jax.tree_util.tree_unflatten(treedef, s_l), outer_state, reduce_state, pending)

@@ -18,6 +18,9 @@
     checkpoints; local_sgd_in_flight says 4 is in flight and 3 is not.
   "cuda/not-implemented": lowering the step for XLA:CUDA raises
     NotImplementedError naming the way out (delay=0).
+  "two-optimizers/interleaved": two local_sgd's of equal shapes and
+    schedules, each run alone and then in turn, end alike: each done takes
+    its own start's result (the start's token, not the ticket, pairs them).
 """
 
 from __future__ import annotations
@@ -90,7 +93,9 @@ def phase_save(rank: int, root: str) -> None:
         os._exit(0)
     like = [jax.ShapeDtypeStruct((x.size,), x.dtype)
             for x, f in zip(jax.tree_util.tree_leaves(p), of) if f == 1]
-    got = jax.jit(lambda t: async_reduce.finish_reduction(t, like))(10)
+    # Fragment 1's float32 call: its start's token is in the state.
+    got = jax.jit(lambda t, token: async_reduce.finish_reduction(t, token, like))(
+        10, state.pending[1][0])
     got = np.concatenate([np.asarray(g) for g in got])
     want = (mine + np.load(os.path.join(root, "pseudo-r1.npy"))) / 2
     common.report("exit/peer-last-reduction", bool(np.allclose(got, want, rtol=1e-5, atol=1e-6)),
@@ -100,7 +105,33 @@ def phase_save(rank: int, root: str) -> None:
     os._exit(0)  # rank 1 has gone without jax.distributed's barrier
 
 
+def two_optimizers(rank: int) -> None:
+    """Two local_sgd's of equal shapes and schedules, each run alone (the
+    first leaves fragment 0 in flight at count 8, where the second starts its
+    own fragment 0 under the same ticket), then both stepped in turn: their
+    tokens keep the reductions apart, and each ends where it ended alone."""
+    txs = [herring_jax.local_sgd(optax.sgd(lr), EVERY, fragments=FRAGMENTS, delay=DELAY)
+           for lr in (0.05, 0.02)]
+    steps = [train_step(tx) for tx in txs]
+    start = jax.tree_util.tree_map(jnp.asarray, start_params(FRAGMENT_SHAPES))
+
+    def run(which):
+        ps = {w: start for w in which}
+        states = {w: txs[w].init(start) for w in which}
+        for k in range(8):
+            for w in which:
+                ps[w], states[w] = steps[w](grads(rank, k, ps[w]), states[w], ps[w])
+        return {w: flat(ps[w]) for w in which}
+
+    alone = {**run([0]), **run([1])}
+    together = run([0, 1])
+    ok = all(alone[w].tobytes() == together[w].tobytes() for w in (0, 1))
+    common.report("two-optimizers/interleaved", ok and alone[0].tobytes() != alone[1].tobytes(),
+                  digest=common.digest(together[0]))
+
+
 def phase_resume(rank: int, root: str) -> None:
+    two_optimizers(rank)
     tx = make_tx()
     step = train_step(tx)
     start = jax.tree_util.tree_map(jnp.asarray, start_params(FRAGMENT_SHAPES))
