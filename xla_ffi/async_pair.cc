@@ -52,15 +52,12 @@ namespace herring {
 namespace {
 
 // Run ids of async reductions: the ticket with bit 62 set, apart from the
-// launch ids XLA gives executions (small counts over a fingerprint base that
-// never reaches 2^62 in practice; a clash would need equal slot and instance
-// too).
+// launch ids XLA gives executions (32-bit values in every error seen here,
+// e.g. -723189425).
 constexpr int64_t kTicketRunBit = int64_t{1} << 62;
 
 struct Started {
   int64_t key = 0;  // the call's description hash, which the done's must equal
-  std::vector<engine::DType> dtypes;
-  std::vector<size_t> counts;
   std::vector<size_t> bytes;
   std::vector<engine::PooledBuffer> in, out;  // the engine's copies
   int64_t ticket = 0;
@@ -130,8 +127,6 @@ ffi::Error StartImpl(int32_t device, InstructionState* instruction,
     if (read.failure()) return read;
     for (size_t k = 0; k < call->dtypes.size(); ++k) {
       const size_t bytes = call->counts[k] * engine::ElementSize(call->dtypes[k]);
-      task->dtypes.push_back(call->dtypes[k]);
-      task->counts.push_back(call->counts[k]);
       task->bytes.push_back(bytes);
       task->in.emplace_back(&call->comm->pool(), bytes);
       task->out.emplace_back(&call->comm->pool(), bytes);
