@@ -82,9 +82,25 @@ def schedule(every: int, fragments: int, delay: int) -> np.ndarray:
 
 
 def local_sgd_in_flight(count, every: int, fragments: int = 1, delay: int = 0) -> bool:
-    """Whether a fragment's reduction is in flight after the step that made
-    the step count `count` (the LocalSGDState's, after the step): a checkpoint
-    saved then would miss it."""
+    """Whether a fragment's reduction of ``local_sgd(..., delay=D)`` is in
+    flight after a step: a checkpoint of the state saved then is refused
+    when restored (the step that would collect the fragment fails, saying
+    so). Save where this is False.
+
+    Args:
+      count: the state's step count after the step (``opt_state.count``).
+      every, fragments, delay: the transformation's.
+
+    Returns:
+      True where some fragment was sent in the last `delay` steps and has not
+      arrived yet.
+
+    Examples:
+      >>> herring_jax.local_sgd_in_flight(4, every=4, fragments=2, delay=1)
+      True
+      >>> herring_jax.local_sgd_in_flight(5, every=4, fragments=2, delay=1)
+      False
+    """
     count = int(count)
     starts = [f * every // fragments for f in range(fragments)]
     return any(c >= 1 and c % every in starts for c in range(count - delay + 1, count + 1))
