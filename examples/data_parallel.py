@@ -99,6 +99,16 @@ def add_local_sgd_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-momentum", type=float, default=None,
                         help="with --local-steps: slowmo's slow momentum (0.5) or diloco's "
                              "outer momentum (0.9)")
+    parser.add_argument("--fragments", type=int, default=1,
+                        help="with --local-steps: Streaming DiLoCo's fragments, synced in "
+                             "turn (herring_jax.local_sgd's fragments)")
+    parser.add_argument("--delay", type=int, default=0,
+                        help="with --local-steps: the steps each fragment's reduction "
+                             "overlaps before it is applied (local_sgd's delay; one device "
+                             "per process)")
+    parser.add_argument("--mixing", type=float, default=0.5,
+                        help="with --delay: the share of the local parameters kept when a "
+                             "fragment arrives (local_sgd's mixing)")
 
 
 def kill_plan(text: str) -> list[tuple[int, int | None]]:
@@ -156,6 +166,10 @@ def local_sgd_name(args) -> str | None:
     if not getattr(args, "local_steps", 0):
         return None
     name = f"{'localsgd' if args.outer == 'sgd' else args.outer}{args.local_steps}"
+    if getattr(args, "fragments", 1) > 1:
+        name += f"f{args.fragments}"
+    if getattr(args, "delay", 0):
+        name += f"d{args.delay}"
     return name if args.compression == "none" else f"{name}-{args.compression}"
 
 
@@ -276,7 +290,13 @@ def make_local_sgd_trainer(mesh, args, loss_fn, init_fn):
                          "--topk-fraction, --powersgd-rank or --sharded-optimizer")
     inner = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
              else optax.adamw(args.lr))
-    kw = {"axis_name": "data", "compression": args.compression}
+    # A delayed fragment's reduction outlives the step, which herring does
+    # across processes only: with one device per process the processes are
+    # the workers, inside the shard_map as outside it.
+    if args.delay and jax.local_device_count() != 1:
+        raise SystemExit("--delay needs one device per process")
+    kw = {"axis_name": None if args.delay else "data", "compression": args.compression,
+          "fragments": args.fragments, "delay": args.delay, "mixing": args.mixing}
     if args.outer == "sgd":
         tx = herring_jax.local_sgd(inner, args.local_steps, optax.sgd(args.outer_lr or 1.0), **kw)
     elif args.outer == "slowmo":

@@ -61,6 +61,7 @@ _EXPORTS = {
     "local_sgd": "local_sgd",
     "slowmo": "local_sgd",
     "diloco": "local_sgd",
+    "local_sgd_in_flight": "streaming",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -82,6 +83,7 @@ if TYPE_CHECKING:  # what static analysis and IDEs see
                                                 FullyShardedState, fully_sharded)
     from herring_jax._src.sharded import ShardedOptimizerState, sharded_optimizer
     from herring_jax._src.sharded_checkpoint import restore_sharded, save_sharded
+    from herring_jax._src.streaming import local_sgd_in_flight
     from herring_jax._src.topk import TopKState, topk
 
 

@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdio>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,6 +77,8 @@ NB_MODULE(_herring_ffi, m) {
     d["herring_allreduce"] = Bundle(HerringAllReduceInstantiate, HerringAllReduce);
     d["herring_simulated_compute"] = EncapsulateFfiHandler(HerringSimulatedCompute);
     d["herring_join"] = EncapsulateFfiHandler(HerringJoin);
+    d["herring_async_start"] = Bundle(HerringAllReduceInstantiate, HerringAsyncStart);
+    d["herring_async_done"] = EncapsulateFfiHandler(HerringAsyncDone);
     return d;
   });
   // Types to register (jax.ffi.register_ffi_type) before the handlers.
@@ -289,6 +292,16 @@ NB_MODULE(_herring_ffi, m) {
 
   m.def("destroy", [](int64_t handle) {
     nb::gil_scoped_release release;
+    // A step that started an async reduction and ended before its done: its
+    // peers' matching reduction needs this process until it has ended.
+    if (auto comm = engine::Registry::Get().Find(handle)) {
+      const double timeout_s = comm->config().timeout_s + 10.0;
+      comm.reset();
+      if (size_t left = DrainAsync(handle, timeout_s)) {
+        std::fprintf(stderr, "herring_jax: shutdown gave up waiting for %zu async "
+                     "reduction(s) still in flight after %.0f s\n", left, timeout_s);
+      }
+    }
     engine::Registry::Get().Remove(handle);
   });
 }

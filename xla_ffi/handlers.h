@@ -21,6 +21,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringSimulatedCompute);
 // join.cc: the point after which a step's reduced buckets are used (XLA:CPU).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringJoin);
 
+// async_pair.cc: a reduction that starts in one execution and ends in a
+// later one (XLA:CPU), paired by a runtime ticket. DrainAsync waits up to
+// `timeout_s` until the communicator's started reductions have ended, drops
+// their uncollected results and returns how many were still running.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAsyncStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAsyncDone);
+size_t DrainAsync(int64_t comm_handle, double timeout_s);
+
 #ifdef HERRING_WITH_CUDA
 // cuda_handlers.cc: the same reduction on XLA's CUDA platform, split into a
 // start (copies to the host, reduces on herring's threads) and a done (waits,

@@ -418,3 +418,22 @@ def user_call_site(ctx) -> str | None:
     except Exception:  # noqa: BLE001 - a description only; never fail a lowering for it
         return None
     return None
+
+
+# -- effects ------------------------------------------------------------------
+
+from jax._src import effects as _effects  # noqa: E402
+
+
+class _HostStateEffect(_effects.Effect):
+    """A call that changes state outside the program (a reduction started in
+    one step and collected in a later one): its results may go unused, and
+    jax must not drop it then. Unordered: nothing orders it but its data."""
+
+    __str__ = lambda self: "HerringHostState"  # noqa: E731
+
+
+HOST_STATE_EFFECT = _HostStateEffect()
+for _allowed in (_effects.lowerable_effects, _effects.control_flow_allowed_effects,
+                 _effects.custom_derivatives_allowed_effects, _effects.remat_allowed_effects):
+    _allowed.add_type(_HostStateEffect)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from herring_jax._src import streaming
 from herring_jax._src.optax_transform import allreduce_gradients
 from herring_jax._src.psum import check_gradients
 
@@ -48,10 +49,17 @@ class LocalSGDState(NamedTuple):
       synced: the parameters of the last sync (at first: the parameters given
         to ``init``), the same on every worker.
       inner: the inner transformation's state, this worker's own.
-      outer: the outer transformation's state, the same on every worker.
+      outer: the outer transformation's state, the same on every worker;
+        with ``fragments=F > 1`` or a delay, a tuple of F states, fragment
+        f's made by ``outer.init`` of the list of its leaves (each fragment
+        takes one outer step per period, so a momentum or a step count is
+        its own).
       reduce: the reduction's state: with a lossy ``compression`` and error
         feedback, what this worker's pseudo-gradients lost on the wire so far
         (``CompressedGradientsState``); else ``AllReduceGradientsState()``.
+      pending: with a delay, the tokens of each fragment's reduction in
+        flight (uint8, this process's own: they name reductions of its
+        engine); else () (no leaves).
     """
 
     count: Any
@@ -59,12 +67,21 @@ class LocalSGDState(NamedTuple):
     inner: Any
     outer: Any
     reduce: Any
+    pending: Any = ()
+
+
+def _check_count(name: str, value, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"herring_jax.local_sgd: {name} must be an int of at least {least}, "
+                         f"got {value!r}")
+    return int(value)
 
 
 def local_sgd(inner: optax.GradientTransformation, every: int,
               outer: optax.GradientTransformation | None = None, *, axis_name=None,
               compression: str = "none", error_feedback: bool = True,
-              fusion_bytes: int | None = None, first_bucket_bytes: int | None = None
+              fusion_bytes: int | None = None, first_bucket_bytes: int | None = None,
+              fragments: int = 1, delay: int = 0, mixing: float = 0.5
               ) -> optax.GradientTransformation:
     """Runs `inner` locally and synchronises the workers every `every` steps.
 
@@ -98,6 +115,29 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
       error_feedback: with a lossy codec, add what this worker's last
         pseudo-gradient lost on the wire to its next one.
       fusion_bytes, first_bucket_bytes: as for ``allreduce_gradients``.
+      fragments: F, Streaming DiLoCo's fragments (Douillard et al., 2025):
+        the leaves are cut into F runs of about equal bytes
+        (``streaming.fragment_leaves``) and fragment f syncs alone at the
+        steps where ``count % every == f * every // F``, one reduction of
+        its leaves and one outer step of them per period; the other leaves
+        go on with their inner updates. 1 (default): every leaf at once, at
+        the end of each period. At most `every` and at most the number of
+        leaves.
+      delay: D, the steps a fragment's reduction overlaps (Streaming
+        DiLoCo's tau). 0 (default): the fragment's average is applied at its
+        sync step. D >= 1: the pseudo-gradient is sent at the sync step and
+        reduced on herring's threads while the next D steps compute; its
+        outer step is applied D steps later, merged by `mixing`. Less than
+        ``every // fragments``; across processes only (axis_name None) and
+        on XLA:CPU. A checkpoint must be saved where no fragment is in
+        flight (``herring_jax.local_sgd_in_flight``): restored there, the
+        arrival fails with an error that says so. A fragment still in
+        flight when training stops is not applied.
+      mixing: with delay >= 1, what a fragment's parameters become on
+        arrival: ``mixing * local + (1 - mixing) * (synced + outer update)``,
+        local being this worker's parameters then (Streaming DiLoCo's
+        alpha). 0 replaces them by the new global value; 0.5 (default)
+        keeps half of the local progress made meanwhile.
 
     Returns:
       An ``optax.GradientTransformation`` with ``LocalSGDState``.
@@ -111,6 +151,17 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         raise ValueError(f"herring_jax.local_sgd: every must be a positive int (the inner "
                          f"steps between syncs), got {every!r}")
     every = int(every)
+    fragments = _check_count("fragments", fragments, 1)
+    if fragments > every:
+        raise ValueError(f"herring_jax.local_sgd: fragments={fragments} is more than every="
+                         f"{every}: each fragment syncs at its own step of the period, so "
+                         f"use at most {every} fragments (or a longer period)")
+    delay = _check_count("delay", delay, 0)
+    streaming.check_delay(delay, every, fragments, axis_name)
+    if not 0 <= mixing <= 1:
+        raise ValueError(f"herring_jax.local_sgd: mixing must be in [0, 1] (the share of the "
+                         f"local parameters kept when a delayed fragment arrives), got "
+                         f"{mixing!r}")
     outer = optax.sgd(1.0) if outer is None else outer
     reducer = allreduce_gradients(axis_name, compression=compression,
                                   error_feedback=error_feedback, fusion_bytes=fusion_bytes,
@@ -122,8 +173,10 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         return LocalSGDState(count=jnp.zeros([], jnp.int32),
                              synced=jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True),
                                                            params),
-                             inner=inner.init(params), outer=outer.init(params),
-                             reduce=reducer.init(params))
+                             inner=inner.init(params),
+                             outer=streaming.init_outer(outer, params, fragments, delay),
+                             reduce=reducer.init(params),
+                             pending=streaming.init_pending(fragments, delay))
 
     def sync(u, params, synced, outer_state, reduce_state):
         pseudo = jax.tree_util.tree_map(lambda s, p, v: (s - p) - v, synced, params, u)
@@ -148,6 +201,12 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         check_gradients(updates, axis_name, "local_sgd")
         u, inner_state = inner.update(updates, state.inner, params)
         count = state.count + 1
+        if fragments > 1 or delay:
+            update, synced, outer_state, reduce_state, pending = streaming.streamed_update(
+                u, params, state, count, every=every, fragments=fragments, delay=delay,
+                mixing=mixing, outer=outer, reducer=reducer, compression=compression)
+            return update, LocalSGDState(count, synced, inner_state, outer_state, reduce_state,
+                                         pending)
         args = (u, params, state.synced, state.outer, state.reduce)
         if every == 1:
             out = sync(*args)
@@ -213,7 +272,8 @@ def slowmo(inner: optax.GradientTransformation, every: int, *, learning_rate: fl
       momentum: beta, the slow momentum.
       slow_learning_rate: alpha, the slow learning rate.
       **kwargs: ``axis_name``, ``compression``, ``error_feedback``,
-        ``fusion_bytes``, ``first_bucket_bytes`` of ``local_sgd``.
+        ``fusion_bytes``, ``first_bucket_bytes``, ``fragments``, ``delay``,
+        ``mixing`` of ``local_sgd``.
 
     Returns:
       An ``optax.GradientTransformation`` with ``LocalSGDState``.
@@ -243,7 +303,8 @@ def diloco(inner: optax.GradientTransformation, every: int, *,
       outer_learning_rate, outer_momentum: the outer Nesterov SGD's (0.7 and
         0.9, the paper's).
       **kwargs: ``axis_name``, ``compression``, ``error_feedback``,
-        ``fusion_bytes``, ``first_bucket_bytes`` of ``local_sgd``.
+        ``fusion_bytes``, ``first_bucket_bytes``, ``fragments``, ``delay``,
+        ``mixing`` of ``local_sgd``.
 
     Returns:
       An ``optax.GradientTransformation`` with ``LocalSGDState``.

@@ -49,6 +49,7 @@ import optax  # noqa: E402
 import common  # noqa: E402
 import herring_jax  # noqa: E402
 from herring_jax._src import codecs  # noqa: E402
+from herring_jax._src.local_sgd import slow_momentum  # noqa: E402
 
 EVERY = 3
 STEPS = 7            # two periods and one step into the third
@@ -104,11 +105,16 @@ def start_params(shapes=SHAPES) -> dict:
 
 class Model:
     """The algorithm in numpy for `groups` (the workers of each process, in
-    the order the engine sums them), from the same start on every worker."""
+    the order the engine sums them), from the same start on every worker.
+    With `fragments` (lists of leaf names), fragment f syncs alone at the
+    steps where count % every == f * every // F."""
 
     def __init__(self, inner, outer_np, groups, codec: str = "none", grads=grads_np,
-                 params=None):
+                 params=None, every: int = EVERY, fragments=None, delay: int = 0,
+                 mixing: float = 0.5):
         self.inner, self.outer_np, self.groups, self.codec = inner, outer_np, groups, codec
+        self.every, self.delay, self.mixing = every, delay, mixing
+        self.pending = {}  # fragment -> its average, sent and not yet arrived
         self.grads = grads
         self.workers = [w for g in groups for w in g]
         start = params if params is not None else start_params()
@@ -118,28 +124,68 @@ class Model:
         self.outer_state = {k: None for k in start}
         self.residual = {w: {k: np.zeros_like(v) for k, v in start.items()}
                          for w in self.workers}
+        self.fragments = fragments or [sorted(start)]
         self.update = jax.jit(inner.update)
         self.count = 0
 
-    def step(self, k: int) -> bool:
+    def due(self, delay: int = 0) -> int | None:
+        """The fragment that syncs (delay: arrives) at the current count."""
+        n = len(self.fragments)
+        for f in range(n):
+            start = self.count - delay
+            if start >= 1 and start % self.every == f * self.every // n:
+                return f
+        return None
+
+    def delayed_step(self, u) -> str | None:
+        """Delay >= 1: this step's start ("s<f>") or arrival ("a<f>")."""
+        f, g = self.due(), self.due(self.delay)
+        before = {w: dict(self.x[w]) for w in self.workers}
+        for w in self.workers:
+            self.x[w] = {n: v + u[w][n] for n, v in self.x[w].items()}
+        if f is not None:
+            self.pending[f] = {n: self.mean(n, {w: (self.synced[n] - before[w][n]) - u[w][n]
+                                                for w in self.workers})
+                               for n in self.fragments[f]}
+            return f"s{f}"
+        if g is not None:
+            average = self.pending.pop(g)
+            m = f32(self.mixing)
+            for n in self.fragments[g]:
+                s = self.synced[n]
+                o, self.outer_state[n] = self.outer_np(average[n], self.outer_state[n])
+                for w in self.workers:
+                    p = before[w][n]
+                    merged = ((s - p) + o if self.mixing == 0
+                              else (m * (p + u[w][n]) + f32(1 - self.mixing) * (s + o)) - p)
+                    self.x[w][n] = p + merged
+                self.synced[n] = s + o
+            return f"a{g}"
+        return None
+
+    def step(self, k: int) -> int | None:
+        """One step of every worker; the fragment synced at it (or None)."""
         u = {}
         for w in self.workers:
             out, self.inner_state[w] = self.update(self.grads(w, k, self.x[w]),
                                                    self.inner_state[w], self.x[w])
             u[w] = {n: np.asarray(v) for n, v in out.items()}
         self.count += 1
-        if self.count % EVERY:
-            for w in self.workers:
-                self.x[w] = {n: self.x[w][n] + u[w][n] for n in u[w]}
-            return False
-        for n, s in self.synced.items():
+        if self.delay:
+            return self.delayed_step(u)
+        f = self.due()
+        names = self.fragments[f] if f is not None else []
+        for w in self.workers:
+            self.x[w] = {n: v if n in names else v + u[w][n] for n, v in self.x[w].items()}
+        for n in names:
+            s = self.synced[n]
             pseudo = {w: (s - self.x[w][n]) - u[w][n] for w in self.workers}
             avg = self.mean(n, pseudo)
             o, self.outer_state[n] = self.outer_np(avg, self.outer_state[n])
             for w in self.workers:
                 self.x[w][n] = self.x[w][n] + ((s - self.x[w][n]) + o)
             self.synced[n] = s + o
-        return True
+        return f
 
     def mean(self, name, pseudo):
         if self.codec == "none":
@@ -156,6 +202,10 @@ def reductions() -> int:
     return int(herring_jax.stats()["reductions"])
 
 
+def reduced_bytes() -> int:
+    return int(herring_jax.stats()["bytes_reduced"])
+
+
 def flat(tree) -> np.ndarray:
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree_util.tree_leaves(tree)])
 
@@ -169,30 +219,94 @@ def train_step(tx):
 
 
 def against_model(case: str, tx, inner, outer_np, rank: int, nproc: int,
-                  codec: str = "none", shapes=SHAPES) -> None:
+                  codec: str = "none", shapes=SHAPES, every: int = EVERY, fragments=None,
+                  steps: int = STEPS, delay: int = 0, mixing: float = 0.5) -> None:
     params = start_params(shapes)
     grads = (lambda w, k, x: {n: common.make_input("float32", x[n].size, w, k).reshape(
         x[n].shape) + f32(0.5) * x[n] for n in x}) if shapes is not SHAPES else grads_np
-    model = Model(inner, outer_np, [[r] for r in range(nproc)], codec, grads, params)
+    model = Model(inner, outer_np, [[r] for r in range(nproc)], codec, grads, params,
+                  every, fragments, delay, mixing)
     p = jax.tree_util.tree_map(jnp.asarray, params)
     state = tx.init(p)
     step = train_step(tx)
-    oks, reduced = [], []
-    for k in range(STEPS):
-        before = reductions()
+    oks, reduced, synced_fragments = [], [], []
+    run_bytes = reduced_bytes()
+    for k in range(steps):
+        before, bytes_before = reductions(), reduced_bytes()
         g = grads(rank, k, {n: np.asarray(v) for n, v in p.items()})
         p, state = step(g, state, p)
-        synced = model.step(k)
-        reduced.append((reductions() > before) == synced)
+        f = model.step(k)
+        synced_fragments.append(f)
         oks.append(common.bitwise_equal(flat(p), flat(model.x[rank])))
+        if delay:
+            # The reduction ends on herring's threads while later steps run:
+            # its count is checked over the whole run below.
+            reduced.append(True)
+            continue
+        # A sync reduces exactly its fragment's bytes (once), a step
+        # without one nothing.
+        want = 0 if f is None else 4 * sum(params[n].size for n in model.fragments[f])
+        reduced.append((reductions() > before) == (f is not None)
+                       and (codec != "none" or reduced_bytes() - bytes_before == want))
     extra = {}
+    if delay:
+        # Every start's bytes reduced once; each has arrived by the last step.
+        sent = sum(4 * params[n].size for e in synced_fragments if e and e[0] == "s"
+                   for n in model.fragments[int(e[1:])])
+        extra["bytes_ok"] = codec != "none" or reduced_bytes() - run_bytes == sent
+        oks.append(extra["bytes_ok"] and not model.pending)
     if codec != "none":
         residual = flat(state.reduce.residual)
         extra["residual_max"] = float(np.max(np.abs(residual)))
         oks.append(bool(np.any(residual != 0)))
     common.report(case, all(oks) and all(reduced), digest=common.digest(flat(p)),
-                  steps_ok=oks, reduced_at_syncs_only=reduced,
+                  steps_ok=oks, reduced_at_syncs_only=reduced, synced=synced_fragments,
                   max_diff=float(np.max(np.abs(flat(p) - flat(model.x[rank])))), **extra)
+
+
+# -- Streaming: fragments synced in turn ----------------------------------------
+
+# 148, 140, 80 and 48 bytes: two fragments of about 208 cut nearest at a | b c d.
+FRAGMENT_SHAPES = {"a": (37,), "b": (5, 7), "c": (20,), "d": (3, 4)}
+FRAGMENTS = [["a"], ["b", "c", "d"]]
+FRAGMENT_EVERY, FRAGMENT_STEPS = 4, 9     # fragment 1 at counts 2 and 6, 0 at 4 and 8
+INT8_SHAPES = {"a": (3000,), "b": (2000,), "c": (1000,)}
+
+
+def fragment_cases(rank: int, nproc: int) -> None:
+    for name, (_, inner, outer_np) in presets().items():
+        outer = {"localsgd": None,
+                 "slowmo": slow_momentum(GAMMA, BETA, ALPHA),
+                 "diloco": optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)}[name]
+        tx = herring_jax.local_sgd(inner, FRAGMENT_EVERY, outer, fragments=2)
+        against_model(f"fragments/{name}/model", tx, inner, outer_np, rank, nproc,
+                      shapes=FRAGMENT_SHAPES, every=FRAGMENT_EVERY, fragments=FRAGMENTS,
+                      steps=FRAGMENT_STEPS)
+    _, inner, outer_np = presets()["diloco"]
+    tx = herring_jax.diloco(inner, 3, outer_learning_rate=OUTER_LR,
+                            outer_momentum=OUTER_MOMENTUM, compression="int8", fragments=3)
+    against_model("fragments/int8/model", tx, inner, outer_np, rank, nproc, codec="int8",
+                  shapes=INT8_SHAPES, every=3, fragments=[["a"], ["b"], ["c"]])
+
+
+def delay_cases(rank: int, nproc: int) -> None:
+    """Delay 1 with every preset (2 fragments, mixing 0.5), and delay 2 with
+    int8 and error feedback (mixing 0: replace)."""
+    for name, (_, inner, outer_np) in presets().items():
+        outer = {"localsgd": None,
+                 "slowmo": slow_momentum(GAMMA, BETA, ALPHA),
+                 "diloco": optax.sgd(OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)}[name]
+        tx = herring_jax.local_sgd(inner, FRAGMENT_EVERY, outer, fragments=2, delay=1,
+                                   mixing=0.5)
+        against_model(f"delay/{name}/model", tx, inner, outer_np, rank, nproc,
+                      shapes=FRAGMENT_SHAPES, every=FRAGMENT_EVERY, fragments=FRAGMENTS,
+                      steps=FRAGMENT_STEPS, delay=1, mixing=0.5)
+    _, inner, outer_np = presets()["diloco"]
+    tx = herring_jax.diloco(inner, 6, outer_learning_rate=OUTER_LR, outer_momentum=OUTER_MOMENTUM,
+                            compression="int8", fragments=2, delay=2, mixing=0.0)
+    against_model("delay/int8/model", tx, inner, outer_np, rank, nproc, codec="int8",
+                  shapes=INT8_SHAPES, every=6, fragments=[["a"], ["b", "c"]], steps=14,
+                  delay=2, mixing=0.0)
 
 
 # -- H = 1 against the synchronous chain ---------------------------------------
@@ -419,7 +533,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="checkpoints (the Flax cases)")
     parser.add_argument("--mesh", action="store_true",
                         help="only the presets inside shard_map, every device a worker")
-    parser.add_argument("--cases", default="h1,presets,int8,flax")
+    parser.add_argument("--cases", default="h1,presets,int8,flax,fragments,delay")
     args = parser.parse_args()
     herring_jax.initialize()
     rank, n = herring_jax.process_index(), herring_jax.process_count()
@@ -441,6 +555,10 @@ def main() -> None:
                                 outer_momentum=OUTER_MOMENTUM, compression="int8")
         against_model("int8/model", tx, inner, outer_np, rank, n, codec="int8",
                       shapes={"w": (5000,)})
+    if "fragments" in cases:
+        fragment_cases(rank, n)
+    if "delay" in cases:
+        delay_cases(rank, n)
     if "flax" in cases:
         flax_cases(rank, args.dir)
     herring_jax.shutdown()

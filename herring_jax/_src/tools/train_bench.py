@@ -35,8 +35,9 @@ optimizer state it holds between steps (held) and the compiled step's
 temporary buffers (temp, from XLA's memory_analysis); --plot draws the
 held-out loss against the steps.
 Names for the optimizers that sync every H steps: localsgd<H>, slowmo<H>,
-diloco<H>[-<codec>] (herring_jax.local_sgd and its presets, the script's
---local-steps H --outer ...; e.g. diloco16-int8), and compute (no reduction at
+diloco<H>[f<F>][d<D>][-<codec>] (herring_jax.local_sgd and its presets, the
+script's --local-steps H --outer ... [--fragments F] [--delay D]; e.g.
+diloco16-int8, diloco16f4d2-int8: streaming), and compute (no reduction at
 all: each process trains alone, the compute-only step). With none in the list
 it also prints the time each run took to reach none's final held-out loss.
 With --seeds 0,1,2 every codec trains once per seed (the model's
@@ -196,19 +197,24 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
 
 def _local_sgd_args(codec: str) -> tuple[list[str], str] | None:
     """compute: no reduction at all (--reduce none, every process alone: the
-    compute-only step); localsgd<H>, slowmo<H>, diloco<H>[-<codec>]: the
-    script's --local-steps H --outer ... (herring_jax.local_sgd and its
-    presets, the pseudo-gradients sent with that codec)."""
+    compute-only step); localsgd<H>, slowmo<H>, diloco<H>[f<F>][d<D>][-<codec>]:
+    the script's --local-steps H --outer ... [--fragments F] [--delay D]
+    (herring_jax.local_sgd and its presets, the pseudo-gradients sent with
+    that codec)."""
     from herring_jax._src import codecs as codecs_lib
     if codec == "compute":
         return ["--reduce", "none"], codec
     lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
-    m = re.fullmatch(rf"(localsgd|slowmo|diloco)([1-9]\d*)(?:-({lossy}))?", codec)
+    m = re.fullmatch(rf"(localsgd|slowmo|diloco)([1-9]\d*)(?:f([1-9]\d*))?(?:d([1-9]\d*))?"
+                     rf"(?:-({lossy}))?", codec)
     if m is None:
         return None
     outer = "sgd" if m.group(1) == "localsgd" else m.group(1)
+    # f<F>, d<D>: Streaming DiLoCo's fragments and delay (--fragments, --delay).
+    streaming = (["--fragments", m.group(3)] if m.group(3) else []) + (
+        ["--delay", m.group(4)] if m.group(4) else [])
     return (["--local-steps", m.group(2), "--outer", outer, "--compression",
-             m.group(3) or "none"], codec)
+             m.group(5) or "none", *streaming], codec)
 
 
 def _print_time_to_loss(results: list[dict], base: dict) -> None:
@@ -321,8 +327,8 @@ def run_codecs(args: argparse.Namespace) -> int:
         print(f"herring-jax train-bench: unknown codecs {unknown}; known: "
               f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>[-<codec>][-it<iterations>] "
               "(e.g. powersgd4-bf16-it2), topk<fraction> (e.g. topk0.01), sharded[-<codec>], "
-              "fully[-reshard][-<codec>], localsgd|slowmo|diloco<H>[-<codec>] (e.g. "
-              "diloco16-int8), compute", file=sys.stderr)
+              "fully[-reshard][-<codec>], localsgd|slowmo|diloco<H>[f<F>][d<D>][-<codec>] "
+              "(e.g. diloco16-int8, diloco16f4d2-int8), compute", file=sys.stderr)
         return 2
     if len(set(names)) != len(names):
         print(f"herring-jax train-bench: a codec is named twice in --codecs {args.codecs}",

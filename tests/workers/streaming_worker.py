@@ -1,0 +1,178 @@
+"""local_sgd with delay >= 1 across process lives: checkpoints and exits.
+
+--phase save (first launch):
+  trains local_sgd(every=4, fragments=2, delay=1) and saves the state after
+  count 3 (nothing in flight) and after count 4 (fragment 0 in flight), and
+  the parameters after count 9 (the run without a restart). Then each rank
+  starts one more fragment (count 10): rank 1 shuts down at once and exits
+  (os._exit after herring_jax.shutdown), rank 0 starts 2 s later and
+  collects the result itself. Case
+  "exit/peer-last-reduction": rank 0's reduction ends with the average of
+  both ranks' pseudo-gradients, although rank 1 had left by then (its
+  shutdown waits for its started reductions).
+--phase resume (second launch, fresh processes):
+  "resume/not-in-flight": restored at count 3 and trained to 9: bitwise the
+    run without a restart.
+  "resume/in-flight-refused": restored at count 4, the next step (which
+    collects fragment 0) fails with the error that names the ticket and
+    checkpoints; local_sgd_in_flight says 4 is in flight and 3 is not.
+  "cuda/not-implemented": lowering the step for XLA:CUDA raises
+    NotImplementedError naming the way out (delay=0).
+  "two-optimizers/interleaved": two local_sgd's of equal shapes and
+    schedules, each run alone and then in turn, end alike: each done takes
+    its own start's result (the start's token, not the ticket, pairs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import common  # noqa: E402
+import herring_jax  # noqa: E402
+from herring_jax._src import async_reduce  # noqa: E402
+from herring_jax._src.streaming import fragment_leaves  # noqa: E402
+from local_sgd_worker import FRAGMENT_SHAPES, flat, start_params, train_step  # noqa: E402
+
+EVERY, FRAGMENTS, DELAY = 4, 2, 1
+
+
+def make_tx():
+    return herring_jax.local_sgd(optax.sgd(0.05, momentum=0.9), EVERY, fragments=FRAGMENTS,
+                                 delay=DELAY)
+
+
+def grads(rank, k, p):
+    return {n: common.make_input("float32", v.size, rank, k).reshape(v.shape)
+            + np.float32(0.5) * np.asarray(v) for n, v in p.items()}
+
+
+def save(path, tree) -> None:
+    np.savez(path, *[np.asarray(x) for x in jax.tree_util.tree_leaves(tree)])
+
+
+def load(path, like):
+    with np.load(path) as data:
+        leaves = [jnp.asarray(data[f"arr_{i}"]) for i in range(len(data.files))]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+
+
+def phase_save(rank: int, root: str) -> None:
+    tx = make_tx()
+    step = train_step(tx)
+    p = jax.tree_util.tree_map(jnp.asarray, start_params(FRAGMENT_SHAPES))
+    state = tx.init(p)
+    for k in range(9):
+        p, state = step(grads(rank, k, p), state, p)
+        if int(state.count) in (3, 4):
+            save(os.path.join(root, f"r{rank}-c{int(state.count)}.npz"), (p, state))
+    save(os.path.join(root, f"r{rank}-final.npz"), p)
+    # Count 10 starts fragment 1 (phase 2): rank 1 leaves right after its start.
+    if rank == 0:
+        time.sleep(2.0)
+    p, state = step(grads(rank, 9, p), state, p)
+    # This rank's pseudo-gradient of fragment 1, synced - (p + u), up to rounding.
+    of = fragment_leaves(p, FRAGMENTS)
+    mine = np.concatenate([np.ravel(np.asarray(s) - np.asarray(x)) for s, x, f in zip(
+        jax.tree_util.tree_leaves(state.synced), jax.tree_util.tree_leaves(p), of) if f == 1])
+    np.save(os.path.join(root, f"pseudo-r{rank}.npy"), mine)
+    if rank == 1:
+        # Exits as soon as herring_jax lets it: skips jax.distributed's
+        # shutdown barrier, which would otherwise hold it until rank 0 is done.
+        herring_jax.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
+    like = [jax.ShapeDtypeStruct((x.size,), x.dtype)
+            for x, f in zip(jax.tree_util.tree_leaves(p), of) if f == 1]
+    # Fragment 1's float32 call: its start's token is in the state.
+    got = jax.jit(lambda t, token: async_reduce.finish_reduction(t, token, like))(
+        10, state.pending[1][0])
+    got = np.concatenate([np.asarray(g) for g in got])
+    want = (mine + np.load(os.path.join(root, "pseudo-r1.npy"))) / 2
+    common.report("exit/peer-last-reduction", bool(np.allclose(got, want, rtol=1e-5, atol=1e-6)),
+                  digest=common.digest(got), max_diff=float(np.max(np.abs(got - want))))
+    herring_jax.shutdown()
+    sys.stdout.flush()
+    os._exit(0)  # rank 1 has gone without jax.distributed's barrier
+
+
+def two_optimizers(rank: int) -> None:
+    """Two local_sgd's of equal shapes and schedules, each run alone (the
+    first leaves fragment 0 in flight at count 8, where the second starts its
+    own fragment 0 under the same ticket), then both stepped in turn: their
+    tokens keep the reductions apart, and each ends where it ended alone."""
+    txs = [herring_jax.local_sgd(optax.sgd(lr), EVERY, fragments=FRAGMENTS, delay=DELAY)
+           for lr in (0.05, 0.02)]
+    steps = [train_step(tx) for tx in txs]
+    start = jax.tree_util.tree_map(jnp.asarray, start_params(FRAGMENT_SHAPES))
+
+    def run(which):
+        ps = {w: start for w in which}
+        states = {w: txs[w].init(start) for w in which}
+        for k in range(8):
+            for w in which:
+                ps[w], states[w] = steps[w](grads(rank, k, ps[w]), states[w], ps[w])
+        return {w: flat(ps[w]) for w in which}
+
+    alone = {**run([0]), **run([1])}
+    together = run([0, 1])
+    ok = all(alone[w].tobytes() == together[w].tobytes() for w in (0, 1))
+    common.report("two-optimizers/interleaved", ok and alone[0].tobytes() != alone[1].tobytes(),
+                  digest=common.digest(together[0]))
+
+
+def phase_resume(rank: int, root: str) -> None:
+    two_optimizers(rank)
+    tx = make_tx()
+    step = train_step(tx)
+    start = jax.tree_util.tree_map(jnp.asarray, start_params(FRAGMENT_SHAPES))
+    like = (start, tx.init(start))
+    p, state = load(os.path.join(root, f"r{rank}-c3.npz"), like)
+    for k in range(3, 9):
+        p, state = step(grads(rank, k, p), state, p)
+    want = np.load(os.path.join(root, f"r{rank}-final.npz"))
+    want = np.concatenate([np.ravel(want[f"arr_{i}"]) for i in range(len(want.files))])
+    common.report("resume/not-in-flight", flat(p).tobytes() == want.tobytes(),
+                  digest=common.digest(flat(p)))
+    flags = [herring_jax.local_sgd_in_flight(c, EVERY, FRAGMENTS, DELAY) for c in (3, 4)]
+    p, state = load(os.path.join(root, f"r{rank}-c4.npz"), like)
+    error = ""
+    try:
+        jax.block_until_ready(step(grads(rank, 4, p), state, p))
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        error = str(e)
+    common.report("resume/in-flight-refused",
+                  "no reduction was started with ticket 4" in error and "checkpoint" in error
+                  and flags == [False, True], error=error[:600], flags=flags)
+    # XLA:CUDA has no handlers for a reduction across steps: refused when lowered.
+    traced = jax.jit(lambda g, s, x: step(g, s, x)).trace(grads(rank, 4, p), state, p)
+    why = ""
+    try:
+        traced.lower(lowering_platforms=("cuda",))
+    except NotImplementedError as e:
+        why = str(e)
+    common.report("cuda/not-implemented", "XLA:CPU only" in why and "delay=0" in why, why=why)
+    herring_jax.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=["save", "resume"], required=True)
+    parser.add_argument("--dir", required=True)
+    args = parser.parse_args()
+    herring_jax.initialize()
+    rank = herring_jax.process_index()
+    (phase_save if args.phase == "save" else phase_resume)(rank, args.dir)
+
+
+if __name__ == "__main__":
+    main()
