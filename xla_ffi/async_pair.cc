@@ -109,7 +109,7 @@ ffi::Error ReadTicket(ffi::Buffer<ffi::S32> ticket, const std::string& where, in
 
 std::string TicketText(int64_t ticket) { return "ticket " + std::to_string(ticket); }
 
-ffi::Error StartImpl(int32_t device, InstructionState* instruction,
+ffi::Error AsyncStartImpl(int32_t device, InstructionState* instruction,
                      ffi::Buffer<ffi::S32> ticket_buffer, ffi::RemainingArgs args,
                      ffi::Result<ffi::AnyBuffer> token, HERRING_ATTR_PARAMS) {
   return NoThrow("herring async start", [&]() -> ffi::Error {
@@ -178,7 +178,7 @@ ffi::Error StartImpl(int32_t device, InstructionState* instruction,
   });
 }
 
-ffi::Error DoneImpl(ffi::Buffer<ffi::S32> ticket_buffer, ffi::AnyBuffer token,
+ffi::Error AsyncDoneImpl(ffi::Buffer<ffi::S32> ticket_buffer, ffi::AnyBuffer token,
                     ffi::RemainingRets rets, int64_t comm_handle, int64_t key) {
   return NoThrow("herring async done", [&]() -> ffi::Error {
     auto comm = engine::Registry::Get().Find(comm_handle);
@@ -276,7 +276,7 @@ size_t DrainAsync(int64_t comm_handle, double timeout_s) {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    HerringAsyncStart, StartImpl,
+    HerringAsyncStart, AsyncStartImpl,
     BindAllReduceAttrs(ffi::Ffi::Bind()
                            .Ctx<ffi::DeviceOrdinal>()
                            .Ctx<ffi::State<InstructionState>>()
@@ -284,7 +284,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                            .RemainingArgs()                // buffers to reduce
                            .Ret<ffi::AnyBuffer>()));       // token: this start's id
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HerringAsyncDone, DoneImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HerringAsyncDone, AsyncDoneImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ticket
                                   .Arg<ffi::AnyBuffer>()         // its start's token
