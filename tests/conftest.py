@@ -83,9 +83,9 @@ EXTENDED_CASES = {
     "test_local_sgd.py::test_train_bench_runs_diloco_against_allreduce_and_compute",
     # Restarts of train_lm on 4 processes (several runs each, minutes); the
     # launcher's own restart tests stay in the core tier.
-    "test_restarts.py::test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
+    "test_restarts.py::test_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
     "[allreduce]",
-    "test_restarts.py::test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
+    "test_restarts.py::test_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
     "[sharded]",
     "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
     "finishes[allreduce]",

@@ -213,6 +213,7 @@ def test_a_process_that_does_not_stop_within_the_preemption_grace_exits_1_saying
 _DIGEST = re.compile(r"params sha256 ([0-9a-f]{16})")
 _RESUMED = re.compile(r"\] resumed from the checkpoint after step (\d+)")
 _MODES = {"allreduce": [], "sharded": ["--sharded-optimizer"]}
+_KILLS = {"allreduce": 3, "sharded": 1}
 
 
 def _lm_env():
@@ -252,11 +253,13 @@ def _uninterrupted(mode: str, tmp_path_factory) -> str:
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("mode", sorted(_MODES))
-def test_three_kills_under_max_restarts_end_with_the_uninterrupted_parameters(
+def test_kills_under_max_restarts_end_with_the_uninterrupted_parameters(
         mode, tmp_path, tmp_path_factory):
     seed = random.randrange(1 << 16)
     rng = random.Random(seed)
-    steps = sorted(rng.sample(range(1, 15), 3))  # one kill per run, each later than the last
+    # One kill per run, each later than the last. sharded_optimizer's state
+    # takes the same restart path once (its three kills took 170 s of CI).
+    steps = sorted(rng.sample(range(1, 15), _KILLS[mode]))
     kills = [(s, rng.randrange(4)) for s in steps]
     plan = ",".join(f"{s}:{r}" for s, r in kills)
     proc = _lm(tmp_path / "ckpt", launch=["--max-restarts", "3"],
