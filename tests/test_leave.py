@@ -65,9 +65,9 @@ def test_ranks_that_exit_right_after_their_last_reduction_fail_no_peer(cpu_hog, 
 @pytest.mark.parametrize("stage", ["0", "1"], ids=["transport", "host-stage"])
 def test_many_exits_under_load_fail_no_peer(cpu_hog, stage):
     # 20 launches over the transport: the old exit failed one in 7 here
-    # (found by 20 with 95% odds); 12 through the host stage (84%), whose
-    # exits take the same path once the boards are done with (100 s of CI
-    # for each variant on a loaded machine). (Not with ranks that wait a
+    # (found by 20 with 95% odds); 12 through the host stage (84% at that
+    # rate), for the extended part's time (each variant took 100 s on a
+    # loaded machine). (Not with ranks that wait a
     # random moment before they exit: their peers have taken in everything by
     # then, and 20 such launches of the old exit passed.)
     launches = 20 if stage == "0" else 12
