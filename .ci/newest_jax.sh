@@ -77,6 +77,7 @@ tests=(
   "tests/test_examples.py::test_lm_loss_falls_with_two_devices_per_process"
   "tests/test_examples.py::test_quickstart_learns"
   tests/test_nnx.py            # Flax NNX's nnx.Optimizer and nnx.jit of this flax and jax
+  tests/test_streaming.py      # the async pair's jax effect (jax_compat), across executions
   "tests/test_identity.py::test_concurrent_and_inlined_reductions_are_exact[2-2]"
   tests/test_errors.py         # HerringError through jaxlib's runtime errors
   tests/test_cuda_lowering.py  # jax lowers the CUDA handlers on this CPU machine
