@@ -70,6 +70,8 @@ def test_a_batch_size_mismatch_is_reported_as_a_stall_naming_both_call_sites():
     stall = [line for line in run.stderr.splitlines() if "made no progress for" in line]
     assert stall, run.explain()
     assert any("runs a different compiled program" in line for line in stall), run.explain()
+    # The gradients agree in shape: the same call, another executable.
+    assert any("this same call under another run id" in line for line in stall), run.explain()
     # The error at the timeout names where both ranks wait in the script.
     errors = [line for line in run.stderr.splitlines() if "HerringError" in line]
     assert errors, run.explain()

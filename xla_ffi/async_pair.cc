@@ -151,6 +151,7 @@ ffi::Error AsyncStartImpl(int32_t device, InstructionState* instruction,
       table.started.emplace(PairKey{comm_handle, id}, task);
       ++table.running[comm_handle];
     }
+    // The ticket names the reduction on every process: no launch counting.
     const InstructionState state = *instruction;
     const int64_t run_id = kTicketRunBit | (task->ticket & (kTicketRunBit - 1));
     const int64_t handle = comm_handle;

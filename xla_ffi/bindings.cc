@@ -108,6 +108,9 @@ NB_MODULE(_herring_ffi, m) {
 
   m.def("set_local_devices", &SetLocalDevices, nb::arg("platform"), nb::arg("numbers"),
         "How the platform's handler numbers this process's devices, in jax's local order.");
+  m.def("set_launch_identity", &SetLaunchIdentity, nb::arg("platform"), nb::arg("launch"),
+        "Whether the platform's reductions compiled from now on are named by launch numbers "
+        "per instruction (True) or by XLA's run ids (False).");
 
   m.def(
       "create_communicator",

@@ -24,17 +24,46 @@
 // is per process, not per executable (the instantiate stage does not say which
 // executable it builds): processes must compile their reducing executables in
 // the same order, as they run them.
+//
+// Two identities: program and launch. The program identity takes XLA's run id
+// as it is, so that a reduction's run names its executable and launch: a rank
+// that launches a program once more than its peers (a `cond` skipped the
+// reduction) fails every rank naming both runs. That needs every process to
+// compile the same program into the same executable. XLA:CUDA does not
+// (measured on an H200, jax 0.11.2: two processes' executables of one jitted
+// Flax step differed in eleven kernel choices, a dot's tile sizes and Triton
+// fusions' `is_tma_allowed`, so their fingerprints and run ids differed and
+// no reduction ever matched). The launch identity therefore replaces the
+// executable by the instruction (its attribute hash and instance, the same on
+// every process) and the launch by how many launches of that instruction
+// came before on the device: XLA's launch ids of one executable are
+// consecutive (jax: a fingerprint-derived base plus the executable's launch
+// counter), so the run id minus the first one the instruction ran in counts
+// them, whatever the base. What it gives up: a rank whose first launches of a
+// program skipped a reduction pairs its first one with its peers' first
+// instead of failing. The default is the program identity on XLA:CPU and the
+// launch identity on XLA:CUDA; HERRING_IDENTITY chooses (runtime.py).
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "engine/wire.h"
 #include "handler_common.h"
 #include "handlers.h"
 
 namespace herring {
+
+// The first run id each local device ran an instruction in (launch identity).
+struct LaunchBases {
+  std::mutex mu;
+  std::vector<std::pair<int32_t, int64_t>> first;  // (device, run id)
+};
 
 ffi::TypeId InstructionState::id = {};
 ffi::TypeId CudaInstructionState::id = {};
@@ -64,6 +93,10 @@ Instances& InstanceTable() {
   static auto* table = new Instances();
   return *table;
 }
+
+// Whether instructions instantiated from now on take the launch identity:
+// [0] XLA:CPU, [1] XLA:CUDA (set by initialize(), see SetLaunchIdentity).
+std::atomic<bool> g_launch_identity[2] = {false, true};
 
 uint64_t HashAttrs(const CallAttrs& a) {
   uint64_t h = 14695981039346656037ull;  // FNV-1a over the values
@@ -105,7 +138,11 @@ ffi::ErrorOr<std::unique_ptr<State>> InstantiateCall(const CallAttrs& attrs) {
   Instances& table = InstanceTable();
   std::lock_guard<std::mutex> lock(table.mu);
   state->uid = table.next_uid++;
-  state->instance = table.count[HashAttrs(attrs)]++;
+  state->attrs_hash = HashAttrs(attrs);
+  state->instance = table.count[state->attrs_hash]++;
+  if (g_launch_identity[std::is_same_v<State, CudaInstructionState> ? 1 : 0].load()) {
+    state->launches = std::make_shared<LaunchBases>();
+  }
   PublishInstructionState(state.get());
   return state;
 }
@@ -172,6 +209,43 @@ ffi::Error LocateCall(const CallAttrs& attrs, int32_t device, const DecodedCall&
     ++place->local_count;
   }
   return ffi::Error::Success();
+}
+
+ffi::Error IdentityRun(int64_t run_id, int32_t device, const InstructionState& instruction,
+                       const std::string& where, int64_t* out) {
+  if (!instruction.launches) {
+    *out = run_id;
+    return ffi::Error::Success();
+  }
+  int64_t first = run_id;
+  {
+    LaunchBases& bases = *instruction.launches;
+    std::lock_guard<std::mutex> lock(bases.mu);
+    bool known = false;
+    for (const auto& [d, run] : bases.first) {
+      if (d == device) first = run, known = true;
+    }
+    if (!known) bases.first.emplace_back(device, run_id);
+  }
+  // XLA's launch ids are 32-bit and wrap: count in 32 bits.
+  const int32_t launch =
+      static_cast<int32_t>(static_cast<uint32_t>(run_id) - static_cast<uint32_t>(first));
+  if (launch < 0) {
+    return ffi::Error::Internal(
+        where + "a launch of this program reached its reduction before an earlier launch "
+        "did (run " + std::to_string(run_id) + " after run " + std::to_string(first) +
+        "), so the launch identity (HERRING_IDENTITY=launch) cannot count its launches; "
+        "let a program's first launch finish before the next begins, or use "
+        "HERRING_IDENTITY=program where every process compiles the same executable");
+  }
+  const uint64_t instruction_id = instruction.attrs_hash * 0x9e3779b97f4a7c15ull ^
+                                  (uint64_t{instruction.instance} << 17);
+  *out = engine::LaunchRun(instruction_id, static_cast<uint32_t>(launch));
+  return ffi::Error::Success();
+}
+
+void SetLaunchIdentity(const std::string& platform, bool launch) {
+  g_launch_identity[platform == "cuda" ? 1 : 0].store(launch);
 }
 
 void SetLocalDevices(const std::string& platform, std::vector<int64_t> numbers) {

@@ -155,7 +155,6 @@ ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
                      ffi::RemainingRets rets, HERRING_ATTR_PARAMS) {
   return NoThrow("herring allreduce start (CUDA)", [&]() -> ffi::Error {
     auto task = std::make_shared<CudaStart>();
-    task->run_id = run_id.run_id;
     task->device = device;
     ReceiveInstructionState(instruction);
     task->instruction = *instruction;
@@ -164,6 +163,9 @@ ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
     ffi::Error error = DecodeOperands(args, task->attrs.View(), &task->call);
     if (error.failure()) return error;
     const std::string& where = task->call.where;
+    // Here, on the thread that launches the program: launches come in order.
+    error = IdentityRun(run_id.run_id, device, *instruction, where, &task->run_id);
+    if (error.failure()) return error;
     if (collective != kCollectiveAllReduce) {
       return ffi::Error(ffi::ErrorCode::kUnimplemented,
                         where + "reduce-scatter and all-gather run on XLA:CPU only so far");

@@ -54,10 +54,15 @@ struct CallAttrs {
 // XLA:CPU instantiates every custom-call instruction once, when it compiles
 // the executable, in the order of its thunk sequence, and all local devices
 // share the state: two inlined copies of one call site get two states.
+struct LaunchBases;  // call_identity.cc
 struct InstructionState {
   static ffi::TypeId id;
   uint64_t uid = 0;       // unique in this process: names the local meeting
   uint32_t instance = 0;  // its number among instructions with equal attributes
+  uint64_t attrs_hash = 0;  // of its attributes: the same on every process
+  // Launch identity (see IdentityRun): the first run id each local device ran
+  // this instruction in; null under the program identity. Shared by copies.
+  std::shared_ptr<LaunchBases> launches;
 };
 // XLA hands the state from its instantiate stage (often a compile thread) to
 // the execute stage (another thread) through its own synchronisation, which
@@ -82,6 +87,15 @@ inline void ReceiveInstructionState(InstructionState* state) {
 struct CudaInstructionState : InstructionState {
   static ffi::TypeId id;
 };
+
+// The run part of a reduction's identity (engine::Identity::run_id) for a
+// call of `instruction` that XLA runs in `run_id` on `device`: XLA's run id
+// itself under the program identity; under the launch identity a value made
+// of the instruction (its attribute hash and instance) and how many launches
+// of it came before on this device (see call_identity.cc). Call it where the
+// handler is entered, in launch order, never on herring's threads.
+ffi::Error IdentityRun(int64_t run_id, int32_t device, const InstructionState& instruction,
+                       const std::string& where, int64_t* out);
 
 // Where the calling device stands in the call: its group (stream and
 // processes) and its place among the local devices of that group.
@@ -245,7 +259,7 @@ ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, Decod
 
 // Reduces `call.arrival` (host memory) with the other local devices of the
 // same group and across processes; the result lands in `call.arrival.out`.
-// `run_id` is XLA's id of the execution and `instruction` the custom call's
+// `run_id` is the run part of the identity (IdentityRun) and `instruction` the custom call's
 // instantiate-stage state: with the slot they name the reduction on every
 // process, and (run id, instruction uid) the meeting of the local devices
 // (see engine/local_rendezvous.h).

@@ -281,13 +281,15 @@ ffi::Future AllReduceImpl(ffi::RunId run_id, int32_t device, InstructionState* i
   ffi::Future future(promise);
   ffi::Error error = NoThrow("herring allreduce", [&]() -> ffi::Error {
     auto task = std::make_shared<AsyncCall>();
-    task->run_id = run_id.run_id;
     task->device = device;
     ReceiveInstructionState(instruction);
     task->instruction = *instruction;
     task->attrs = OwnedAttrs(HERRING_ATTRS);
     ffi::Error decoded = DecodeCall(args, rets, task->attrs.View(), &task->call);
     if (decoded.failure()) return decoded;
+    ffi::Error named =
+        IdentityRun(run_id.run_id, device, *instruction, task->call.where, &task->run_id);
+    if (named.failure()) return named;
     ffi::Error prepared = PrepareBroadcast(task->call, &task->attrs.op, &task->zeros);
     if (prepared.failure()) return prepared;
     engine::TimelineEvent event;

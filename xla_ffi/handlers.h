@@ -47,6 +47,11 @@ const XLA_FFI_TypeInfo* InstructionStateTypeInfo(bool cuda);
 // jax's local order: the attributes name devices by that local index.
 void SetLocalDevices(const std::string& platform, std::vector<int64_t> numbers);
 
+// Which identity `platform`'s reductions compiled from now on take: XLA's run
+// ids (false, "program") or launch numbers per instruction (true, "launch");
+// see call_identity.cc. The default: program on "cpu", launch on "cuda".
+void SetLaunchIdentity(const std::string& platform, bool launch);
+
 }  // namespace herring
 
 #endif  // HERRING_HANDLERS_H_

@@ -67,6 +67,13 @@ def _test_fault(text: str) -> str:
     return value
 
 
+def _identity(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("auto", "program", "launch"):
+        raise ValueError(f"expected auto, program or launch, got {text!r}")
+    return value
+
+
 KNOBS: dict[str, Knob] = {
     k.name: k
     for k in [
@@ -113,6 +120,15 @@ KNOBS: dict[str, Knob] = {
              "it waits for, what each of them waits in (a different compiled program is "
              "named as such) and where in the program the reductions were written; those "
              "ranks' errors then quote the report. 0: never."),
+        Knob("HERRING_IDENTITY", "auto", _identity,
+             "How the processes name a reduction alike. program: XLA's run id (the "
+             "executable and its launch), which needs every process to compile the same "
+             "executable, and fails a rank that ran a program more often than its peers "
+             "naming both runs. launch: the instruction and how many launches of it came "
+             "before, which holds where processes compile one program into differently "
+             "tuned executables (XLA:CUDA's autotuning does); a rank whose first launches "
+             "of a program skipped a reduction (a cond) then pairs it with its peers' "
+             "first. auto: program on XLA:CPU, launch on XLA:CUDA. Read at initialize()."),
         Knob("HERRING_MAX_POSTED", 0, _non_negative_int,
              "At most this many sends, and this many receives, handed to the libfabric "
              "provider at once; more wait in herring_jax's queue (posting never blocks). "

@@ -66,6 +66,12 @@ def _register_targets() -> None:
     # The CUDA handler exists when the extension was built with a CUDA
     # toolkit; it is registered only where jax has CUDA devices.
     cuda = _ext.cuda_registrations() if _has_cuda() else {}
+    # Before anything reducing compiles: each instruction takes its identity
+    # when XLA instantiates it (xla_ffi/call_identity.cc).
+    identity = knobs.get("HERRING_IDENTITY")
+    for platform, default in (("cpu", "program"), ("cuda", "launch")):
+        chosen = default if identity == "auto" else identity
+        _ext.set_launch_identity(platform, chosen == "launch")
     if cuda:
         # XLA:CUDA's DeviceOrdinal is the process-local ordinal, which PJRT's
         # GPU client takes from the device it runs on: local_hardware_id.

@@ -1,5 +1,6 @@
-// Unit test of the wire codecs (xla_ffi/engine/codec.h) and of what a
-// truncated receive is said to be (DescribeTruncation, engine/wire.h), run by
+// Unit test of the wire codecs (xla_ffi/engine/codec.h), of what a
+// truncated receive is said to be (DescribeTruncation, engine/wire.h) and of
+// the launch identity's runs (LaunchRun, engine/wire.h), run by
 // tests/test_cpp_units.py under AddressSanitizer + UBSan and ThreadSanitizer.
 // The last line on success is
 //   CODEC_WIRE_OK checks=<n>
@@ -289,6 +290,38 @@ void TestTruncationWords() {
         "an unreadable header says what it can");
 }
 
+// A launch identity's run keeps its launch count and instruction, never
+// equals an XLA run id (32-bit, sign-extended) or an async ticket (bit 62),
+// and reads as such in messages.
+void TestLaunchRuns() {
+  using herring::engine::IsLaunchRun;
+  using herring::engine::LaunchInstruction;
+  using herring::engine::LaunchOf;
+  using herring::engine::LaunchRun;
+  const uint64_t instruction = 0xfedcba9876543210ull;
+  for (uint32_t launch : {0u, 1u, 7u, 0x7fffffffu, 0xffffffffu}) {
+    const int64_t run = LaunchRun(instruction, launch);
+    Check(IsLaunchRun(run), "a launch run is one");
+    Check(LaunchOf(run) == launch, "the launch count survives");
+    Check(LaunchInstruction(run) == static_cast<uint32_t>(instruction >> 35),
+          "the instruction's 29 bits survive");
+    Check(LaunchRun(instruction ^ (uint64_t{1} << 40), launch) != run,
+          "other instructions give other runs");
+  }
+  for (int64_t xla : {int64_t{0}, int64_t{1}, int64_t{-1}, int64_t{-723189425},
+                      int64_t{2147483647}, int64_t{-2147483647 - 1}}) {
+    Check(!IsLaunchRun(xla), "an XLA run id is no launch run");
+  }
+  Check(!IsLaunchRun((int64_t{1} << 62) | 5), "an async ticket is no launch run");
+  herring::engine::Identity id;
+  id.run_id = LaunchRun(instruction, 3);
+  const std::string text = herring::engine::DescribeIdentity(id);
+  Check(text.rfind("launch 3 of instruction ", 0) == 0, "described as a launch: " + text);
+  id.run_id = -723189425;
+  Check(herring::engine::DescribeIdentity(id).rfind("run -723189425, slot 0", 0) == 0,
+        "an XLA run id is described as a run");
+}
+
 }  // namespace
 
 int main() {
@@ -302,5 +335,6 @@ int main() {
   TestInt8Bits();
   TestDecodeSum();
   TestTruncationWords();
+  TestLaunchRuns();
   return herring::test::Finish("CODEC_WIRE");
 }

@@ -268,10 +268,21 @@ def reduce(name: str) -> int:
 
 def identity(mode: str) -> int:
     if mode == "match":
+        # The platform's default identity (launch on XLA:CUDA), then ranks
+        # whose executables of one program differ, under the launch identity.
         run = launch("identity_worker.py", ["match"], 2)
-        return summary(*judge(run, 4, "identity: helper twice, no wait, train/eval, loop"))
+        status, text = judge(run, 4, "identity: helper twice, no wait, train/eval, loop")
+        if status == "PASS":
+            run = launch("identity_worker.py", ["different-programs"], 2,
+                         {"HERRING_IDENTITY": "launch", "HERRING_TIMEOUT_S": "30"})
+            status, text = judge(run, 1, f"{text}; executables differing per rank (launch "
+                                 "identity)")
+        return summary(status, text)
     # Rank 1 launches once more: another run id there; every rank must raise.
-    run = launch("identity_worker.py", ["extra-launch"], 2, {"HERRING_TIMEOUT_S": "3"})
+    # Only the program identity (XLA's run ids) can tell: under the launch
+    # identity rank 1's first reduction pairs with rank 0's, as documented.
+    run = launch("identity_worker.py", ["extra-launch"], 2,
+                 {"HERRING_TIMEOUT_S": "3", "HERRING_IDENTITY": "program"})
     status, text = judge(run, 1, "identity: an extra launch fails every rank naming both runs")
     slow = [round(c["seconds"], 1) for cs in (run.results.values() if run else [])
             for c in cs if c.get("seconds", 0) >= 40]

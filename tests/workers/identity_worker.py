@@ -13,6 +13,9 @@ rank (small integers in float32, so any mispairing changes the sum).
     reduction skipped by lax.cond), so the next launch has another run id on
     rank 1: every rank must raise HerringError within HERRING_TIMEOUT_S naming
     both run ids.
+  different-programs: each rank compiles its own executable of one program
+    (see case_different_programs); run under HERRING_IDENTITY=launch (exact)
+    and =program (every rank fails, naming another executable of the program).
   prune: many launches, then an idle pause longer than the occurrence
     counters' idle limit (8 x HERRING_TIMEOUT_S): the counters are pruned.
 """
@@ -188,6 +191,41 @@ def prune(rank: int, size: int) -> None:
                   np.array_equal(np.asarray(out), total(size, 7)), before=before, after=after)
 
 
+def case_different_programs(rank: int, size: int) -> None:
+    """Each rank compiles its own executable of one program: a rank-dependent
+    constant outside the reductions gives each its own XLA fingerprint, hence
+    its own run ids, as XLA:CUDA's per-process kernel choices do. Under the
+    launch identity every reduction still meets its peers' (two call sites,
+    a loop, a matrix product beside them); under the program identity none
+    does, which shows the fingerprints really differ."""
+    offset = np.float32(rank + 1)
+    w = jnp.asarray(np.linspace(-1, 1, 64 * 64, dtype=np.float32).reshape(64, 64))
+
+    @jax.jit
+    def step(v, u, w):
+        a = herring_jax.allreduce(v)
+        b = jax.lax.fori_loop(0, 3, lambda i, acc: herring_jax.allreduce(acc) * 0.5, u)
+        return a, b, jnp.tanh(w @ w.T) + offset
+
+    start = time.monotonic()
+    ok = True
+    try:
+        with herring_jax.herring_errors():
+            for launch in range(4):
+                a, b, _ = step(contribution(rank, 600 + launch), contribution(rank, 700 + launch),
+                               w)
+                ok &= np.array_equal(np.asarray(a), total(size, 600 + launch))
+                ref = [contribution(r, 700 + launch) for r in range(size)]
+                for _ in range(3):
+                    ref = [sum(ref) * np.float32(0.5)] * size
+                ok &= np.array_equal(np.asarray(b), ref[0])
+    except herring_jax.HerringError as e:
+        common.report("different-programs", False, error=True,
+                      seconds=time.monotonic() - start, message=str(e)[:1500])
+        return
+    common.report("different-programs", bool(ok), error=False)
+
+
 def main() -> int:
     herring_jax.initialize()
     rank, size = herring_jax.process_index(), herring_jax.process_count()
@@ -198,6 +236,11 @@ def main() -> int:
         os._exit(0)  # skip jax.distributed's shutdown barrier: the job is broken
     if mode == "prune":
         prune(rank, size)
+    elif mode == "different-programs":
+        case_different_programs(rank, size)
+        if os.environ.get("HERRING_IDENTITY") == "program":
+            sys.stdout.flush()
+            os._exit(0)  # the job is broken, as it should be: skip the shutdown barrier
     else:
         case_helper_twice(rank, size)
         case_no_wait(rank, size)

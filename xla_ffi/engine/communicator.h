@@ -326,6 +326,10 @@ class Communicator {
   // For error messages: whether each rank is alive and what it waits for,
   // as its heartbeats said.
   std::string PeerReport(const std::set<int>& ranks) const;
+  // What the missing ranks' waits say of why `job` stalls (empty: nothing):
+  // a rank in another run of the same call runs another executable of the
+  // program, or is at another launch of it. Takes peer_wait_mu_.
+  std::string Verdict(const Job& job, const std::set<int>& missing) const;
 
   CommConfig config_;
   std::unique_ptr<transport::Transport> transport_;
@@ -400,6 +404,8 @@ class Communicator {
     std::string what;
     double seconds = 0;
     int64_t run_id = 0;   // of what it waits in (its program's executable)
+    uint64_t key = 0;     // and the rest of that call's identity
+    uint32_t slot = 0, instance = 0;
     // What it said it waits in (kStall): the reduction's description with
     // its call site; kept while it still waits (SiteMatches).
     std::string site;

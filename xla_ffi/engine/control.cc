@@ -181,9 +181,11 @@ void Communicator::Deactivate(Batch* batch) {
 }
 
 void Communicator::FailTimedOut(Batch* batch) {
+  const std::string verdict =
+      batch->jobs.empty() ? "" : Verdict(*batch->jobs.front(), MissingRanks(*batch));
   Fail(batch, "herring allreduce timed out after " +
                   std::to_string(static_cast<int>(config_.timeout_s)) + " s on rank " +
-                  std::to_string(config_.rank) + ": " + MissingReport(*batch) +
+                  std::to_string(config_.rank) + ": " + MissingReport(*batch) + verdict +
                   " A process may have hung, or the processes issued different "
                   "reductions (other shapes or code, or a reducing step run a "
                   "different number of times). HERRING_TIMEOUT_S sets the limit.");

@@ -400,18 +400,7 @@ void Communicator::ReportStalls() {
       // (it began waiting later than this one) is given a moment to send it.
       if (!SitesKnown(stall.missing) && waited < config_.stall_s + kStallSiteGraceS) continue;
       batch->stall_reported = true;
-      std::string verdict;
-      {
-        std::lock_guard<std::mutex> peers_lock(peer_wait_mu_);
-        for (int rank : stall.missing) {
-          const PeerWait& peer = peer_wait_[rank];
-          if (!peer.what.empty() && peer.run_id != job.id.run_id) {
-            verdict += " Rank " + std::to_string(rank) + " runs a different compiled " +
-                       "program: the processes' shapes or code differ, or they run their " +
-                       "reducing programs in a different order.";
-          }
-        }
-      }
+      const std::string verdict = Verdict(job, stall.missing);
       stall.text = "herring_jax rank " + std::to_string(config_.rank) + ": a reduction has " +
                    "made no progress for " + Seconds(waited) + " s: " + MissingReport(*batch) +
                    verdict + " (reported once after HERRING_STALL_S=" +

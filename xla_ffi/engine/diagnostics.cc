@@ -74,6 +74,41 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
   return report;
 }
 
+std::string Communicator::Verdict(const Job& job, const std::set<int>& missing) const {
+  std::string verdict;
+  std::lock_guard<std::mutex> lock(peer_wait_mu_);
+  for (int rank : missing) {
+    const PeerWait& peer = peer_wait_[rank];
+    if (peer.what.empty() || peer.run_id == job.id.run_id) continue;
+    const std::string who = " Rank " + std::to_string(rank);
+    if (IsLaunchRun(job.id.run_id) && IsLaunchRun(peer.run_id)) {
+      // The launch identity names instructions, not programs: only the same
+      // instruction at another launch says something.
+      if (LaunchInstruction(peer.run_id) == LaunchInstruction(job.id.run_id)) {
+        verdict += who + " is at launch " + std::to_string(LaunchOf(peer.run_id)) +
+                   " of this reduction, this rank at launch " +
+                   std::to_string(LaunchOf(job.id.run_id)) +
+                   ": the processes ran this program a different number of times.";
+      }
+      continue;
+    }
+    if (peer.key == job.req.key && peer.slot == job.id.slot &&
+        peer.instance == job.id.instance) {
+      // The same call of the same program, under another run id.
+      verdict += who + " waits in this same call under another run id: it runs a " +
+                 "different compiled program. Either the processes' inputs or code differ " +
+                 "outside the reductions (a batch of another size, say), or XLA compiled " +
+                 "one program into a different executable on each process (XLA:CUDA's " +
+                 "autotuning does); for the latter, HERRING_IDENTITY=launch names " +
+                 "reductions without XLA's run ids.";
+      continue;
+    }
+    verdict += who + " runs a different compiled program: the processes' shapes or code " +
+               "differ, or they run their reducing programs in a different order.";
+  }
+  return verdict;
+}
+
 bool Communicator::SiteMatches(const PeerWait& wait) {
   const size_t at = wait.what.find(" (key ");
   return at != std::string::npos && wait.site.find(wait.what.substr(at)) != std::string::npos;

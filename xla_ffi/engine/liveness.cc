@@ -68,6 +68,9 @@ void Communicator::OnHeartbeat(size_t slot, const transport::Completion& c) {
                     std::to_string(h.key) + "; " + DescribeIdentity(HeaderIdentity(h)) + ")";
         wait.seconds = h.chunk;
         wait.run_id = h.run_id;
+        wait.key = h.key;
+        wait.slot = h.slot;
+        wait.instance = h.instance;
       }
       std::lock_guard<std::mutex> lock(peer_wait_mu_);
       // Its kStall stays while it still waits in something (PeerReport

@@ -19,7 +19,12 @@ uint32_t HeaderChecksum(const WireHeader& h) {
 void SealHeader(WireHeader* h) { h->checksum = HeaderChecksum(*h); }
 
 std::string DescribeIdentity(const Identity& id) {
-  return "run " + std::to_string(id.run_id) + ", slot " + std::to_string(id.slot) +
+  const std::string run =
+      IsLaunchRun(id.run_id)
+          ? "launch " + std::to_string(LaunchOf(id.run_id)) + " of instruction " +
+                std::to_string(LaunchInstruction(id.run_id))
+          : "run " + std::to_string(id.run_id);
+  return run + ", slot " + std::to_string(id.slot) +
          ", instance " + std::to_string(id.instance) + ", occurrence " +
          std::to_string(id.occurrence) + ", buffer " + std::to_string(id.buffer);
 }

@@ -76,7 +76,9 @@ static_assert(sizeof(HostEntry) == 32, "host entry layout changed");
 // and several executables can be in flight at once):
 //   run_id      XLA's RunId of the execution: a per-executable base (from the
 //               executable's fingerprint, the same on every process that
-//               compiled the same program) plus that executable's launch count.
+//               compiled the same program) plus that executable's launch count;
+//               or, under the launch identity (call_identity.cc), LaunchRun of
+//               the instruction and its launch count.
 //   slot        the call site within the lowered module (0, 1, 2, ...).
 //   instance    which inlined copy of the call site (XLA inlines a jitted helper
 //               called twice into two custom calls with equal attributes): the
@@ -98,7 +100,24 @@ struct Identity {
   bool operator!=(const Identity& o) const { return !(*this == o); }
 };
 
-// "run R, slot S, instance I, occurrence O, buffer B", for messages.
+// A launch identity's run: bit 61 set (XLA's run ids are 32-bit values,
+// sign-extended; the async pair's tickets set bit 62), a 29-bit hash of the
+// instruction in bits 32..60, its launch count in bits 0..31.
+constexpr int64_t kLaunchRunBit = int64_t{1} << 61;
+inline int64_t LaunchRun(uint64_t instruction, uint32_t launch) {
+  return kLaunchRunBit | static_cast<int64_t>((instruction >> 35) << 32) |
+         static_cast<int64_t>(launch);
+}
+inline bool IsLaunchRun(int64_t run) {
+  return (static_cast<uint64_t>(run) >> 61) == 1;  // bits 63, 62 clear, 61 set
+}
+inline uint32_t LaunchOf(int64_t run) { return static_cast<uint32_t>(run); }
+inline uint32_t LaunchInstruction(int64_t run) {
+  return static_cast<uint32_t>((run & ~kLaunchRunBit) >> 32);
+}
+
+// "run R, slot S, instance I, occurrence O, buffer B", for messages ("launch
+// L of instruction T, slot S, ..." under the launch identity).
 std::string DescribeIdentity(const Identity& id);
 
 // Tag layout (matching only; the header is authoritative):
