@@ -16,6 +16,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import herring_jax
+from checkpointing import Checkpoints, FullyShardedCheckpoints
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="save params and optimizer state here with orbax, and resume "
+                        help="save params and optimizer state here (orbax; --fully-sharded: "
+                             "herring_jax.save_sharded, each process its chunks), and resume "
                              "from the latest checkpoint found there")
     parser.add_argument("--checkpoint-every", type=int, default=50,
                         help="steps between checkpoints (and one after the last step)")
@@ -204,9 +206,6 @@ def make_fully_sharded_trainer(mesh, args, loss_fn, init_fn):
         raise SystemExit("--fully-sharded runs one device per process; this process has "
                          f"{len(mesh.local_devices)} (unset XLA_FLAGS' "
                          "--xla_force_host_platform_device_count)")
-    if args.checkpoint_dir:
-        raise SystemExit("--fully-sharded does not take --checkpoint-dir in this example yet: "
-                         "save its state with herring_jax.save_sharded(directory, fs, state)")
     optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
                  else optax.adamw(args.lr))
     fs = herring_jax.fully_sharded(optimizer, compression=args.compression,
@@ -222,6 +221,9 @@ def make_fully_sharded_trainer(mesh, args, loss_fn, init_fn):
     step = jax.jit(local_step, donate_argnums=(0,))
     step.takes_local_batch = True
     step.whole = jax.jit(fs.gather)
+    # Its checkpoints: each process its own chunks (save_sharded).
+    shapes = jax.eval_shape(init_fn)
+    step.checkpoints = lambda args: FullyShardedCheckpoints(args, fs, shapes)
     return state, None, step
 
 
@@ -376,124 +378,6 @@ def params_digest(params) -> str:
     return h.hexdigest()[:16]
 
 
-def _names(path) -> tuple:
-    """A pytree path as names, the same for a tree and orbax's metadata of it
-    (which turns NamedTuples into dicts)."""
-    return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
-
-
-class Checkpoints:
-    """orbax checkpoints of (params, opt_state) after whole steps.
-
-    A run started with a --checkpoint-dir that holds checkpoints resumes after
-    the latest one. Batches depend only on (seed, rank, step) and herring's
-    sums are bitwise reproducible, so a killed and resumed run ends with the
-    same parameters as one that was never interrupted.
-    """
-
-    def __init__(self, args):
-        import orbax.checkpoint as ocp
-
-        self._ocp = ocp
-        self.every = args.checkpoint_every
-        if self.every < 1:
-            raise SystemExit(f"--checkpoint-every must be at least 1, got {self.every}")
-        self.sharded = bool(getattr(args, "sharded_optimizer", False))
-        # With the handler named, a fresh manager can read a checkpoint's
-        # shapes (item_metadata) before it saves or restores anything.
-        self.manager = ocp.CheckpointManager(
-            os.path.abspath(args.checkpoint_dir), item_handlers=ocp.StandardCheckpointHandler(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=2,
-                                                 enable_async_checkpointing=False))
-
-    def restore(self, params, opt_state):
-        """Returns (params, opt_state, steps done): the latest checkpoint, or the inputs.
-
-        --sharded-optimizer's state saved by more devices than this job has (a
-        restart on fewer processes, herring-jax launch --min-processes) is cut
-        into this job's chunks (restore_fewer)."""
-        done = self.manager.latest_step()
-        if done is None:
-            return params, opt_state, 0
-        target = jax.tree_util.tree_map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-            {"params": params, "opt_state": opt_state})
-        saved = {_names(path): tuple(m.shape) for path, m in
-                 jax.tree_util.tree_leaves_with_path(self.manager.item_metadata(done))}
-        if all(saved.get(_names(path)) == t.shape
-               for path, t in jax.tree_util.tree_leaves_with_path(target)):
-            state = self.manager.restore(done, args=self._ocp.args.StandardRestore(target))
-        else:
-            state = self.restore_fewer(done, target, saved)
-        return state["params"], state["opt_state"], done
-
-    def restore_fewer(self, done: int, target, saved: dict):
-        """--sharded-optimizer's state saved by N devices, onto this job's M < N.
-
-        Each state leaf is a global array of N rows, row d device d's: a chunk
-        (the flattened elements [d*c, (d+1)*c) of a parameter's state, c =
-        ceil(size / N), zero-padded at the end), or a value of its own (a step
-        count, the same in every row; the chunk's index, d). Flattened, their
-        first M rows of c' = ceil(size / M) elements are this job's rows: what
-        lies beyond is padding, or rows of the devices that are gone. Error
-        feedback residuals start from zero (as restore_sharded's do)."""
-        here = jax.tree_util.tree_leaves_with_path(target)
-        devices = len(jax.devices())
-        rows = {saved.get(_names(p), (None,))[0] for p, _ in here if _names(p)[0] == "opt_state"}
-        params_same = all(saved.get(_names(p)) == t.shape for p, t in here
-                          if _names(p)[0] == "params")
-        saved_devices = max(rows, key=lambda r: r or 0)
-        if not (self.sharded and params_same and len(rows) == 1 and saved_devices > devices):
-            changed = next(p for p, t in here if saved.get(_names(p)) != t.shape)
-            raise SystemExit(
-                f"the checkpoint after step {done} in {self.manager.directory} holds "
-                f"{jax.tree_util.keystr(changed)} of shape {saved.get(_names(changed))}, this "
-                "job's differs: it is not this model's, or --sharded-optimizer's state of "
-                f"fewer devices than this job's {devices} (a restart can leave processes out, "
-                "never add them)")
-        replicated = NamedSharding(jax.tree_util.tree_leaves(target)[0].sharding.mesh, P())
-        read = jax.tree_util.tree_map_with_path(
-            lambda p, t: jax.ShapeDtypeStruct(saved[_names(p)], t.dtype, sharding=replicated),
-            target)
-        state = self.manager.restore(done, args=self._ocp.args.StandardRestore(read))
-
-        def cut(path, was, t):
-            if _names(path)[0] == "params":
-                return was
-            size = int(np.prod(t.shape, dtype=np.int64))
-            flat = np.ravel(np.asarray(was.addressable_shards[0].data))[:size]
-            if "residual" in _names(path):
-                flat = np.zeros(0, flat.dtype)
-            rows = np.pad(flat, (0, size - flat.size)).reshape(t.shape)
-            return jax.make_array_from_callback(t.shape, t.sharding, lambda index: rows[index])
-
-        if jax.process_index() == 0:
-            print(f"the checkpoint after step {done} holds --sharded-optimizer's state of "
-                  f"{saved_devices} devices: cut into chunks of {devices}",
-                  flush=True)
-        return jax.tree_util.tree_map_with_path(cut, state, target)
-
-    def maybe_save(self, done: int, last: bool, params, opt_state) -> None:
-        if (done % self.every == 0 or last) and self.manager.latest_step() != done:
-            state = {"params": params, "opt_state": opt_state}
-            self.manager.save(done, args=self._ocp.args.StandardSave(state), force=True)
-
-    def stop_for_preemption(self, done: int, params, opt_state) -> bool:
-        """After `done` steps: whether the job stops here because a process got
-        SIGTERM (the same answer on every process), saving first if this step
-        was not saved yet. A collective: every process calls it after each step."""
-        if not herring_jax.preemption_requested():
-            return False
-        self.maybe_save(done, True, params, opt_state)
-        print(f"process {jax.process_index()}: preempted, saved the checkpoint after step "
-              f"{done} in {self.manager.directory}; exiting", flush=True)
-        return True
-
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
-
-
 def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     """Runs the steps with progress output on rank 0, prints a summary line
     ("done: ...") and shuts herring_jax down; returns (params, losses, step_s).
@@ -503,7 +387,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     """
     rank = jax.process_index()
     losses, times = [], []
-    checkpoints = Checkpoints(args) if args.checkpoint_dir else None
+    checkpoints = getattr(step, "checkpoints", Checkpoints)(args) if args.checkpoint_dir else None
     first = 0
     if checkpoints:
         # SIGTERM from now on: a save at the next step every process agrees on.

@@ -92,6 +92,7 @@ EXTENDED_CASES = {
     "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
     "finishes[sharded]",
     "test_restarts.py::test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise",
+    "test_restarts.py::test_fully_sharded_resumes_bitwise_and_onto_fewer_processes",
 }
 # The C++ unit tests under the sanitizers (their builds took 175 s of the core
 # tier): the core tier runs them unsanitized, the extended part under

@@ -11,6 +11,7 @@ uninterrupted run's.
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,6 +215,9 @@ _DIGEST = re.compile(r"params sha256 ([0-9a-f]{16})")
 _RESUMED = re.compile(r"\] resumed from the checkpoint after step (\d+)")
 _MODES = {"allreduce": [], "sharded": ["--sharded-optimizer"]}
 _KILLS = {"allreduce": 3, "sharded": 1}
+# Runs without kills: also the fully sharded example's (its checkpoints are
+# herring_jax.save_sharded's, each process its chunks).
+_RUNS = {**_MODES, "fully": ["--fully-sharded"]}
 
 
 def _lm_env():
@@ -245,7 +249,7 @@ _whole: dict[str, str] = {}
 def _uninterrupted(mode: str, tmp_path_factory) -> str:
     """The params sha256 of an uninterrupted run of `mode` on 4 processes."""
     if mode not in _whole:
-        proc = _lm(tmp_path_factory.mktemp(f"whole-{mode}"), extra=_MODES[mode])
+        proc = _lm(tmp_path_factory.mktemp(f"whole-{mode}"), extra=_RUNS[mode])
         assert proc.returncode == 0, _out(proc)
         _whole[mode] = _digest(proc)
     return _whole[mode]
@@ -367,3 +371,29 @@ def test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise(
     assert resumed.returncode == 0, _out(resumed)
     assert [int(s) for s in _RESUMED.findall(resumed.stdout)] == [step], _out(resumed)
     assert _digest(resumed) == _uninterrupted("allreduce", tmp_path_factory)
+
+
+@pytest.mark.timeout(900)
+def test_fully_sharded_resumes_bitwise_and_onto_fewer_processes(tmp_path, tmp_path_factory):
+    # 8 steps of 16 on 4 processes (checkpoints after 4 and 8), then the rest
+    # on 4 processes (bitwise the uninterrupted run) and on 2 (restore_sharded
+    # reads the 4 processes' chunks into 2's).
+    ckpt, fewer = tmp_path / "ckpt", tmp_path / "fewer"
+    first = _lm(ckpt, extra=["--fully-sharded", "--steps", "8"])
+    assert first.returncode == 0, _out(first)
+    assert sorted(int(p.name) for p in ckpt.iterdir()) == [4, 8], _out(first)
+    shutil.copytree(ckpt, fewer)
+    resumed = _lm(ckpt, extra=["--fully-sharded"])
+    assert resumed.returncode == 0, _out(resumed)
+    assert [int(s) for s in _RESUMED.findall(resumed.stdout)] == [8], _out(resumed)
+    assert _digest(resumed) == _uninterrupted("fully", tmp_path_factory)
+    # The two latest are kept.
+    assert sorted(int(p.name) for p in ckpt.iterdir()) == [12, 16], _out(resumed)
+    two = _lm(fewer, n=2, extra=["--fully-sharded"])
+    assert two.returncode == 0, _out(two)
+    assert [int(s) for s in _RESUMED.findall(two.stdout)] == [8], _out(two)
+    assert "done: reduce=herring processes=2" in two.stdout, _out(two)
+    # It goes on from the saved state: its first loss is the 4-process run's
+    # at step 9, not a fresh model's (about 6.4 on this model).
+    first_loss = float(re.search(r"\(first ([0-9.]+)\)", two.stdout).group(1))
+    assert first_loss < 5.5, _out(two)
