@@ -387,12 +387,14 @@ def run_codecs(args: argparse.Namespace) -> int:
             gaps = [x["held_out_loss"] / y["held_out_loss"] - 1
                     for x, y in zip(runs[r["codec"]], runs["none"])]
             r["loss_vs_none"] = float(np.mean(gaps))
-            r["bytes_reduction"] = base["sent_mib_per_step"] / max(r["sent_mib_per_step"], 1e-9)
+            # None where nothing was sent (compute): no ratio to print.
+            sent = r["sent_mib_per_step"]
+            r["bytes_reduction"] = base["sent_mib_per_step"] / sent if sent > 0 else None
             r["loss_vs_none_per_seed"] = gaps
             if several:
                 per_seed = "  " + " ".join(f"{g:+.2%}" for g in gaps)
         vs = f"{r['loss_vs_none']:+.2%}" if base else "-"
-        fewer = f"{r['bytes_reduction']:.2f}" if base else "-"
+        fewer = f"{r['bytes_reduction']:.2f}" if base and r["bytes_reduction"] else "-"
         print(f"{r['codec']:>{width}} {r['held_out_loss']:>9.4f} {vs:>8} "
               f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8} "
               f"{r['state_mib_per_process']:>9.3f} {r['held_mib_per_process']:>8.3f} "
