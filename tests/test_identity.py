@@ -21,8 +21,10 @@ def test_concurrent_and_inlined_reductions_are_exact(nproc, devices):
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_extra_launch_on_one_rank_fails_every_rank_naming_both(nproc):
     # The error names the peer's run only once a heartbeat has said what the
-    # peer waits in: 10 s leaves a starved process (a loaded machine; 5 s
-    # once failed so with 4 ranks) time for a few of them.
+    # peer waits in: 10 s leaves a starved process on a loaded machine time
+    # for a few of them (with 5 s, a 4-rank run under load once failed these
+    # checks; its message was not kept, so this is the likely cause, not a
+    # proven one).
     run = launch("identity_worker.py", ["extra-launch"], nproc=nproc,
                  env={"HERRING_TIMEOUT_S": "10"}, timeout=120)
     assert run.returncode == 0, run.explain()
