@@ -46,7 +46,7 @@ EXTENDED_CASES = {
     "test_groupings.py::test_interleaved_groupings_match_lax[1-4]",
     "test_groupings.py::test_more_groups_than_wire_streams[1-130]",
     "test_host_stage.py::test_every_dtype_through_the_host_stage[2-2-1]",
-    "test_identity.py::test_extra_launch_on_one_rank_fails_every_rank_naming_both[4]",
+    "test_identity.py::test_extra_launch_on_one_rank_fails_every_rank_and_the_first_names_both_runs[4]",
     "test_first_hour.py::test_shutdown_right_after_the_last_queued_step_finishes_them[2]",
     "test_optax.py::test_training_matches_lax_pmean_on_every_process[4-2]",
     "test_optax.py::test_fusion_round_trip[2-300-64]",

@@ -1,6 +1,7 @@
 // nanobind module herring_jax._herring_ffi: the handler capsules and the
 // communicator set-up that initialize() needs. Nothing else.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -108,6 +109,9 @@ NB_MODULE(_herring_ffi, m) {
 
   m.def("set_local_devices", &SetLocalDevices, nb::arg("platform"), nb::arg("numbers"),
         "How the platform's handler numbers this process's devices, in jax's local order.");
+  m.def("count_launches_for_test", &CountLaunchesForTest, nb::arg("calls"),
+        "Tests: one instruction's launch counts under the launch identity for (run id, "
+        "device) calls in order; 'error: ...' where a call fails.");
   m.def("set_launch_identity", &SetLaunchIdentity, nb::arg("platform"), nb::arg("launch"),
         "Whether the platform's reductions compiled from now on are named by launch numbers "
         "per instruction (True) or by XLA's run ids (False).");

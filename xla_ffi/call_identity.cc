@@ -39,10 +39,21 @@
 // came before on the device: XLA's launch ids of one executable are
 // consecutive (jax: a fingerprint-derived base plus the executable's launch
 // counter), so the run id minus the first one the instruction ran in counts
-// them, whatever the base. What it gives up: a rank whose first launches of a
-// program skipped a reduction pairs its first one with its peers' first
-// instead of failing. The default is the program identity on XLA:CPU and the
-// launch identity on XLA:CUDA; HERRING_IDENTITY chooses (runtime.py).
+// them, whatever the base. What it gives up, and assumes:
+// - a rank whose first launches of a program skipped a reduction pairs its
+//   first one with its peers' first instead of failing;
+// - the count starts at the first launch that reaches the instruction, so a
+//   program's launches must reach it in order until then (the handlers count
+//   on the launching thread). A later launch counted first is found when the
+//   earlier one arrives, as are local devices whose first launches differ:
+//   that call and every later one of the instruction fail (IdentityRun),
+//   never a count one off;
+// - nothing but instantiate order tells apart instructions with equal
+//   attributes (the inlined copies of one jitted helper, equal-shaped
+//   reductions of two programs): where each process compiles its own
+//   executable, that order must still agree (to be confirmed on XLA:CUDA).
+// The default is the program identity on XLA:CPU and the launch identity on
+// XLA:CUDA; HERRING_IDENTITY chooses (runtime.py), the same on every rank.
 #include <atomic>
 #include <cstring>
 #include <map>
@@ -59,10 +70,12 @@
 
 namespace herring {
 
-// The first run id each local device ran an instruction in (launch identity).
+// The first run id each local device ran an instruction in (launch identity),
+// and why it may no longer be counted (empty: it may).
 struct LaunchBases {
   std::mutex mu;
   std::vector<std::pair<int32_t, int64_t>> first;  // (device, run id)
+  std::string broken;
 };
 
 ffi::TypeId InstructionState::id = {};
@@ -92,6 +105,20 @@ struct Instances {
 Instances& InstanceTable() {
   static auto* table = new Instances();
   return *table;
+}
+
+constexpr const char* kLaunchOrderAdvice =
+    "let a program's first launch reach its reductions before the next launch does (wait "
+    "for its result, or dispatch from one thread), or use HERRING_IDENTITY=program where "
+    "every process compiles the same executable";
+
+// splitmix64's finalizer.
+uint64_t Mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
 }
 
 // Whether instructions instantiated from now on take the launch identity:
@@ -217,31 +244,68 @@ ffi::Error IdentityRun(int64_t run_id, int32_t device, const InstructionState& i
     *out = run_id;
     return ffi::Error::Success();
   }
+  LaunchBases& bases = *instruction.launches;
   int64_t first = run_id;
   {
-    LaunchBases& bases = *instruction.launches;
     std::lock_guard<std::mutex> lock(bases.mu);
+    if (!bases.broken.empty()) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + bases.broken);
+    }
     bool known = false;
     for (const auto& [d, run] : bases.first) {
       if (d == device) first = run, known = true;
     }
-    if (!known) bases.first.emplace_back(device, run_id);
+    if (!known) {
+      // Every local device runs the same launches: their first ones agree,
+      // or one device's count would run behind the others' for good.
+      for (const auto& [d, run] : bases.first) {
+        if (run != run_id) {
+          bases.broken = "the launch identity (HERRING_IDENTITY=launch) saw device " +
+                         std::to_string(device) + " reach this reduction first in run " +
+                         std::to_string(run_id) + " and device " + std::to_string(d) +
+                         " in run " + std::to_string(run) + ", so their launch counts " +
+                         "disagree and no reduction of it can be named safely any more; " +
+                         kLaunchOrderAdvice;
+          return ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + bases.broken);
+        }
+      }
+      bases.first.emplace_back(device, run_id);
+    }
+    // XLA's launch ids are 32-bit and wrap: count in 32 bits.
+    const int32_t launch =
+        static_cast<int32_t>(static_cast<uint32_t>(run_id) - static_cast<uint32_t>(first));
+    if (launch < 0) {
+      // An earlier launch arrived after a later one counted as the first:
+      // every count since is one off. Nothing of this instruction may pair
+      // any more (the job fails with this error, never with a wrong sum
+      // from here on).
+      bases.broken = "a launch of this program reached this reduction before an earlier "
+                     "launch did (run " + std::to_string(run_id) + " after run " +
+                     std::to_string(first) + "), so the launch identity "
+                     "(HERRING_IDENTITY=launch) counted from the wrong launch and can name "
+                     "no reduction of it safely any more; " + kLaunchOrderAdvice;
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + bases.broken);
+    }
+    const uint64_t instruction_id =
+        Mix64(instruction.attrs_hash ^ Mix64(uint64_t{instruction.instance} + 1));
+    *out = engine::LaunchRun(instruction_id, static_cast<uint32_t>(launch));
   }
-  // XLA's launch ids are 32-bit and wrap: count in 32 bits.
-  const int32_t launch =
-      static_cast<int32_t>(static_cast<uint32_t>(run_id) - static_cast<uint32_t>(first));
-  if (launch < 0) {
-    return ffi::Error::Internal(
-        where + "a launch of this program reached its reduction before an earlier launch "
-        "did (run " + std::to_string(run_id) + " after run " + std::to_string(first) +
-        "), so the launch identity (HERRING_IDENTITY=launch) cannot count its launches; "
-        "let a program's first launch finish before the next begins, or use "
-        "HERRING_IDENTITY=program where every process compiles the same executable");
-  }
-  const uint64_t instruction_id = instruction.attrs_hash * 0x9e3779b97f4a7c15ull ^
-                                  (uint64_t{instruction.instance} << 17);
-  *out = engine::LaunchRun(instruction_id, static_cast<uint32_t>(launch));
   return ffi::Error::Success();
+}
+
+std::vector<std::string> CountLaunchesForTest(
+    const std::vector<std::pair<int64_t, int32_t>>& calls) {
+  InstructionState state;
+  state.attrs_hash = 12345;
+  state.launches = std::make_shared<LaunchBases>();
+  std::vector<std::string> out;
+  for (const auto& [run, device] : calls) {
+    int64_t named = 0;
+    ffi::Error error = IdentityRun(run, device, state, "", &named);
+    out.push_back(error.failure() ? "error: " + error.message()
+                                  : std::to_string(engine::LaunchOf(named)));
+  }
+  return out;
 }
 
 void SetLaunchIdentity(const std::string& platform, bool launch) {

@@ -51,6 +51,10 @@ void SetLocalDevices(const std::string& platform, std::vector<int64_t> numbers);
 // ids (false, "program") or launch numbers per instruction (true, "launch");
 // see call_identity.cc. The default: program on "cpu", launch on "cuda".
 void SetLaunchIdentity(const std::string& platform, bool launch);
+// For tests: one instruction under the launch identity called with these
+// (run id, device) pairs, in order; each call's launch count, or "error: ...".
+std::vector<std::string> CountLaunchesForTest(
+    const std::vector<std::pair<int64_t, int32_t>>& calls);
 
 }  // namespace herring
 

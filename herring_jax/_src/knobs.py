@@ -128,7 +128,9 @@ KNOBS: dict[str, Knob] = {
              "before, which holds where processes compile one program into differently "
              "tuned executables (XLA:CUDA's autotuning does); a rank whose first launches "
              "of a program skipped a reduction (a cond) then pairs it with its peers' "
-             "first. auto: program on XLA:CPU, launch on XLA:CUDA. Read at initialize()."),
+             "first, and inlined copies of one jitted helper are told apart by their "
+             "order in each process's executable. auto: program on XLA:CPU, launch on "
+             "XLA:CUDA. Read at initialize(); it must be the same on every rank."),
         Knob("HERRING_MAX_POSTED", 0, _non_negative_int,
              "At most this many sends, and this many receives, handed to the libfabric "
              "provider at once; more wait in herring_jax's queue (posting never blocks). "

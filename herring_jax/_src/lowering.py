@@ -65,16 +65,19 @@ def next_slot(ctx) -> int:
     """Numbers the call sites of one lowered module: 0, 1, 2, ...
 
     XLA runs independent custom calls concurrently, in a different order on
-    every process, so the engine matches reductions by what they are: XLA's run
-    id (the executable and its launch), the call site (slot), the inlined copy
+    every process, so the engine matches reductions by what they are: the run
+    (XLA's run id: the executable and its launch; or, under the launch identity,
+    the instruction and its launch count, see xla_ffi/call_identity.cc), the
+    call site (slot), the inlined copy
     of it (instance, numbered by the handler's instantiate stage: jax lowers a
     nested jitted function once per module and calls it from each of its call
     sites, so its copies share the slot), how often that ran before in the run
     (occurrence: loops) and the buffer. Lowering visits the call sites in
     program order, which is the same on every process. The primitives are
     registered uncacheable so that every call site gets here. Every attribute
-    must be the same on every process (no process-local counter): the run id
-    derives from the executable's fingerprint (see layout.py).
+    must be the same on every process (no process-local counter): XLA's run id
+    derives from the executable's fingerprint (see layout.py), and the launch
+    identity hashes the attributes.
     """
     return jax_compat.take_module_counter(ctx, "herring_jax.slot", 1)
 

@@ -81,10 +81,22 @@ std::string Communicator::Verdict(const Job& job, const std::set<int>& missing) 
     const PeerWait& peer = peer_wait_[rank];
     if (peer.what.empty() || peer.run_id == job.id.run_id) continue;
     const std::string who = " Rank " + std::to_string(rank);
-    if (IsLaunchRun(job.id.run_id) && IsLaunchRun(peer.run_id)) {
+    const bool same_call = peer.key == job.req.key && peer.slot == job.id.slot &&
+                           peer.instance == job.id.instance;
+    const bool launch_here = IsLaunchRun(job.id.run_id);
+    if (launch_here != IsLaunchRun(peer.run_id)) {
+      // (An async reduction's ticket is neither: only XLA-named calls here.)
+      if (same_call && !IsTicketRun(job.id.run_id) && !IsTicketRun(peer.run_id)) {
+        verdict += who + " names this call by the " + (launch_here ? "program" : "launch") +
+                   " identity and this rank by the " + (launch_here ? "launch" : "program") +
+                   " one: HERRING_IDENTITY must be the same on every rank.";
+      }
+      continue;
+    }
+    if (launch_here) {
       // The launch identity names instructions, not programs: only the same
-      // instruction at another launch says something.
-      if (LaunchInstruction(peer.run_id) == LaunchInstruction(job.id.run_id)) {
+      // call at another launch says something.
+      if (same_call && LaunchInstruction(peer.run_id) == LaunchInstruction(job.id.run_id)) {
         verdict += who + " is at launch " + std::to_string(LaunchOf(peer.run_id)) +
                    " of this reduction, this rank at launch " +
                    std::to_string(LaunchOf(job.id.run_id)) +
@@ -92,15 +104,23 @@ std::string Communicator::Verdict(const Job& job, const std::set<int>& missing) 
       }
       continue;
     }
-    if (peer.key == job.req.key && peer.slot == job.id.slot &&
-        peer.instance == job.id.instance) {
-      // The same call of the same program, under another run id.
-      verdict += who + " waits in this same call under another run id: it runs a " +
-                 "different compiled program. Either the processes' inputs or code differ " +
-                 "outside the reductions (a batch of another size, say), or XLA compiled " +
-                 "one program into a different executable on each process (XLA:CUDA's " +
-                 "autotuning does); for the latter, HERRING_IDENTITY=launch names " +
-                 "reductions without XLA's run ids.";
+    if (same_call) {
+      // XLA's run ids of one executable are a base plus its launch count;
+      // two executables' bases are far apart (a hash of each).
+      const int64_t apart = static_cast<int32_t>(static_cast<uint32_t>(peer.run_id) -
+                                                 static_cast<uint32_t>(job.id.run_id));
+      if (apart > -kNearRuns && apart < kNearRuns) {
+        verdict += who + " waits in this same call " + std::to_string(apart > 0 ? apart : -apart) +
+                   " launch(es) " + (apart > 0 ? "ahead" : "behind") + ": the processes ran " +
+                   "this program a different number of times.";
+      } else {
+        verdict += who + " waits in this same call under another run id: it runs a " +
+                   "different compiled program. Either the processes' inputs or code differ " +
+                   "outside the reductions (a batch of another size, say), or XLA compiled " +
+                   "one program into a different executable on each process (XLA:CUDA's " +
+                   "autotuning does); for the latter, HERRING_IDENTITY=launch names " +
+                   "reductions without XLA's run ids.";
+      }
       continue;
     }
     verdict += who + " runs a different compiled program: the processes' shapes or code " +

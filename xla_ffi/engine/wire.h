@@ -112,6 +112,11 @@ inline bool IsLaunchRun(int64_t run) {
   return (static_cast<uint64_t>(run) >> 61) == 1;  // bits 63, 62 clear, 61 set
 }
 inline uint32_t LaunchOf(int64_t run) { return static_cast<uint32_t>(run); }
+// An async reduction's run (xla_ffi/async_pair.cc): its ticket with bit 62.
+inline bool IsTicketRun(int64_t run) { return (static_cast<uint64_t>(run) >> 62) == 1; }
+// XLA run ids of one call this close come from one executable (a base plus
+// its launch count; two executables' bases are hashes, far apart).
+constexpr int64_t kNearRuns = 1 << 16;
 inline uint32_t LaunchInstruction(int64_t run) {
   return static_cast<uint32_t>((run & ~kLaunchRunBit) >> 32);
 }
