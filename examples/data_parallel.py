@@ -426,6 +426,9 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
             recent = np.median(times[1:][-args.log_every:]) * 1e3 if len(times) > 1 else float("nan")
             print(f"step {i:4d}  loss {loss:.4f}  step {recent:.1f} ms  {extra}", flush=True)
     step_s = float(np.median(times[1:])) if len(times) > 1 else float("nan")
+    # The mean too: steps that sync every H steps (local SGD) cost more than
+    # the median step shows.
+    mean_s = float(np.mean(times[1:])) if len(times) > 1 else float("nan")
     # What this process's transport sent per step (gradients, losses and
     # heartbeats; nothing of the host stage's memory reads).
     sent = herring_jax.stats()["bytes_sent"] - sent_before
@@ -443,7 +446,8 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
               f"{step_s * 1e3:.1f} ms, compression {compression_name(args)}, sent {sent_mib:.3f} MiB "
               f"per step, optimizer state {state_mib(opt_state if not local else params.inner):.3f} "
               f"MiB per process, params and optimizer state held {held:.3f} MiB per process, "
-              f"{memory}, params sha256 {params_digest(final)}", flush=True)
+              f"{memory}, mean step {mean_s * 1e3:.1f} ms, params sha256 {params_digest(final)}",
+              flush=True)
     elif rank == 0 and not preempted:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
               f"params sha256 {params_digest(final)}", flush=True)

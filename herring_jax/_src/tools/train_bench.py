@@ -29,7 +29,7 @@ sharded[-<codec>]: herring_jax.sharded_optimizer(optimizer) in place of
 allreduce_gradients + optimizer; fully[-reshard][-<codec>]:
 herring_jax.fully_sharded(optimizer), with reshard_after_forward) for the same
 steps and prints, for each, the held-out loss (and its distance from the
-uncompressed run's), the median step, the bytes each process's transport sent
+uncompressed run's), the median and mean step, the bytes each process's transport sent
 per step, the optimizer state each process holds, the parameters and
 optimizer state it holds between steps (held) and the compiled step's
 temporary buffers (temp, from XLA's memory_analysis); --plot draws the
@@ -148,6 +148,7 @@ _CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, 
 # between steps, and the compiled step's temporaries.
 _HELD = re.compile(r"params and optimizer state held ([\d.]+) MiB per process")
 _TEMP = re.compile(r"temporaries ([\d.]+) MiB")
+_MEAN = re.compile(r"mean step ([\d.]+) ms")
 
 
 def _topk_name(name: str) -> bool:
@@ -250,10 +251,13 @@ def _run_codec(args, codec: str, env: dict, seed: int | None) -> dict:
                            f"{done.group(3)}: does it take the options {' '.join(how)}?")
     curve = [(int(m.group(1)), float(m.group(2))) for m in _STEP.finditer(proc.stdout)]
     held, temp = _HELD.search(proc.stdout), _TEMP.search(proc.stdout)
+    mean = _MEAN.search(proc.stdout)
     return {"codec": codec, "held_out_loss": float(done.group(1)),
             "held_mib_per_process": float(held.group(1)) if held else float("nan"),
             "step_temp_mib": float(temp.group(1)) if temp else float("nan"),
-            "median_step_ms": float(done.group(2)), "sent_mib_per_step": float(done.group(4)),
+            "median_step_ms": float(done.group(2)),
+            "mean_step_ms": float(mean.group(1)) if mean else float("nan"),
+            "sent_mib_per_step": float(done.group(4)),
             "state_mib_per_process": float(done.group(5)) if done.group(5) else float("nan"),
             "held_out_curve": curve}
 
@@ -270,6 +274,7 @@ def _mean_over_seeds(codec: str, runs: list[dict]) -> dict:
              for k, s in enumerate(steps)]
     return {"codec": codec, "held_out_loss": float(np.mean([r["held_out_loss"] for r in runs])),
             "median_step_ms": float(np.median([r["median_step_ms"] for r in runs])),
+            "mean_step_ms": float(np.mean([r["mean_step_ms"] for r in runs])),
             "sent_mib_per_step": float(np.mean([r["sent_mib_per_step"] for r in runs])),
             "state_mib_per_process": float(np.mean([r["state_mib_per_process"] for r in runs])),
             "held_mib_per_process": float(np.mean([r["held_mib_per_process"] for r in runs])),
@@ -369,7 +374,8 @@ def run_codecs(args: argparse.Namespace) -> int:
             runs[codec].append(r)
             seeded = "" if seed is None else f" (seed {seed})"
             print(f"  {codec:>{width}}{seeded}: held-out loss {r['held_out_loss']:.4f}, "
-                  f"median step {r['median_step_ms']:.1f} ms, {r['sent_mib_per_step']:.3f} MiB "
+                  f"median step {r['median_step_ms']:.1f} ms (mean {r['mean_step_ms']:.1f}), "
+                  f"{r['sent_mib_per_step']:.3f} MiB "
                   f"sent per step, optimizer state {r['state_mib_per_process']:.3f} MiB per "
                   "process", flush=True)
     results = [_mean_over_seeds(codec, runs[codec]) for codec in names]
@@ -378,7 +384,8 @@ def run_codecs(args: argparse.Namespace) -> int:
     if several:
         print(f"means over seeds {', '.join(str(x) for x in seeds)}; vs none is the mean of "
               "the per-seed distances")
-    print(f"{'codec':>{width}} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'MiB/step':>9} "
+    print(f"{'codec':>{width}} {'held-out':>9} {'vs none':>8} {'step ms':>8} {'mean ms':>8} "
+          f"{'MiB/step':>9} "
           f"{'bytes x':>8} {'state MiB':>9} {'held MiB':>8} {'temp MiB':>8}"
           + ("  vs none per seed" if several and base else ""))
     for r in results:
@@ -396,7 +403,8 @@ def run_codecs(args: argparse.Namespace) -> int:
         vs = f"{r['loss_vs_none']:+.2%}" if base else "-"
         fewer = f"{r['bytes_reduction']:.2f}" if base and r["bytes_reduction"] else "-"
         print(f"{r['codec']:>{width}} {r['held_out_loss']:>9.4f} {vs:>8} "
-              f"{r['median_step_ms']:>8.1f} {r['sent_mib_per_step']:>9.3f} {fewer:>8} "
+              f"{r['median_step_ms']:>8.1f} {r['mean_step_ms']:>8.1f} "
+              f"{r['sent_mib_per_step']:>9.3f} {fewer:>8} "
               f"{r['state_mib_per_process']:>9.3f} {r['held_mib_per_process']:>8.3f} "
               f"{r['step_temp_mib']:>8.3f}" + per_seed)
     if base:
