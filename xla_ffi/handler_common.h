@@ -57,6 +57,10 @@ struct CallAttrs {
 struct LaunchBases;  // call_identity.cc
 struct InstructionState {
   static ffi::TypeId id;
+  InstructionState() = default;
+  InstructionState(const InstructionState&) = default;
+  InstructionState& operator=(const InstructionState&) = default;
+  ~InstructionState();  // below: tells ThreadSanitizer of the hand-off first
   uint64_t uid = 0;       // unique in this process: names the local meeting
   uint32_t instance = 0;  // its number among instructions with equal attributes
   uint64_t attrs_hash = 0;  // of its attributes: the same on every process
@@ -83,6 +87,11 @@ inline void ReceiveInstructionState(InstructionState* state) {
   (void)state;
 #endif
 }
+// XLA destroys the state on yet another thread (the executable's owner),
+// again through synchronisation TSan cannot see; `launches` is the member
+// whose destruction reads what the instantiate stage wrote.
+inline InstructionState::~InstructionState() { ReceiveInstructionState(this); }
+
 // The same for XLA's CUDA platform, whose plugin numbers types on its own.
 struct CudaInstructionState : InstructionState {
   static ffi::TypeId id;
