@@ -47,6 +47,21 @@ def test_extra_launch_on_one_rank_fails_every_rank_and_the_first_names_both_runs
     assert named_both, run.explain()
 
 
+@pytest.mark.parametrize("nproc,devices", [(2, 1), (2, 2)])
+def test_launch_identity_matches_ranks_whose_executables_differ(nproc, devices):
+    """XLA:CUDA compiles one program into differently tuned executables per
+    process (their run ids differ); the launch identity, its default there,
+    still pairs every reduction. Here on XLA:CPU a rank-dependent constant
+    gives each rank its own executable; the identity tests' own cases run
+    under the launch identity too."""
+    env = {"HERRING_TIMEOUT_S": "60", "HERRING_IDENTITY": "launch"}
+    run = launch("identity_worker.py", ["different-programs"], nproc=nproc, devices=devices,
+                 env=env)
+    assert_all_ok(run, expected_cases=1)
+    run = launch("identity_worker.py", ["match"], nproc=nproc, devices=devices, env=env)
+    assert_all_ok(run, expected_cases=4 + (devices > 1))
+
+
 def test_launch_counts_and_what_breaks_them():
     """The launch identity's count of one instruction, in one process: runs
     count from the first (wrapping in 32 bits) on each device; an earlier
