@@ -26,13 +26,33 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import herring_jax
 
 
+class _Saves:
+    """What both kinds of checkpoints share: `directory`, and maybe_save."""
+
+    directory: str
+
+    def maybe_save(self, done: int, last: bool, params, opt_state) -> None:
+        raise NotImplementedError
+
+    def stop_for_preemption(self, done: int, params, opt_state) -> bool:
+        """After `done` steps: whether the job stops here because a process got
+        SIGTERM (the same answer on every process), saving first if this step
+        was not saved yet. A collective: every process calls it after each step."""
+        if not herring_jax.preemption_requested():
+            return False
+        self.maybe_save(done, True, params, opt_state)
+        print(f"process {jax.process_index()}: preempted, saved the checkpoint after step "
+              f"{done} in {self.directory}; exiting", flush=True)
+        return True
+
+
 def _names(path) -> tuple:
     """A pytree path as names, the same for a tree and orbax's metadata of it
     (which turns NamedTuples into dicts)."""
     return tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
-class Checkpoints:
+class Checkpoints(_Saves):
     """orbax checkpoints of (params, opt_state) after whole steps.
 
     A run started with a --checkpoint-dir that holds checkpoints resumes after
@@ -55,6 +75,7 @@ class Checkpoints:
             os.path.abspath(args.checkpoint_dir), item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=2,
                                                  enable_async_checkpointing=False))
+        self.directory = str(self.manager.directory)
 
     def restore(self, params, opt_state):
         """Returns (params, opt_state, steps done): the latest checkpoint, or the inputs.
@@ -96,7 +117,7 @@ class Checkpoints:
         if not (self.sharded and params_same and len(rows) == 1 and saved_devices > devices):
             changed = next(p for p, t in here if saved.get(_names(p)) != t.shape)
             raise SystemExit(
-                f"the checkpoint after step {done} in {self.manager.directory} holds "
+                f"the checkpoint after step {done} in {self.directory} holds "
                 f"{jax.tree_util.keystr(changed)} of shape {saved.get(_names(changed))}, this "
                 "job's differs: it is not this model's, or --sharded-optimizer's state of "
                 f"fewer devices than this job's {devices} (a restart can leave processes out, "
@@ -128,23 +149,12 @@ class Checkpoints:
             state = {"params": params, "opt_state": opt_state}
             self.manager.save(done, args=self._ocp.args.StandardSave(state), force=True)
 
-    def stop_for_preemption(self, done: int, params, opt_state) -> bool:
-        """After `done` steps: whether the job stops here because a process got
-        SIGTERM (the same answer on every process), saving first if this step
-        was not saved yet. A collective: every process calls it after each step."""
-        if not herring_jax.preemption_requested():
-            return False
-        self.maybe_save(done, True, params, opt_state)
-        print(f"process {jax.process_index()}: preempted, saved the checkpoint after step "
-              f"{done} in {self.manager.directory}; exiting", flush=True)
-        return True
-
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
 
 
-class FullyShardedCheckpoints:
+class FullyShardedCheckpoints(_Saves):
     """--fully-sharded's checkpoints: herring_jax.save_sharded of the
     FullyShardedState (each process writes only its chunks of the parameters
     and of the optimizer state, into a file of its own) in <dir>/<steps done>,
@@ -172,9 +182,10 @@ class FullyShardedCheckpoints:
 
     def restore(self, state, opt_state):
         """Returns (state, None, steps done): the latest checkpoint, or the inputs."""
-        done = self.complete()[-1] if self.complete() else None
-        if done is None:
+        steps = self.complete()
+        if not steps:
             return state, opt_state, 0
+        done = steps[-1]
         restored = herring_jax.restore_sharded(os.path.join(self.directory, str(done)), self.fs,
                                                self.param_shapes)
         return restored, opt_state, done
@@ -189,15 +200,6 @@ class FullyShardedCheckpoints:
         if jax.process_index() == 0:
             for old in self.complete()[:-self.keep]:
                 shutil.rmtree(os.path.join(self.directory, str(old)), ignore_errors=True)
-
-    def stop_for_preemption(self, done: int, state, opt_state) -> bool:
-        """As Checkpoints.stop_for_preemption (a collective)."""
-        if not herring_jax.preemption_requested():
-            return False
-        self.maybe_save(done, True, state, opt_state)
-        print(f"process {jax.process_index()}: preempted, saved the checkpoint after step "
-              f"{done} in {self.directory}; exiting", flush=True)
-        return True
 
     def close(self) -> None:
         pass  # save_sharded has returned on every process: nothing in flight

@@ -112,15 +112,6 @@ constexpr const char* kLaunchOrderAdvice =
     "for its result, or dispatch from one thread), or use HERRING_IDENTITY=program where "
     "every process compiles the same executable";
 
-// splitmix64's finalizer.
-uint64_t Mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 // Whether instructions instantiated from now on take the launch identity:
 // [0] XLA:CPU, [1] XLA:CUDA (set by initialize(), see SetLaunchIdentity).
 std::atomic<bool> g_launch_identity[2] = {false, true};
@@ -286,8 +277,8 @@ ffi::Error IdentityRun(int64_t run_id, int32_t device, const InstructionState& i
                      "no reduction of it safely any more; " + kLaunchOrderAdvice;
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition, where + bases.broken);
     }
-    const uint64_t instruction_id =
-        Mix64(instruction.attrs_hash ^ Mix64(uint64_t{instruction.instance} + 1));
+    const uint64_t instance = engine::Mix64(uint64_t{instruction.instance} + 1);
+    const uint64_t instruction_id = engine::Mix64(instruction.attrs_hash ^ instance);
     *out = engine::LaunchRun(instruction_id, static_cast<uint32_t>(launch));
   }
   return ffi::Error::Success();

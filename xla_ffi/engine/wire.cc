@@ -30,15 +30,6 @@ std::string DescribeIdentity(const Identity& id) {
 }
 
 namespace {
-// splitmix64's finalizer: every input bit flips about half the output bits.
-uint64_t Mix(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 std::string Describe(DType dtype, uint64_t elems, ReduceOp op, uint64_t key) {
   return std::string(DTypeName(dtype)) + "[" + std::to_string(elems) + "] " +
          ReduceOpName(op) + " (key " + std::to_string(key) + ")";
@@ -46,10 +37,10 @@ std::string Describe(DType dtype, uint64_t elems, ReduceOp op, uint64_t key) {
 }  // namespace
 
 uint64_t IdentityTagBits(const Identity& id, uint32_t stream) {
-  uint64_t h = Mix(static_cast<uint64_t>(id.run_id) ^ 0x9e3779b97f4a7c15ull);
-  h = Mix(h ^ ((static_cast<uint64_t>(id.slot) << 32) | id.instance));
-  h = Mix(h ^ id.occurrence);
-  h = Mix(h ^ ((static_cast<uint64_t>(id.buffer) << 32) | stream));
+  uint64_t h = Mix64(static_cast<uint64_t>(id.run_id) ^ 0x9e3779b97f4a7c15ull);
+  h = Mix64(h ^ ((static_cast<uint64_t>(id.slot) << 32) | id.instance));
+  h = Mix64(h ^ id.occurrence);
+  h = Mix64(h ^ ((static_cast<uint64_t>(id.buffer) << 32) | stream));
   return h >> 34;  // the top 30 bits
 }
 

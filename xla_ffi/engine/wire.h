@@ -100,6 +100,15 @@ struct Identity {
   bool operator!=(const Identity& o) const { return !(*this == o); }
 };
 
+// splitmix64's finalizer: every input bit flips about half the output bits.
+inline uint64_t Mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 // A launch identity's run: bit 61 set (XLA's run ids are 32-bit values,
 // sign-extended; the async pair's tickets set bit 62), a 29-bit hash of the
 // instruction in bits 32..60, its launch count in bits 0..31.
