@@ -258,8 +258,19 @@ class Communicator {
   // kStall has not arrived.
   bool SitesKnown(const std::set<int>& ranks) const;
   // After Abort's kAbort: waits until every peer has answered kAbortSeen,
-  // has exited or is silent, or until `deadline`.
+  // has exited, left or is silent, or until `deadline`.
   void AwaitAbortSeen(std::chrono::steady_clock::time_point deadline);
+  // A rank that failed and owes its peers the abort (abort_owed_), at its
+  // exit: sends the abort if a server thread has not yet, and keeps the
+  // endpoint open (bounded) until every peer has acknowledged it, so that
+  // no peer meets the closed connection before the reason.
+  void AwaitOwnAbortTold();
+  // A send to or receive from `peer` of `batch` failed in the transport (a
+  // reset connection, say): `why`. Where the peer itself failed, its abort
+  // is on its way and names the cause that the transport's error hides, so
+  // the batch fails with the first of that abort (within a grace) or `why`;
+  // then the operation is counted complete. On a server thread.
+  void FailOnTransportError(Batch* batch, std::string why);
   // "float32[1000] sum (key ...; run ...) at train.py:42 (step)".
   std::string DescribeJob(const Job& job) const;
   // Whether a control message whose tag and header name `sender` came from
@@ -379,6 +390,9 @@ class Communicator {
   };
   std::vector<ControlBuffer> control_;  // posted receives
   std::once_flag abort_once_;  // a rank broadcasts one abort
+  // This rank failed and tells every peer (BroadcastAbort queued or sent):
+  // its exit waits for their kAbortSeen (AwaitOwnAbortTold).
+  std::atomic<bool> abort_owed_{false};
   // A peer's abort broke the communicator: its message names the cause, and
   // this rank's own view of the batches it failed is no news.
   std::atomic<bool> told_by_peer_{false};

@@ -132,7 +132,10 @@ void Communicator::FailAll(const std::string& why, bool tell_peers) {
     std::lock_guard<std::mutex> lock(active_mu_);
     for (Batch* batch : active_) Fail(batch, why, /*tell_peers=*/false);
   }
-  if (tell_peers && connected_) Enqueue([this, why] { BroadcastAbort(why); });
+  if (tell_peers && connected_) {
+    abort_owed_ = true;
+    Enqueue([this, why] { BroadcastAbort(why); });
+  }
 }
 
 void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
@@ -154,7 +157,10 @@ void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
   transport_->StopWaiting();
   // Sent from a server thread: Fail also runs on the progress thread, which
   // must never wait on the transport's queues itself.
-  if (tell_peers && connected_) Enqueue([this, why] { BroadcastAbort(why); });
+  if (tell_peers && connected_) {
+    abort_owed_ = true;
+    Enqueue([this, why] { BroadcastAbort(why); });
+  }
 }
 
 bool Communicator::Activate(Batch* batch) {

@@ -19,6 +19,14 @@
 
 namespace herring::engine {
 
+namespace {
+
+// How long a transport error on a peer's connection waits for that peer's
+// abort, which names the cause (FailOnTransportError).
+constexpr double kPeerReasonGraceS = 1.0;
+
+}  // namespace
+
 void Communicator::DropAndRepost(Batch* batch, const std::string& why,
                                  std::function<void()> repost) {
   CountDropped(why);
@@ -271,8 +279,14 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
   if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
     // A rank that left with all its data here never sends this one: its
     // closed connection is only the symptom.
-    if (!batch->Failed()) Fail(batch, ledger_.AllArrived(from) ? LeftText(*batch, from) : why);
-    batch->Complete(1, 1);
+    if (batch->Failed()) {
+      batch->Complete(1, 1);
+    } else if (ledger_.AllArrived(from)) {
+      Fail(batch, LeftText(*batch, from));
+      batch->Complete(1, 1);
+    } else {
+      FailOnTransportError(batch, why);
+    }
     return;
   }
   if (!AcceptHeader(batch, h, done.len,
@@ -395,8 +409,14 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
   if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
     // A rank that left with all its data here never sends this one: its
     // closed connection is only the symptom.
-    if (!batch->Failed()) Fail(batch, ledger_.AllArrived(from) ? LeftText(*batch, from) : why);
-    batch->Complete(1, 1);
+    if (batch->Failed()) {
+      batch->Complete(1, 1);
+    } else if (ledger_.AllArrived(from)) {
+      Fail(batch, LeftText(*batch, from));
+      batch->Complete(1, 1);
+    } else {
+      FailOnTransportError(batch, why);
+    }
     return;
   }
   if (!AcceptHeader(batch, h, done.len, Expect(*job, MsgKind::kResult, from, i, c),
@@ -421,11 +441,33 @@ void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& 
   if (!done.ok && !batch->Failed()) {
     // A rank that left ran all its reductions before: this is none of them
     // (and it closes its endpoint only once this rank has its kLeave).
-    Fail(batch, ledger_.Left(to_rank) ? LeftText(*batch, to_rank)
-                                      : "sending to rank " + std::to_string(to_rank) +
-                                            " failed for " + job->Describe() + ": " + done.error);
+    if (!ledger_.Left(to_rank)) {
+      FailOnTransportError(batch, "sending to rank " + std::to_string(to_rank) + " failed for " +
+                                      job->Describe() + ": " + done.error);
+      return;
+    }
+    Fail(batch, LeftText(*batch, to_rank));
   }
   batch->Complete(1, 1);
+}
+
+void Communicator::FailOnTransportError(Batch* batch, std::string why) {
+  // The operation becomes a task, which a failed call's end waits for
+  // without limit (the task touches the batch); on a server thread, not the
+  // progress thread, which delivers the abort being waited for.
+  batch->AddTask();
+  batch->Complete(0, 1);
+  Enqueue([this, batch, why = std::move(why)] {
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                           std::chrono::duration<double>(kPeerReasonGraceS));
+    // An abort fails every active batch (this one among them) with its reason.
+    while (!batch->Failed() && Broken().empty() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    if (!batch->Failed()) Fail(batch, why);
+    batch->CompleteTask(1);  // the last touch: the batch may end from here
+  });
 }
 
 }  // namespace herring::engine

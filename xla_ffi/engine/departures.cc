@@ -45,6 +45,10 @@ constexpr double kWaitNoticeS = 1.0;
 // How long a stall report may wait beyond HERRING_STALL_S for the call site
 // of a rank that waits too (its kStall), so that its first line names both.
 constexpr double kStallSiteGraceS = 3.0;
+// How long a failed rank's exit waits at most for its peers to acknowledge
+// its abort (kAbortSeen); they answer from their progress threads, at once
+// unless a process is stopped or its host saturated.
+constexpr double kAbortToldWaitS = 10.0;
 
 // One control message and its sends in flight; the callbacks keep it alive.
 struct Outgoing {
@@ -149,6 +153,8 @@ void Communicator::AwaitAbortSeen(std::chrono::steady_clock::time_point deadline
     const int64_t now = NowNs();
     for (int peer : AllPeers()) {
       if (abort_seen_[peer].load()) continue;
+      // It ran every reduction and shut down: nothing of it waits for a reason.
+      if (ledger_.Left(peer)) continue;
       // Nobody to print it: dead by the peer watch's measure, or its process
       // on this host has exited.
       if (config_.heartbeat_s > 0 && (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
@@ -163,6 +169,17 @@ void Communicator::AwaitAbortSeen(std::chrono::steady_clock::time_point deadline
     leave_cv_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() +
                                                       std::chrono::milliseconds(50)));
   }
+}
+
+void Communicator::AwaitOwnAbortTold() {
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(std::min(config_.timeout_s, kAbortToldWaitS)));
+  // Blocks while a server thread sends it; sends it here if none has yet.
+  const std::string why = Broken();
+  std::call_once(abort_once_, [&] { TellPeers(MsgKind::kAbort, why, AllPeers(), 0.0, true); });
+  AwaitAbortSeen(deadline);
 }
 
 std::string Communicator::Broken() {
@@ -252,7 +269,14 @@ bool Communicator::LeaveReleased(int peer) {
 // that misses a kLeave stops waiting once the leaver's process has exited
 // (same host), a send to it fails (its endpoint is gone) or it falls silent.
 void Communicator::Leave() {
-  if (!connected_ || config_.size < 2 || !Broken().empty()) return;
+  if (!connected_ || config_.size < 2) return;
+  if (!Broken().empty()) {
+    // A failure has been told to every rank, or is being told by this one:
+    // then its peers hear the reason before they meet the closed endpoint
+    // (a reset connection would otherwise be all a peer could report).
+    if (abort_owed_) AwaitOwnAbortTold();
+    return;
+  }
   leaving_ = true;
   const auto start = std::chrono::steady_clock::now();
   const std::vector<int> peers = AllPeers();
