@@ -51,12 +51,29 @@ import herring_jax
 """
 
 
+# What each public constant means (a KeyError here: describe the new one).
+_CONSTANTS = {
+    "PREEMPTED_EXIT_CODE": "The exit status of a process that saved for a preemption "
+                           "(``preemption_requested()`` returned True) and stopped: 75, "
+                           "``EX_TEMPFAIL``, neither success nor failure. ``herring-jax "
+                           "launch`` exits with it too and does not restart such a run "
+                           "(the Failures guide, Restarts and preemption).",
+}
+
+
 def _write_api_list() -> None:
     """_generated/api_list.md: one autodoc entry per name in herring_jax.__all__
     (in eval-rst: autodoc writes reST, which MyST would read as Markdown)."""
     lines = ["```{eval-rst}"]
     for name in herring_jax.__all__:
         obj = getattr(herring_jax, name)  # the package loads its names lazily
+        if not callable(obj):
+            # A constant: autodoc cannot reach the comment at its definition
+            # through the package's lazy names.
+            # (automodule above has made herring_jax the current module)
+            lines += [f".. py:data:: {name}", f"   :value: {obj!r}", "",
+                      f"   {_CONSTANTS[name]}", ""]
+            continue
         if inspect.isclass(obj) and issubclass(obj, BaseException):
             directive = "autoexception"
         elif inspect.isclass(obj) and not hasattr(obj, "__enter__"):

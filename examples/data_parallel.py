@@ -8,6 +8,7 @@ import argparse
 import hashlib
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -452,4 +453,7 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
               f"params sha256 {params_digest(final)}", flush=True)
     herring_jax.shutdown()
+    if preempted:
+        # Saved, not done: the launcher and a scheduler's retry loop resume it.
+        sys.exit(herring_jax.PREEMPTED_EXIT_CODE)
     return params, losses, step_s

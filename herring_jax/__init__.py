@@ -53,6 +53,7 @@ _EXPORTS = {
     "save_sharded": "sharded_checkpoint",
     "catch_preemption": "preemption",
     "preemption_requested": "preemption",
+    "PREEMPTED_EXIT_CODE": "preemption",
     "PowerSGDState": "powersgd",
     "powersgd": "powersgd",
     "TopKState": "topk",
@@ -73,7 +74,8 @@ if TYPE_CHECKING:  # what static analysis and IDEs see
     from herring_jax._src.optax_transform import (AllReduceGradientsState,
                                                   CompressedGradientsState, allreduce_gradients)
     from herring_jax._src.powersgd import PowerSGDState, powersgd
-    from herring_jax._src.preemption import catch_preemption, preemption_requested
+    from herring_jax._src.preemption import (PREEMPTED_EXIT_CODE, catch_preemption,
+                                             preemption_requested)
     from herring_jax._src.psum import pmax, pmean, pmin, psum
     from herring_jax._src.psum_scatter import all_gather, psum_scatter
     from herring_jax._src.reduce_scatter import allgather, barrier, reduce_scatter

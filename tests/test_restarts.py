@@ -128,6 +128,29 @@ def test_the_job_ends_with_the_last_failure_once_the_restarts_are_spent(tmp_path
                          "(--max-restarts)"), lines
 
 
+def test_a_run_that_saved_for_a_preemption_exits_75_and_is_not_restarted(tmp_path):
+    # Rank 1 exits with PREEMPTED_EXIT_CODE (saved for a preemption), rank 0
+    # with 0: the launcher says so and exits 75, which a retry loop tells from
+    # success (0) and failure; --max-restarts leaves it to the scheduler.
+    from herring_jax._src.preemption import PREEMPTED_EXIT_CODE
+    assert PREEMPTED_EXIT_CODE == 75
+    p = _run(["-n", "2", "--max-restarts", "2", "--", sys.executable, "-c",
+              _child(tmp_path, "lambda run, rank, n: 75 if rank == 1 else None")])
+    assert p.returncode == 75, p.stderr
+    assert sorted(_runs(tmp_path)) == [0], p.stderr  # no restart
+    lines = _launcher_lines(p.stderr)
+    assert lines == ["herring-jax launch: the ranks saved for a preemption and exited with 75; "
+                     "resume from the checkpoint (no restart under --max-restarts: the "
+                     "scheduler requeues a preempted job)"], p.stderr
+    # A failure beside it is still a failure, and restarted.
+    (tmp_path / "second").mkdir()
+    q = _run(["-n", "2", "--max-restarts", "1", "--", sys.executable, "-c",
+              _child(tmp_path / "second", "lambda run, rank, n: 75 if rank == 1 else "
+                     "(4 if run == 0 else None)")])
+    assert q.returncode == 75, q.stderr
+    assert any("restart 1 of 1" in line for line in _launcher_lines(q.stderr)), q.stderr
+
+
 def test_a_process_that_keeps_failing_is_left_out_down_to_min_processes(tmp_path):
     # The first run's rank 3 fails from its first restart on, for good; after
     # it is left out (two failures in a row), the next in line (rank 2) fails
@@ -358,8 +381,10 @@ def test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise(
         proc.kill()
     out = "".join(lines) + rest
     why = f"exit code {proc.returncode}\n{out[-5000:]}\n{err[-5000:]}"
-    # Status 0 everywhere: the grace's watchdog (20 s) would have exited 1.
-    assert proc.returncode == 0, why
+    # Every rank saved and exited 75 (the grace's watchdog, 20 s, would have
+    # exited 1), and so did the launcher: preempted, neither done nor failed.
+    assert proc.returncode == 75, why
+    assert "the ranks saved for a preemption and exited with 75" in err, why
     assert "rank 2] herring_jax rank 2: got SIGTERM" in err, why
     saved = {int(r): int(s) for r, s in re.findall(
         r"\[rank (\d)\] process \1: preempted, saved the checkpoint after step (\d+)", out)}

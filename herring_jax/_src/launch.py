@@ -53,6 +53,11 @@ failed in two runs in a row is left out of the next one if at least M
 processes remain: the ranks are numbered from 0 again, and the program
 resumes from its checkpoint on fewer processes. The exit code is the last
 run's.
+
+A run whose ranks each exited with 0 or 75 (herring_jax.PREEMPTED_EXIT_CODE:
+saved for a preemption), one at least with 75, exits 75, also after a stop
+signal to the launcher; it is never restarted (the scheduler that requeues a
+preempted job resumes it).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ import time
 
 from herring_jax._src.launch_job import EXIT_TIMEOUT, PROG, _exit_code, _grace_s, _Job
 from herring_jax._src.launch_restarts import RESTART_ENV, Restarts
+from herring_jax._src.preemption import PREEMPTED_EXIT_CODE
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -266,6 +272,19 @@ def run(args: argparse.Namespace) -> int:
                 return code
             code, message, failed_rank = job.wait_for_end(args.timeout, deadline)
             if failed_rank is None:
+                if job.signals:
+                    # Ranks that catch the signal save and exit with
+                    # PREEMPTED_EXIT_CODE: then so does the launcher.
+                    job.stop(message)
+                    message = None
+                    if job.ended_preempted():
+                        code = PREEMPTED_EXIT_CODE
+                if code == PREEMPTED_EXIT_CODE:
+                    # Never restarted here: a preempted machine is going away,
+                    # and the scheduler that requeues the job resumes it.
+                    job.say(f"the ranks saved for a preemption and exited with "
+                            f"{PREEMPTED_EXIT_CODE}; resume from the checkpoint (no restart "
+                            "under --max-restarts: the scheduler requeues a preempted job)")
                 return code
             job.stop(message, failed_rank)
             message = failed_rank = None  # stopped: the finally clause has nothing left

@@ -17,6 +17,7 @@ import threading
 import time
 
 from herring_jax._src import knobs
+from herring_jax._src.preemption import PREEMPTED_EXIT_CODE
 
 PROG = "herring-jax launch"
 GRACE_ENV = "HERRING_LAUNCH_GRACE_S"
@@ -133,6 +134,8 @@ class _Job:
         self.preexec = _die_with_launcher()
         # (rank, returncode, how it ended) of the failure stop() reported.
         self.verdict: tuple[int, int | None, str] | None = None
+        # Ranks that exited with PREEMPTED_EXIT_CODE: saved for a preemption.
+        self.preempted: set[int] = set()
 
     def say(self, message: str) -> None:
         """Writes one launcher line to stderr without splitting a child's line."""
@@ -182,7 +185,8 @@ class _Job:
 
     def wait_for_end(self, timeout: float | None,
                      deadline: float | None = None) -> tuple[int, str | None, int | None]:
-        """Blocks until every child succeeded, one failed, a signal came or time ran out.
+        """Blocks until every child ended (succeeded, or saved for a preemption:
+        PREEMPTED_EXIT_CODE), one failed, a signal came or time ran out.
 
         Args:
           timeout: the --timeout to report.
@@ -211,10 +215,19 @@ class _Job:
                 return (128 + what, (f"got {signal.Signals(what).name}; stopping all "
                                      f"{_processes(len(running))}"), None)
             running.discard(what)
-            if code != 0:
+            if code == PREEMPTED_EXIT_CODE:
+                self.preempted.add(what)
+            elif code != 0:
                 tail = f"; stopping the other {_processes(len(running))}" if running else ""
                 return _exit_code(code), f"rank {what} {_describe(code)}{tail}", what
-        return 0, None, None
+        return (PREEMPTED_EXIT_CODE if self.preempted else 0), None, None
+
+    def ended_preempted(self) -> bool:
+        """Whether every child has ended, each with status 0 or
+        PREEMPTED_EXIT_CODE and one at least with the latter."""
+        codes = [proc.poll() for proc in self.procs]
+        return (PREEMPTED_EXIT_CODE in codes
+                and all(code in (0, PREEMPTED_EXIT_CODE) for code in codes))
 
     def _blame(self, rank: int, message: str | None) -> tuple[int, str | None]:
         """The rank to name for the failure, once the others had their moment

@@ -19,11 +19,15 @@ import sys
 import threading
 import time
 
-import numpy as np
-
 from herring_jax._src import knobs
 
 GRACE_ENV = "HERRING_PREEMPTION_GRACE_S"
+
+# The exit status of a process, and of `herring-jax launch`, that stopped for a
+# preemption after saving: neither success (the training is not done) nor
+# failure (it resumes from its checkpoint). 75 is EX_TEMPFAIL of sysexits.h,
+# "try again later"; a scheduler's retry loop restarts on it and stops on 0.
+PREEMPTED_EXIT_CODE = 75
 # How often the watchdog looks at the clock; a polled attribute, not an Event,
 # because a signal handler must not take a lock the interrupted code may hold.
 _WATCH_S = 0.2
@@ -116,13 +120,21 @@ def preemption_requested() -> bool:
     got SIGTERM, so that all of them stop after the same step. It costs one
     all-reduce of a 4-byte flag.
 
+    After saving, end the process with ``herring_jax.PREEMPTED_EXIT_CODE``
+    (75) rather than 0, so that the launcher and a scheduler's retry loop can
+    tell a preempted run, which resumes from its checkpoint, from a finished one.
+
     Examples:
       >>> for step in range(first, steps):            # doctest: +SKIP
       ...     state = train_step(state, batch(step))
       ...     if herring_jax.preemption_requested():
       ...         save(step + 1, state)
-      ...         break
+      ...         sys.exit(herring_jax.PREEMPTED_EXIT_CODE)
     """
+    # Here, not at the top: the launcher imports this module for
+    # PREEMPTED_EXIT_CODE and must start without numpy or jax.
+    import numpy as np
+
     from herring_jax._src import runtime
     from herring_jax._src.allreduce import allreduce
 
