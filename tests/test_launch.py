@@ -210,6 +210,20 @@ def test_missing_command_is_a_usage_error():
     assert "usage:" in p.stderr and "no command given" in p.stderr and "'--'" in p.stderr
 
 
+@pytest.mark.parametrize("via_cli", [True, False])
+def test_a_misspelt_option_is_refused_with_the_subcommands_usage(via_cli):
+    # Prefix matching would take --max-restart for --max-restarts.
+    prog = ([sys.executable, "-c", "from herring_jax._src.cli import main; "
+             "raise SystemExit(main())", "launch"] if via_cli
+            else [sys.executable, "-m", "herring_jax.launch"])
+    p = subprocess.run([*prog, "-n", "2", "--max-restart", "2", "--", "true"], env=_env(),
+                       capture_output=True, text=True, timeout=60, cwd=_CWD)
+    assert p.returncode == 2, p.stderr
+    assert "unrecognized arguments: --max-restart" in p.stderr, p.stderr
+    usage = "usage: herring-jax launch" if via_cli else "usage: python -m herring_jax.launch"
+    assert p.stderr.startswith(usage), p.stderr
+
+
 # child_env, argument errors and the `herring-jax` CLI, checked in one fresh
 # interpreter (the repository root's herring_jax must not be the one imported).
 _API_CHECKS = textwrap.dedent("""

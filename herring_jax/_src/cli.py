@@ -74,14 +74,26 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Returns the `herring-jax` parser with one subparser per registered subcommand."""
+    """Returns the `herring-jax` parser with one subparser per registered subcommand.
+
+    No option is taken by a prefix of its name (allow_abbrev=False): a
+    misspelt `--max-restart` is an error, not `--max-restarts`.
+    """
     parser = argparse.ArgumentParser(prog="herring-jax",
-                                     description="herring_jax command-line tools")
+                                     description="herring_jax command-line tools",
+                                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
     for name, (text, add_arguments, _) in SUBCOMMANDS.items():
         add_arguments(sub.add_parser(name, help=text, description=text,
-                                     formatter_class=HelpFormatter))
+                                     formatter_class=HelpFormatter, allow_abbrev=False))
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._subparsers._group_actions:  # noqa: SLF001 - argparse has no accessor
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            return action.choices[name]
+    raise KeyError(name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
       The subcommand's exit code.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # The subcommand's usage, not the top level's, goes with its own options.
+        _subparser(parser, args.subcommand).error(
+            f"unrecognized arguments: {' '.join(unknown)}")
     return SUBCOMMANDS[args.subcommand][2](args)
 
 

@@ -335,7 +335,7 @@ def _start_all(job: _Job, command: list[str], args, restarts: Restarts, net,
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m herring_jax.launch`; argv defaults to sys.argv[1:]."""
     parser = argparse.ArgumentParser(
-        prog="python -m herring_jax.launch",
+        prog="python -m herring_jax.launch", allow_abbrev=False,
         description="Start N local processes of a command for herring_jax.",
         epilog="example: python -m herring_jax.launch -n 4 -- python train.py")
     add_arguments(parser)

@@ -586,7 +586,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m herring_jax._src.tools.train_bench`."""
     from herring_jax._src.cli import HelpFormatter
-    parser = argparse.ArgumentParser(prog="herring-jax train-bench",
+    parser = argparse.ArgumentParser(prog="herring-jax train-bench", allow_abbrev=False,
                                      description=__doc__.split("\n")[0],
                                      formatter_class=HelpFormatter)
     add_arguments(parser)

@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(argv)
     from herring_jax._src.cli import HelpFormatter  # here: cli imports this package
     parser = argparse.ArgumentParser(prog="herring-jax bench", description=DESCRIPTION,
+                                     allow_abbrev=False,
                                      formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))
