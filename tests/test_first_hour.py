@@ -62,19 +62,21 @@ def test_check_vma_true_is_refused_never_multiplied():
         assert "['params']['Dense_0']['kernel']" in error, error
 
 
-def test_a_batch_size_mismatch_is_reported_as_a_stall_naming_both_call_sites():
-    # Rank 1 trains on 31 examples, rank 0 on 32: two different programs.
-    run = launch(WORKER, ["mismatch"], nproc=2,
-                 env={"HERRING_STALL_S": "3", "HERRING_TIMEOUT_S": "10"}, timeout=120)
+def test_a_batch_size_mismatch_fails_every_rank_in_seconds_naming_both_call_sites():
+    # Rank 1 trains on 31 examples, rank 0 on 32: two different programs,
+    # whose reductions can never pair. With the default knobs (a 60 s stall
+    # report, a 300 s timeout) every rank fails within seconds: the job ends
+    # well inside the launch's 120 s.
+    run = launch(WORKER, ["mismatch"], nproc=2, timeout=120)
     assert run.returncode != 0, run.explain()
-    stall = [line for line in run.stderr.splitlines() if "made no progress for" in line]
-    assert stall, run.explain()
-    assert any("runs a different compiled program" in line for line in stall), run.explain()
+    errors = [line for line in run.stderr.splitlines() if "herring_jax.HerringError: " in line]
+    assert {int(m) for line in errors for m in re.findall(r"^\[rank (\d)\]", line)} == {0, 1}, \
+        run.explain()
+    assert all("compiled different programs" in line and "a batch of another size" in line
+               for line in errors), run.explain()
     # The gradients agree in shape: the same call, another executable.
-    assert any("this same call under another run id" in line for line in stall), run.explain()
-    # The error at the timeout names where both ranks wait in the script.
-    errors = [line for line in run.stderr.splitlines() if "HerringError" in line]
-    assert errors, run.explain()
+    assert any("this same call under another run id" in line for line in errors), run.explain()
+    # The error names where both ranks wait in the script.
     # ("at first_hour_worker.py:60 (make_step.<locals>.step)" on either side.)
     assert any(len(re.findall(r"at first_hour_worker\.py:\d+ \(", line)) >= 2
                for line in errors), run.explain()

@@ -253,6 +253,15 @@ class Communicator {
   // Tells the ranks that the oldest batch waits for where it waits (kStall),
   // and reports (once each) the batches that have waited longer than stall_s.
   void ReportStalls();
+  // Fails (telling every peer) each batch that can never pair: it has waited
+  // a few seconds, and every rank it waits for has waited a while too, alive,
+  // in this same call under another compiled program (the program identity
+  // tells: a far other run id). A batch of another size on one rank does
+  // this; without it the job would wait for HERRING_TIMEOUT_S.
+  void FailMismatchedPrograms();
+  // Whether each of `ranks` waits, by its last heartbeat, in `job`'s call
+  // under another compiled program (see FailMismatchedPrograms).
+  bool InOtherPrograms(const Job& job, const std::set<int>& ranks, int64_t now) const;
   // Whether the stall report of a batch missing `ranks` can name where each
   // of them waits: none waits (as its heartbeat says) in a reduction whose
   // kStall has not arrived.

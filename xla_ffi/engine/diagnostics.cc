@@ -3,6 +3,7 @@
 // counters.
 #include "engine/communicator.h"
 
+#include <cstdint>
 #include <cstdio>
 #include <set>
 #include <string>
@@ -26,7 +27,61 @@ std::string SizeText(size_t bytes) {
   return std::to_string(bytes) + " B";
 }
 
+// A reduction that waits this long while every rank it waits for has waited
+// kMismatchPeerWaitS, alive, in its call under another compiled program,
+// fails (FailMismatchedPrograms); a little longer if a peer's call site
+// (its kStall, sent after a second of waiting) has not come yet.
+constexpr double kMismatchFailS = 4.0;
+constexpr double kMismatchPeerWaitS = 2.0;
+constexpr double kMismatchSiteGraceS = 3.0;
+
 }  // namespace
+
+void Communicator::FailMismatchedPrograms() {
+  if (!last_heard_ || config_.heartbeat_s <= 0) return;  // nothing said where peers wait
+  const int64_t now = NowNs();
+  std::lock_guard<std::mutex> lock(active_mu_);
+  for (Batch* batch : active_) {
+    if (batch->Failed() || batch->jobs.empty() || !batch->started.load()) continue;
+    const double waited = (now - batch->started_ns) * 1e-9;
+    if (waited < kMismatchFailS) continue;
+    const Job& job = *batch->jobs.front();
+    // The launch identity and the async pair's tickets name calls without
+    // programs: nothing to tell there.
+    if (IsLaunchRun(job.id.run_id) || IsTicketRun(job.id.run_id)) continue;
+    std::set<int> missing = MissingRanks(*batch);
+    missing.erase(config_.rank);
+    if (missing.empty() || !InOtherPrograms(job, missing, now)) continue;
+    if (!SitesKnown(missing) && waited < kMismatchFailS + kMismatchSiteGraceS) continue;
+    Fail(batch, "the ranks compiled different programs around this reduction, which can "
+                "never complete: " + MissingReport(*batch) + Verdict(job, missing) +
+                " Most often the inputs' shapes differ (a batch of another size on one rank, "
+                "a smaller last batch); every rank fails now instead of after "
+                "HERRING_TIMEOUT_S=" + std::to_string(static_cast<int64_t>(config_.timeout_s)) +
+                " s.");
+  }
+}
+
+bool Communicator::InOtherPrograms(const Job& job, const std::set<int>& ranks,
+                                   int64_t now) const {
+  std::lock_guard<std::mutex> lock(peer_wait_mu_);
+  for (int rank : ranks) {
+    const PeerWait& peer = peer_wait_[rank];
+    const bool alive = (now - last_heard_[rank].load()) * 1e-9 <= 3 * config_.heartbeat_s + 1;
+    const bool same_call = peer.key == job.req.key && peer.slot == job.id.slot &&
+                           peer.instance == job.id.instance;
+    // XLA's run ids of one executable are a base plus its launch count: a
+    // near one is the same program launched a different number of times.
+    const int64_t apart = static_cast<int32_t>(static_cast<uint32_t>(peer.run_id) -
+                                               static_cast<uint32_t>(job.id.run_id));
+    if (!alive || peer.what.empty() || !same_call || peer.seconds < kMismatchPeerWaitS ||
+        IsLaunchRun(peer.run_id) || IsTicketRun(peer.run_id) ||
+        (apart > -kNearRuns && apart < kNearRuns)) {
+      return false;
+    }
+  }
+  return true;
+}
 
 std::string Communicator::OldestWait(WireHeader* h) {
   std::lock_guard<std::mutex> lock(active_mu_);

@@ -98,6 +98,7 @@ void Communicator::WatchLoop() {
     }
     WatchLeavers();
     ReportStalls();
+    FailMismatchedPrograms();
     // Receipts go out as the leavers' data arrives (TookFrom); this catches
     // any whose trigger raced with the kLeave.
     for (int r = 0; r < config_.size; ++r) {
