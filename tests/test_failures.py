@@ -1,6 +1,8 @@
 """Failing peers and mismatched reductions give HerringError on every
 surviving rank, fast, with the reason; never a hang or a wrong result."""
 
+import re
+
 import pytest
 
 from multiproc import assert_all_ok, launch
@@ -63,6 +65,20 @@ def test_dead_peer_is_detected_by_heartbeats_long_before_the_timeout():
     assert result["ok"], result
     assert "no heartbeat" in result["message"] and "key " in result["message"], result
     assert 2.5 < result["seconds"] < 60, result
+
+
+def test_a_killed_peer_is_never_called_alive():
+    # Its last heartbeat is recent when its process is already gone: the
+    # report of the failed reduction said "rank 2 is alive and waits in no
+    # reduction" beside the error saying that rank 2 had exited.
+    run = launch("failure_worker.py", ["killed-peer"], nproc=3, timeout=180)
+    assert run.returncode != 0, run.explain()
+    said = run.stdout + run.stderr
+    assert "rank 2 is alive" not in said, run.explain()
+    assert re.search(r"rank 2's process has exited|processes of this host that have exited: "
+                     r"(rank \d, )*rank 2", said), run.explain()
+    for rank in (0, 1):  # both caught the failure, naming rank 2
+        assert run.results.get(rank, [{}])[0].get("ok"), run.explain()
 
 
 def test_slow_but_alive_peer_is_not_declared_dead():

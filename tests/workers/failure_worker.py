@@ -18,6 +18,8 @@ return a wrong sum.
     rank 1 uncompressed: as mismatch, naming the codec.
   absent-peer: rank 1 is alive but never reduces; rank 0's timeout must say
     that rank 1 is alive and in no reduction.
+  killed-peer: rank 2 of 3 (one host) is SIGKILLed between reductions; what
+    the others print of it must never call it alive.
   slow-peer: rank 1 starts its reduction long after rank 0 (more than
     HERRING_PEER_TIMEOUT_S later) but is alive: its heartbeats must keep
     rank 0 waiting, and the sum must be right.
@@ -31,10 +33,28 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
+
+
+def killed_peer(rank: int) -> None:
+    import signal
+    reduce = jax.jit(lambda x: herring_jax.allreduce(x * 2))
+    try:
+        with herring_jax.herring_errors():
+            for step in range(200):
+                jax.block_until_ready(reduce(jnp.ones(1000)))
+                if step == 3 and rank == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.02)
+    except herring_jax.HerringError as e:
+        common.report("killed-peer", "rank 2" in str(e), message=str(e)[:600])
+    else:
+        common.report("killed-peer", False, message="no error")
 
 
 def dead_peer(rank: int) -> None:
@@ -152,6 +172,10 @@ def absent_peer(rank: int) -> None:
 def main() -> int:
     herring_jax.initialize()
     rank = herring_jax.process_index()
+    if sys.argv[1:] == ["killed-peer"]:
+        killed_peer(rank)
+        sys.stdout.flush()
+        os._exit(0)
     if sys.argv[1:] == ["dead-peer"]:
         dead_peer(rank)
         sys.stdout.flush()

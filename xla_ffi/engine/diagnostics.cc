@@ -9,6 +9,7 @@
 #include <string>
 
 #include "engine/batch.h"
+#include "engine/cross_memory.h"
 
 namespace herring::engine {
 
@@ -113,7 +114,14 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
   for (int rank : ranks) {
     const double silent = (now - last_heard_[rank].load()) * 1e-9;
     std::string line = "rank " + std::to_string(rank);
-    if (silent > 3 * config_.heartbeat_s + 1) {
+    // A rank of this host whose process is gone is not "alive" because its
+    // last heartbeat is recent (a SIGKILL leaves one a second old).
+    const bool exited = !topology_.empty() &&
+                        topology_.host_of[rank] == topology_.host_of[config_.rank] &&
+                        ProcessExited(topology_.pid_of[rank]);
+    if (exited) {
+      line += "'s process has exited";
+    } else if (silent > 3 * config_.heartbeat_s + 1) {
       line += " has sent nothing for " + std::to_string(static_cast<int64_t>(silent)) + " s";
     } else if (peer_wait_[rank].what.empty()) {
       line += " is alive and waits in no reduction";
