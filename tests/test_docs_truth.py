@@ -172,15 +172,15 @@ def test_every_herring_variable_in_the_code_is_declared_in_knobs():
 
 def semantics_api_list() -> set[str]:
     page = (ROOT / "docs" / "guides" / "semantics.md").read_text()
-    m = re.search(r"^API:(.*?)\n\n", page, re.MULTILINE | re.DOTALL)
-    assert m, "docs/guides/semantics.md has no paragraph beginning 'API:'"
+    m = re.search(r"^API\b(.*?)\n\n", page, re.MULTILINE | re.DOTALL)
+    assert m, "docs/guides/semantics.md has no paragraph beginning 'API'"
     return set(re.findall(r"`([A-Za-z_]\w*)", m.group(1)))
 
 
 def test_every_public_name_is_in_the_api_list_of_semantics():
     missing = sorted(set(herring_jax.__all__) - semantics_api_list())
     assert not missing, (f"docs/guides/semantics.md's API list (the paragraph beginning "
-                         f"'API:') lacks {missing}")
+                         f"'API') lacks {missing}")
 
 
 def stats_keys() -> set[str]:
@@ -199,3 +199,26 @@ def test_every_counter_of_stats_is_defined_on_the_timeline_page():
     undefined = sorted(k for k in keys if f"| `{k}` |" not in table)
     assert not undefined, (f"docs/guides/timeline.md's table of counters lacks {undefined} "
                            "(herring_jax.stats(), xla_ffi/bindings.cc)")
+
+
+def demo_installs() -> set[str]:
+    """What `bash .ci/install.sh demo` installs: the apt packages added before
+    the tests' level, and the pip packages of its first deps list."""
+    script = (ROOT / ".ci" / "install.sh").read_text()
+    demo = script[:script.index("if ((level >= 2))")]
+    apt = set(re.findall(r"apt_pkgs\+=\(([\w.+-]+)\)", demo))
+    deps = re.search(r"^deps=\((.*?)\)$", script, re.MULTILINE | re.DOTALL).group(1)
+    pip = {re.match(r"[A-Za-z0-9_.-]+", d.strip('"')).group(0) for d in deps.split()}
+    return apt | pip
+
+
+def test_the_pages_that_say_what_the_demo_installs_agree_with_install_sh():
+    names = demo_installs()
+    assert {"libfabric-dev", "jax", "flax", "matplotlib"} <= names, names
+    for page in (ROOT / "README.md", ROOT / "docs" / "getting_started.md"):
+        paragraphs = [p for p in page.read_text().split("\n\n") if ".ci/install.sh demo`" in p]
+        assert paragraphs, f"{page.name} no longer says what `.ci/install.sh demo` installs"
+        words = set(re.findall(r"[\w.+-]+", paragraphs[0]))
+        missing = sorted(names - words)
+        assert not missing, (f"{page.name}'s paragraph on `.ci/install.sh demo` does not name "
+                             f"{missing}, which it installs")
