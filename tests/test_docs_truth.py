@@ -1,8 +1,9 @@
 """What the pages say that the code can check cheaply (no processes, no build):
 every example flag a page names exists in that example's argparse, every
 HERRING_* variable the code reads or sets is declared in knobs.py (hence on
-the knobs page), every public name is in semantics.md's API list, and every
-counter of herring_jax.stats() is defined on the timeline page."""
+the knobs page), every public name is in semantics.md's API list, every
+counter of herring_jax.stats() is defined on the timeline page, and the README
+and Getting started name everything `.ci/install.sh demo` installs."""
 
 import ast
 import functools
