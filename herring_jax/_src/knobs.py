@@ -84,8 +84,12 @@ KNOBS: dict[str, Knob] = {
              "Interface name or local IP address IP providers bind to. Empty: the "
              "address this host uses to reach the coordinator."),
         Knob("HERRING_FI_FORCE_MR", False, _bool,
-             "1: register every buffer with fi_mr_reg and pass descriptors even "
-             "if the provider does not ask for it (the path EFA takes)."),
+             "1: ask the provider for FI_MR_LOCAL and register every buffer of every "
+             "message with fi_mr_reg (deregistered when it completes), passing its "
+             "descriptor, even if the provider does not need it: the path of a provider "
+             "that only works that way, exercised in CI on providers that do not. EFA no "
+             "longer takes it: herring_jax asks without FI_MR_LOCAL first, so that EFA "
+             "registers buffers itself through its registration cache."),
         Knob("HERRING_CHUNK_BYTES", 1 << 20, _positive_int,
              "Pipelining unit: each server part is sent in messages of this size; between "
              "hosts, of about a quarter of the part, between HERRING_MIN_CHUNK_BYTES and "
@@ -210,7 +214,11 @@ KNOBS: dict[str, Knob] = {
              "for the other processes. The HERRING_TIMELINE trace is written first."),
         Knob("HERRING_LAUNCH_GRACE_S", 10.0, _non_negative_float,
              "herring-jax launch: seconds between SIGTERM and SIGKILL when it stops a job "
-             "(a rank failed, --timeout, Ctrl-C); the launcher says when it waits."),
+             "after a rank failed (first giving the others up to 3 s to end by themselves) "
+             "or at --timeout. After a stop signal to the launcher (Ctrl-C, SIGTERM, SIGHUP) "
+             "it waits the larger of this and HERRING_PREEMPTION_GRACE_S + 2 s: 22 s with "
+             "the defaults. A second signal ends the wait at once; a process that ignores "
+             "SIGTERM gets SIGKILL at once. The launcher says when it waits."),
         Knob("HERRING_LAUNCH_KEEP_PREEMPTION", False, _bool,
              "Under herring-jax launch, initialize() gives SIGTERM its default action back, "
              "so that the launcher's SIGTERM ends a rank at once: jax.distributed's "
@@ -226,7 +234,7 @@ KNOBS: dict[str, Knob] = {
              "SIGTERM within which the process saves at the step boundary every process "
              "agrees on and exits; past it, it says so and exits with status 1 (cloud "
              "notices give 30 s to 2 min). herring-jax launch waits this long plus 2 s "
-             "after forwarding a stop signal."),
+             "(or HERRING_LAUNCH_GRACE_S, if longer) after forwarding a stop signal."),
         Knob("HERRING_INIT_TIMEOUT_S", 300.0, _positive_float,
              "How long initialize() waits for every process to publish its address."),
         Knob("HERRING_COORDINATOR_ADDRESS", None, str,
@@ -235,9 +243,26 @@ KNOBS: dict[str, Knob] = {
              "Number of processes (set by herring-jax launch)."),
         Knob("HERRING_PROCESS_ID", None, int,
              "This process's rank (set by herring-jax launch)."),
+        Knob("HERRING_LOCAL_RANK", None, _non_negative_int,
+             "This process's index among the processes of its host (set by herring-jax "
+             "launch: the rank; with --netns, its index in its simulated host, rank % "
+             "--processes-per-host). herring_jax does not read it; it is for the program (a "
+             "device or core per process)."),
         Knob("HERRING_FI_VARS_SET", None, str,
              "Set by herring_jax: the libfabric variables it set at import and their values "
              "(VAR=value;...), so that child processes recompute them; do not set it."),
+        Knob("HERRING_BENCH_NETWORK", None, str,
+             "Set by herring-jax bench for its workers: the network the run measures "
+             "(loopback, or the simulated hosts and rates), recorded in its report; do not "
+             "set it."),
+        Knob("HERRING_BENCH_LOGDIR", None, str,
+             "Set by herring-jax bench when mpirun starts its workers: the folder where ranks "
+             "other than 0 write their output (shown if the run fails); do not set it."),
+        Knob("HERRING_DEMO_PROCESSES", 4, _positive_int,
+             "examples/run_demo.sh: the number of processes the demo trains on."),
+        Knob("HERRING_DEMO_INSTALL", True, _bool,
+             "examples/run_demo.sh: 0 skips `bash .ci/install.sh demo` (the installs and the "
+             "build) before the training."),
     ]
 }
 

@@ -25,16 +25,19 @@ and HERRING_LOCAL_RANK is the rank's index on its host. The coordinator is
 then rank 0's address. Everything created is removed when the job ends, also
 on failure or Ctrl-C. Needs root and iproute2.
 
-The first child to fail stops the job: the others get SIGTERM, SIGKILL after
-HERRING_LAUNCH_GRACE_S seconds (default 10), and the launcher exits with that
+The first child to fail stops the job: the others get up to 3 s to end by
+themselves, then SIGTERM, SIGKILL after HERRING_LAUNCH_GRACE_S seconds
+(default 10), and the launcher exits with that
 child's code (128 + N for a death by signal N), or with that of a child that
 died by a signal while the others were ending by themselves (a killed rank's
 peers fail at once, and one may reach the launcher first). --timeout expiry
 exits 124;
 SIGINT, SIGTERM or SIGHUP to the launcher stops every child the same way and
 exits 130, 143 or 129; the children get SIGTERM, and the wait before SIGKILL
-is at least HERRING_PREEMPTION_GRACE_S + 2 s then, so that ranks that save on
-preemption (herring_jax.preemption_requested) can finish their checkpoint.
+is then the larger of HERRING_LAUNCH_GRACE_S and HERRING_PREEMPTION_GRACE_S
++ 2 s (22 s by default), so that ranks that save on preemption
+(herring_jax.preemption_requested) can finish their checkpoint; a second
+signal (Ctrl-C again) ends the wait at once.
 Each child leads its own process group and whole
 groups are killed, so nothing a rank started outlives the job. A launcher
 killed outright (SIGKILL, e.g. by a test harness's timeout) cannot do that:

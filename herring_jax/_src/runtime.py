@@ -490,14 +490,17 @@ def describe() -> str:
 
 
 def stats() -> dict:
-    """Counters of this process's communicator: reductions, bytes, dropped messages,
-    heartbeats received and sent, peers declared dead, occurrence counters held
-    (bounded: idle ones are pruned), failed batches kept because their
-    operations never drained, calls reduced through the host stage and the
-    bytes read from other processes' memory there, batches in flight
-    (visible to aborts; 0 between calls), posts that waited in the
-    transport's queue, duplicate completions ignored and completion-queue
-    errors without an operation."""
+    """Counters of this process's communicator since ``initialize()``.
+
+    Among them ``bytes_reduced`` (the whole size of every buffer reduced, as
+    the program holds it: a reduce-scatter and an all-gather of B bytes add B
+    each, as an all-reduce does) and ``bytes_sent`` (what this process sent
+    over the transport, headers included). The Timeline guide's "Counters"
+    defines each one.
+
+    Returns:
+      A dict of counter names to ints.
+    """
     return dict(_ext.stats(state().handle))
 
 
