@@ -93,6 +93,9 @@ EXTENDED_CASES = {
     "finishes[sharded]",
     "test_restarts.py::test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise",
     "test_restarts.py::test_fully_sharded_resumes_bitwise_and_onto_fewer_processes",
+    # Streaming DiLoCo's resume through train_lm (two runs, about a minute);
+    # tests/test_streaming.py resumes after every step in the core tier.
+    "test_restarts.py::test_streaming_diloco_resumes_from_a_checkpoint_with_a_fragment_in_flight",
 }
 # The C++ unit tests under the sanitizers (their builds took 175 s of the core
 # tier): the core tier runs them unsanitized, the extended part under
