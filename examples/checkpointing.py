@@ -69,6 +69,7 @@ class Checkpoints(_Saves):
         if self.every < 1:
             raise SystemExit(f"--checkpoint-every must be at least 1, got {self.every}")
         self.sharded = bool(getattr(args, "sharded_optimizer", False))
+        self.local_sgd = bool(getattr(args, "local_steps", 0))
         # With the handler named, a fresh manager can read a checkpoint's
         # shapes (item_metadata) before it saves or restores anything.
         self.manager = ocp.CheckpointManager(
@@ -82,7 +83,8 @@ class Checkpoints(_Saves):
 
         --sharded-optimizer's state saved by more devices than this job has (a
         restart on fewer processes, herring-jax launch --min-processes) is cut
-        into this job's chunks (restore_fewer)."""
+        into this job's chunks (restore_fewer); --local-steps' workers beyond
+        this job's devices are left out (restore_fewer_workers)."""
         done = self.manager.latest_step()
         if done is None:
             return params, opt_state, 0
@@ -110,18 +112,14 @@ class Checkpoints(_Saves):
         feedback residuals start from zero (as restore_sharded's do)."""
         here = jax.tree_util.tree_leaves_with_path(target)
         devices = len(jax.devices())
+        if self.local_sgd:
+            return self.restore_fewer_workers(done, target, saved)
         rows = {saved.get(_names(p), (None,))[0] for p, _ in here if _names(p)[0] == "opt_state"}
         params_same = all(saved.get(_names(p)) == t.shape for p, t in here
                           if _names(p)[0] == "params")
         saved_devices = max(rows, key=lambda r: r or 0)
         if not (self.sharded and params_same and len(rows) == 1 and saved_devices > devices):
-            changed = next(p for p, t in here if saved.get(_names(p)) != t.shape)
-            raise SystemExit(
-                f"the checkpoint after step {done} in {self.directory} holds "
-                f"{jax.tree_util.keystr(changed)} of shape {saved.get(_names(changed))}, this "
-                "job's differs: it is not this model's, or --sharded-optimizer's state of "
-                f"fewer devices than this job's {devices} (a restart can leave processes out, "
-                "never add them)")
+            self.refuse(done, here, saved, "--sharded-optimizer's state")
         replicated = NamedSharding(jax.tree_util.tree_leaves(target)[0].sharding.mesh, P())
         read = jax.tree_util.tree_map_with_path(
             lambda p, t: jax.ShapeDtypeStruct(saved[_names(p)], t.dtype, sharding=replicated),
@@ -143,6 +141,48 @@ class Checkpoints(_Saves):
                   f"{saved_devices} devices: cut into chunks of {devices}",
                   flush=True)
         return jax.tree_util.tree_map_with_path(cut, state, target)
+
+    def refuse(self, done: int, here, saved: dict, what: str):
+        changed = next(p for p, t in here if saved.get(_names(p)) != t.shape)
+        raise SystemExit(
+            f"the checkpoint after step {done} in {self.directory} holds "
+            f"{jax.tree_util.keystr(changed)} of shape {saved.get(_names(changed))}, this "
+            f"job's differs: it is not this model's, or {what} of fewer devices than this "
+            f"job's {len(jax.devices())} (a restart can leave processes out, never add them)")
+
+    def restore_fewer_workers(self, done: int, target, saved: dict):
+        """--local-steps' parameters and state saved by N workers (devices),
+        onto this job's M < N.
+
+        Every leaf has a leading axis of one row per worker: its own
+        parameters, inner state and residual, and the synced parameters and
+        outer state, which are the same in every row. Workers 0..M-1 go on
+        with rows 0..M-1; the other workers' local progress since the last
+        sync is dropped (the next sync averages M pseudo-gradients). With a
+        --delay fragment in flight, each remaining worker starts it again
+        from its own copy, so its average is over the M workers."""
+        here = jax.tree_util.tree_leaves_with_path(target)
+        devices = len(jax.devices())
+        rows = {saved.get(_names(p), (None,))[0] for p, _ in here}
+        if not (len(rows) == 1 and next(iter(rows)) > devices and all(
+                saved.get(_names(p), ())[1:] == t.shape[1:] for p, t in here)):
+            self.refuse(done, here, saved, "--local-steps' state")
+        saved_devices = next(iter(rows))
+        replicated = NamedSharding(jax.tree_util.tree_leaves(target)[0].sharding.mesh, P())
+        read = jax.tree_util.tree_map_with_path(
+            lambda p, t: jax.ShapeDtypeStruct(saved[_names(p)], t.dtype, sharding=replicated),
+            target)
+        state = self.manager.restore(done, args=self._ocp.args.StandardRestore(read))
+
+        def first_rows(was, t):
+            rows = np.asarray(was.addressable_shards[0].data)[:t.shape[0]]
+            return jax.make_array_from_callback(t.shape, t.sharding, lambda index: rows[index])
+
+        if jax.process_index() == 0:
+            print(f"the checkpoint after step {done} holds --local-steps' state of "
+                  f"{saved_devices} workers: workers 0..{devices - 1} go on from their own, "
+                  f"the others' steps since their last sync are dropped", flush=True)
+        return jax.tree_util.tree_map(first_rows, state, target)
 
     def maybe_save(self, done: int, last: bool, params, opt_state) -> None:
         if (done % self.every == 0 or last) and self.manager.latest_step() != done:

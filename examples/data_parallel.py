@@ -379,6 +379,20 @@ def params_digest(params) -> str:
     return h.hexdigest()[:16]
 
 
+def in_flight_note(args, done: int) -> None:
+    """Says so where a Streaming DiLoCo fragment is still in flight after the
+    last step run: it is not in the parameters this run ends with."""
+    if not (getattr(args, "local_steps", 0) and getattr(args, "delay", 0)):
+        return
+    if not herring_jax.local_sgd_in_flight(done, args.local_steps, args.fragments, args.delay):
+        return
+    where = (f"the checkpoint after step {done} in {args.checkpoint_dir} holds what it sent, "
+             "and a run resumed from it (a larger --steps) applies it" if args.checkpoint_dir
+             else "without --checkpoint-dir it is lost")
+    print(f"note: a fragment's reduction was in flight after step {done} (--delay "
+          f"{args.delay}): it is not in these final parameters; {where}", flush=True)
+
+
 def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     """Runs the steps with progress output on rank 0, prints a summary line
     ("done: ...") and shuts herring_jax down; returns (params, losses, step_s).
@@ -452,6 +466,8 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
     elif rank == 0 and not preempted:
         print(f"done: nothing to train, the checkpoint is at step {first} of {args.steps}, "
               f"params sha256 {params_digest(final)}", flush=True)
+    if rank == 0 and losses:
+        in_flight_note(args, first + len(losses))
     herring_jax.shutdown()
     if preempted:
         # Saved, not done: the launcher and a scheduler's retry loop resume it.

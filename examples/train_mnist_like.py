@@ -56,7 +56,9 @@ def main() -> None:
     accuracy = jax.jit(lambda p: jnp.mean(jnp.argmax(MLP().apply(p, x_test), -1) == y_test))
 
     def report(params):
-        local = jax.tree_util.tree_map(lambda a: a.addressable_shards[0].data, params)
+        # This process's own copy: under --local-steps the parameters carry a
+        # leading axis of one per device.
+        local = data_parallel.local_params(params, args)
         return f"test accuracy {float(accuracy(local)):.3f}"
 
     params, opt_state, step = data_parallel.make_trainer(

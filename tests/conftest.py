@@ -71,6 +71,13 @@ EXTENDED_CASES = {
     "test_examples.py::test_lm_loss_falls_with_two_devices_per_process",
     "test_examples.py::test_mnist_like_learns[native]",
     "test_examples.py::test_pin_gives_each_process_its_own_core",
+    # Every training mode's smoke run (about 20-40 s each); the core tier keeps
+    # train_mnist_like's --local-steps, whose report once crashed.
+    *(f"test_examples.py::test_every_training_mode_reports_and_finishes[{name}]"
+      for name in ("mnist-streaming", "mnist-sharded-optimizer", "mnist-fully-sharded",
+                   "mnist-powersgd", "mnist-topk", "mnist-compute-only", "lm-diloco-int8",
+                   "lm-slowmo", "lm-localsgd-streaming-delay", "lm-fully-sharded-reshard",
+                   "lm-native")),
     # Flax NNX: the core tier keeps the example's allreduce_gradients run (about
     # 16 s); every transformation inside nnx.Optimizer and the NNX checkpoint
     # recipes (2 processes, then a resume on 3) take 1.5-3 min.
@@ -93,6 +100,10 @@ EXTENDED_CASES = {
     "finishes[sharded]",
     "test_restarts.py::test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise",
     "test_restarts.py::test_fully_sharded_resumes_bitwise_and_onto_fewer_processes",
+    # Streaming DiLoCo's resume through train_lm (two runs, about a minute);
+    # tests/test_streaming.py resumes after every step in the core tier.
+    "test_restarts.py::test_streaming_diloco_resumes_from_a_checkpoint_with_a_fragment_in_flight",
+    "test_restarts.py::test_local_sgd_resumes_on_fewer_processes",
 }
 # The C++ unit tests under the sanitizers (their builds took 175 s of the core
 # tier): the core tier runs them unsanitized, the extended part under

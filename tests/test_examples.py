@@ -11,9 +11,12 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _launch(script, args, nproc=2, devices=1):
+def _launch(script, args, nproc=2, devices=1, fast_compile=False):
     env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_TIMEOUT_S="120")
     env.pop("XLA_FLAGS", None)
+    if fast_compile:
+        # About half the compile time, for runs of a few steps.
+        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc), "--devices-per-process",
            str(devices), "--timeout", "300", "--", sys.executable, script, *args]
     proc = subprocess.run(cmd, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=330)
@@ -91,3 +94,42 @@ def test_quickstart_learns():
     proc = _launch("quickstart.py", [])
     losses = [float(v) for v in re.findall(r"step +\d+ +loss ([\d.]+)", proc.stdout)]
     assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], proc.stdout[-4000:]
+
+
+# Every training-mode flag of data_parallel.py the docs mention, a few steps
+# each, with a report (the held-out view of the parameters) at the first,
+# a middle and the last step: each mode hands the report its own layout
+# (local SGD a leading axis of one per device, fully sharded the gathered
+# parameters).
+_SHORT = ["--steps", "4", "--log-every", "2", "--batch", "8"]
+_LM_SMALL = ["--dim", "32", "--layers", "1", "--context", "16", "--text-bytes", "200000"]
+SMOKE = {
+    "mnist-local-steps": ("train_mnist_like.py", ["--local-steps", "2"]),
+    "mnist-streaming": ("train_mnist_like.py", ["--local-steps", "2", "--fragments", "2",
+                                                "--delay", "0"]),
+    "mnist-sharded-optimizer": ("train_mnist_like.py", ["--sharded-optimizer"]),
+    "mnist-fully-sharded": ("train_mnist_like.py", ["--fully-sharded"]),
+    "mnist-powersgd": ("train_mnist_like.py", ["--powersgd-rank", "2"]),
+    "mnist-topk": ("train_mnist_like.py", ["--topk-fraction", "0.1"]),
+    "mnist-compute-only": ("train_mnist_like.py", ["--reduce", "none"]),
+    "lm-diloco-int8": ("train_lm.py", [*_LM_SMALL, "--local-steps", "2", "--outer", "diloco",
+                                       "--compression", "int8"]),
+    "lm-slowmo": ("train_lm.py", [*_LM_SMALL, "--local-steps", "2", "--outer", "slowmo"]),
+    "lm-localsgd-streaming-delay": ("train_lm.py", [*_LM_SMALL, "--local-steps", "4",
+                                                    "--outer", "sgd", "--fragments", "2",
+                                                    "--delay", "1", "--mixing", "0.25"]),
+    "lm-fully-sharded-reshard": ("train_lm.py", [*_LM_SMALL, "--fully-sharded",
+                                                 "--reshard-after-forward", "--prefetch", "0"]),
+    "lm-native": ("train_lm.py", [*_LM_SMALL, "--reduce", "native"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_every_training_mode_reports_and_finishes(name):
+    script, args = SMOKE[name]
+    proc = _launch(script, [*_SHORT, *args], fast_compile=True)
+    what = "test accuracy" if script == "train_mnist_like.py" else "held-out loss"
+    reports = [l for l in proc.stdout.splitlines() if "] step " in l and what in l]
+    assert len(reports) == 3, proc.stdout[-4000:]
+    done = [l for l in proc.stdout.splitlines() if "done:" in l]
+    assert len(done) == 1 and what in done[0], proc.stdout[-4000:]

@@ -422,3 +422,43 @@ def test_fully_sharded_resumes_bitwise_and_onto_fewer_processes(tmp_path, tmp_pa
     # at step 9, not a fresh model's (about 6.4 on this model).
     first_loss = float(re.search(r"\(first ([0-9.]+)\)", two.stdout).group(1))
     assert first_loss < 5.5, _out(two)
+
+
+@pytest.mark.timeout(900)
+def test_streaming_diloco_resumes_from_a_checkpoint_with_a_fragment_in_flight(
+        tmp_path, tmp_path_factory):
+    # Fragment 0 starts at step 4 and arrives at 5 (fragment 1: 6 and 7):
+    # the checkpoint after step 4 holds it in flight. Rank 1 is killed after
+    # step 5, the restart resumes from that checkpoint and re-issues it.
+    streaming = ["--local-steps", "4", "--fragments", "2", "--delay", "1", "--steps", "10"]
+    whole = _lm(tmp_path_factory.mktemp("whole-streaming"), n=2, extra=streaming)
+    assert whole.returncode == 0, _out(whole)
+    # The last step (10) has fragment 1 (sent after step 10) in flight: named, not dropped silently.
+    assert ("note: a fragment's reduction was in flight after step 10 (--delay 1): it is not "
+            "in these final parameters") in whole.stdout, _out(whole)
+    proc = _lm(tmp_path / "ckpt", n=2, launch=["--max-restarts", "1"],
+               extra=[*streaming, "--kill-at-step", "5:1"])
+    assert proc.returncode == 0, _out(proc)
+    assert [int(s) for s in _RESUMED.findall(proc.stdout)] == [4], _out(proc)
+    assert _digest(proc) == _digest(whole), _out(proc)
+
+
+@pytest.mark.timeout(900)
+def test_local_sgd_resumes_on_fewer_processes(tmp_path):
+    # 3 workers save after step 5 (one step past a sync), then 2 resume:
+    # workers 0 and 1 go on from their own rows (rank 0's parameters are
+    # bitwise those it saved) and sync among themselves at step 8.
+    ckpt = tmp_path / "ckpt"
+    local = ["--local-steps", "4", "--checkpoint-every", "5"]
+    first = _lm(ckpt, n=3, extra=[*local, "--steps", "5"])
+    assert first.returncode == 0, _out(first)
+    same = _lm(ckpt, n=2, extra=[*local, "--steps", "5"])
+    assert same.returncode == 0, _out(same)
+    assert "holds --local-steps' state of 3 workers: workers 0..1 go on" in same.stdout, \
+        _out(same)
+    assert "done: nothing to train, the checkpoint is at step 5" in same.stdout, _out(same)
+    assert _digest(same) == _digest(first), (_out(first), _out(same))
+    on = _lm(ckpt, n=2, extra=[*local, "--steps", "9"])
+    assert on.returncode == 0, _out(on)
+    assert [int(s) for s in _RESUMED.findall(on.stdout)] == [5], _out(on)
+    assert "done: reduce=herring processes=2 " in on.stdout, _out(on)

@@ -115,7 +115,7 @@ def failures(tmp_path_factory):
     (root / "exists").mkdir()
     run = launch("checkpoint_failure_worker.py", ["--dir", str(root)], nproc=2,
                  env={"HERRING_TIMEOUT_S": str(TIMEOUT_S)}, timeout=300)
-    assert_all_ok(run, expected_cases=6)
+    assert_all_ok(run, expected_cases=8)
     cases = defaultdict(dict)
     for rank, results in run.results.items():
         for r in results:
@@ -157,3 +157,22 @@ def test_a_damaged_checkpoint_is_refused_with_a_clear_error(failures):
         assert "truncated" in got["truncated"]["text"], got["truncated"]
         assert got["format"]["type"] == "ValueError", got["format"]
         assert "version 9" in got["format"]["text"], got["format"]
+
+
+def test_a_killed_save_leaves_nothing_after_the_next_save(failures):
+    root, cases = failures
+    # The failed save's and a killed save's `.partial-<gen>` directories are
+    # gone once the next save has completed.
+    assert cases["after"][0]["partials"] == [], cases["after"][0]
+    assert not any(".partial-" in p.name for p in root.iterdir() if p.name != "ok"), \
+        sorted(p.name for p in root.iterdir())
+
+
+def test_restoring_into_other_dtypes_is_refused_unless_cast(failures):
+    _, cases = failures
+    for rank in range(2):
+        got = cases["dtype"][rank]
+        assert got["type"] == "ValueError", got
+        assert "params['dense']['bias'] as float32" in got["text"], got
+        assert "make it bfloat16" in got["text"] and "cast=True" in got["text"], got
+        assert cases["dtype-cast"][rank]["ok"], cases["dtype-cast"][rank]

@@ -24,6 +24,11 @@
 // process names nothing here (the done says so) rather than a reduction of
 // this process. The done also checks that its ticket is its start's.
 //
+// herring_async_known tells whether a token names a start of this process
+// that no done has collected yet: a token restored from a checkpoint of an
+// earlier process does not, and local_sgd then starts the reduction again
+// from the state's copy of what was sent (streaming.py).
+//
 // A process that shuts down with a start still in flight waits for it first
 // (DrainAsync, from herring_jax.shutdown), so that its peers' matching
 // reduction ends normally; then the unclaimed results are dropped.
@@ -256,9 +261,25 @@ ffi::Error AsyncDoneImpl(ffi::Buffer<ffi::S32> ticket_buffer, ffi::AnyBuffer tok
   });
 }
 
+ffi::Error AsyncKnownImpl(ffi::AnyBuffer token, ffi::Result<ffi::Buffer<ffi::S32>> known,
+                          int64_t comm_handle) {
+  return NoThrow("herring async known", [&]() -> ffi::Error {
+    if (token.size_bytes() != sizeof(uint64_t) || known->element_count() != 1) {
+      return ffi::Error::InvalidArgument(
+          "herring async known: the token must be 8 bytes and the result one int32");
+    }
+    uint64_t id = 0;
+    std::memcpy(&id, token.untyped_data(), sizeof(id));
+    PairTable& table = Table();
+    std::lock_guard<std::mutex> lock(table.mu);
+    known->typed_data()[0] = table.started.count(PairKey{comm_handle, id}) ? 1 : 0;
+    return ffi::Error::Success();
+  });
+}
+
 }  // namespace
 
-size_t DrainAsync(int64_t comm_handle, double timeout_s) {
+size_t DrainAsync(int64_t comm_handle, double timeout_s, std::vector<int64_t>* dropped) {
   PairTable& table = Table();
   std::unique_lock<std::mutex> lock(table.mu);
   table.cv.wait_for(lock, std::chrono::duration<double>(timeout_s),
@@ -270,6 +291,7 @@ size_t DrainAsync(int64_t comm_handle, double timeout_s) {
     if (it->first.comm == comm_handle) {
       std::lock_guard<std::mutex> task_lock(it->second->mu);
       finished = it->second->finished;
+      if (finished && dropped) dropped->push_back(it->second->ticket);
     }
     it = finished ? table.started.erase(it) : std::next(it);
   }
@@ -292,5 +314,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HerringAsyncDone, AsyncDoneImpl,
                                   .RemainingRets()               // the reduced buffers
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("key"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HerringAsyncKnown, AsyncKnownImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()           // a start's token
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // 1: a start of this process
+                                  .Attr<int64_t>("comm"));
 
 }  // namespace herring

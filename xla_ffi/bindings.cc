@@ -80,6 +80,7 @@ NB_MODULE(_herring_ffi, m) {
     d["herring_join"] = EncapsulateFfiHandler(HerringJoin);
     d["herring_async_start"] = Bundle(HerringAllReduceInstantiate, HerringAsyncStart);
     d["herring_async_done"] = EncapsulateFfiHandler(HerringAsyncDone);
+    d["herring_async_known"] = EncapsulateFfiHandler(HerringAsyncKnown);
     return d;
   });
   // Types to register (jax.ffi.register_ffi_type) before the handlers.
@@ -304,9 +305,22 @@ NB_MODULE(_herring_ffi, m) {
     if (auto comm = engine::Registry::Get().Find(handle)) {
       const double timeout_s = comm->config().timeout_s + 10.0;
       comm.reset();
-      if (size_t left = DrainAsync(handle, timeout_s)) {
+      std::vector<int64_t> dropped;
+      if (size_t left = DrainAsync(handle, timeout_s, &dropped)) {
         std::fprintf(stderr, "herring_jax: shutdown gave up waiting for %zu async "
                      "reduction(s) still in flight after %.0f s\n", left, timeout_s);
+      }
+      // Never silently: a fragment local_sgd had in flight when training
+      // stopped is not applied to the parameters this process ends with.
+      if (!dropped.empty()) {
+        std::string tickets;
+        for (int64_t t : dropped) tickets += (tickets.empty() ? "" : ", ") + std::to_string(t);
+        std::fprintf(stderr, "herring_jax: shutdown dropped the result of %zu reduction(s) "
+                     "started across steps and never collected (ticket %s: the step count "
+                     "of its start): a local_sgd fragment in flight when training stopped is "
+                     "not in this process's final parameters. A checkpoint of the optimizer "
+                     "state saved after that step holds what was sent, and a run resumed "
+                     "from it applies the fragment\n", dropped.size(), tickets.c_str());
       }
     }
     engine::Registry::Get().Remove(handle);

@@ -24,10 +24,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringJoin);
 // async_pair.cc: a reduction that starts in one execution and ends in a
 // later one (XLA:CPU), paired by a runtime ticket. DrainAsync waits up to
 // `timeout_s` until the communicator's started reductions have ended, drops
-// their uncollected results and returns how many were still running.
+// their uncollected results (their tickets go to `dropped`) and returns how
+// many were still running.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAsyncStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAsyncDone);
-size_t DrainAsync(int64_t comm_handle, double timeout_s);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAsyncKnown);
+size_t DrainAsync(int64_t comm_handle, double timeout_s, std::vector<int64_t>* dropped);
 
 #ifdef HERRING_WITH_CUDA
 // cuda_handlers.cc: the same reduction on XLA's CUDA platform, split into a

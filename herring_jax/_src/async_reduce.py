@@ -9,7 +9,9 @@ streaming fragments with ``delay >= 1``. A runtime int32 ``ticket`` (the step
 count of the start: the same on every process) names the reduction across
 processes; the start's token, which the caller keeps (in the optimizer state)
 and hands to the done, finds it in this process. A done whose token names no
-start of this process fails with an error that says so. XLA:CPU only: on
+start of this process fails with an error that says so; ``started`` tells
+beforehand whether a token names one (a caller that kept a copy of what it
+sent can then start it again). XLA:CPU only: on
 XLA:CUDA they raise NotImplementedError when lowered.
 """
 
@@ -56,6 +58,14 @@ def finish_reduction(ticket, token, like, *, op: str = "mean", codec: str = "non
                        avals=avals, op=op, codec=codec)
 
 
+def started(token):
+    """Whether `token` names a start of this process whose result no done
+    has collected yet (int32 scalar, 1 or 0): not so for a token restored
+    from a checkpoint that an earlier process saved, nor for one whose done
+    ran. Inside jax.jit only."""
+    return known_p.bind(jnp.asarray(token, jnp.uint8))
+
+
 # Both change what the engine holds (a start that nothing reads would
 # otherwise be dropped by jax's dead-code elimination, and a done's results
 # may go unused): they carry an effect.
@@ -69,6 +79,12 @@ def _done_abstract(ticket, token, *, avals, op, codec):
     del ticket, token, op, codec
     return ([jax.core.ShapedArray(shape, np.dtype(dtype)) for shape, dtype in avals],
             {jax_compat.HOST_STATE_EFFECT})
+
+
+def _known_abstract(token):
+    del token
+    # An effect: it reads the engine's table, which starts and dones change.
+    return jax.core.ShapedArray((), np.int32), {jax_compat.HOST_STATE_EFFECT}
 
 
 def _outside_jit(*args, **params):
@@ -95,6 +111,13 @@ def _lower_done(ctx, ticket, token, *, platform, avals, op, codec):
                           ctx.avals_out, attrs)
 
 
+def _lower_known(ctx, token, *, platform):
+    if platform != "cpu":
+        raise NotImplementedError(_NOT_ON_CUDA)
+    return lowering._call("herring_async_known", ctx, [token], ctx.avals_in, ctx.avals_out,
+                          dict(comm=np.int64(runtime.state().handle)))
+
+
 start_p = jex_core.Primitive("herring_async_start")
 start_p.def_effectful_abstract_eval(_start_abstract)
 start_p.def_impl(_outside_jit)
@@ -102,8 +125,13 @@ done_p = jex_core.Primitive("herring_async_done")
 done_p.multiple_results = True
 done_p.def_effectful_abstract_eval(_done_abstract)
 done_p.def_impl(_outside_jit)
+known_p = jex_core.Primitive("herring_async_known")
+known_p.def_effectful_abstract_eval(_known_abstract)
+known_p.def_impl(_outside_jit)
 for _platform in ("cpu", "cuda"):
     mlir.register_lowering(start_p, functools.partial(_lower_start, platform=_platform),
                            platform=_platform, cacheable=False)
     mlir.register_lowering(done_p, functools.partial(_lower_done, platform=_platform),
+                           platform=_platform, cacheable=False)
+    mlir.register_lowering(known_p, functools.partial(_lower_known, platform=_platform),
                            platform=_platform, cacheable=False)

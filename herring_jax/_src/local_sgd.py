@@ -57,9 +57,11 @@ class LocalSGDState(NamedTuple):
       reduce: the reduction's state: with a lossy ``compression`` and error
         feedback, what this worker's pseudo-gradients lost on the wire so far
         (``CompressedGradientsState``); else ``AllReduceGradientsState()``.
-      pending: with a delay, the tokens of each fragment's reduction in
-        flight (uint8, this process's own: they name reductions of its
-        engine); else () (no leaves).
+      pending: with a delay, ``streaming.Pending``: the tokens of each
+        fragment's reduction in flight (uint8, this process's own: they name
+        reductions of its engine) and a copy of what the last fragment to
+        start sent (at most one fragment's bytes), from which a run resumed
+        from a checkpoint starts that reduction again; else () (no leaves).
     """
 
     count: Any
@@ -129,10 +131,13 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         reduced on herring's threads while the next D steps compute; its
         outer step is applied D steps later, merged by `mixing`. Less than
         ``every // fragments``; across processes only (axis_name None) and
-        on XLA:CPU. A checkpoint must be saved where no fragment is in
-        flight (``herring_jax.local_sgd_in_flight``): restored there, the
-        arrival fails with an error that says so. A fragment still in
-        flight when training stops is not applied.
+        on XLA:CPU. A checkpoint saved after any step resumes bitwise: the
+        state keeps a copy of what the fragment in flight sent, and a
+        resumed run's arrival step reduces it again. A fragment still in
+        flight when training stops is not in the final parameters
+        (``herring_jax.local_sgd_in_flight`` says whether one is, and
+        shutdown names its ticket); a checkpoint saved then applies it
+        when resumed.
       mixing: with delay >= 1, what a fragment's parameters become on
         arrival: ``mixing * local + (1 - mixing) * (synced + outer update)``,
         local being this worker's parameters then (Streaming DiLoCo's
@@ -176,7 +181,7 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
                              inner=inner.init(params),
                              outer=streaming.init_outer(outer, params, fragments, delay),
                              reduce=reducer.init(params),
-                             pending=streaming.init_pending(fragments, delay))
+                             pending=streaming.init_pending(params, fragments, delay))
 
     def sync(u, params, synced, outer_state, reduce_state):
         pseudo = jax.tree_util.tree_map(lambda s, p, v: (s - p) - v, synced, params, u)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 from typing import Any
 
@@ -144,6 +145,26 @@ def _members(tx, state, params, rank: int, n: int) -> tuple[list, list, dict]:
     return entries, p_entries, members
 
 
+_PARTIAL = re.compile(r".+\.partial-\d+")
+
+
+def _remove_stale_partials(directory: str) -> None:
+    """Removes what saves killed midway left beside `directory`: the
+    `<name>.partial-<generation>` directories of save_sharded's layout (with
+    shards/ inside). Saves are collective and each returns only once its
+    directory is in place, so any such directory is of a save that never
+    completed."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return  # no parent yet: nothing left there
+    for name in names:
+        path = os.path.join(parent, name)
+        if _PARTIAL.fullmatch(name) and os.path.isdir(os.path.join(path, "shards")):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def save_sharded(directory: str, tx, state, params=None) -> None:
     """Writes sharded_optimizer's `state` (and `params`) to `directory`, each
     process its chunks into a file of its own. Call it on every process, with
@@ -151,7 +172,9 @@ def save_sharded(directory: str, tx, state, params=None) -> None:
 
     A failure on any process (the directory exists, a disk is full, ...)
     raises the same error on every process at once, naming the rank, and
-    leaves no manifest.
+    leaves no manifest. What a failed or killed save left
+    (``<directory>.partial-<generation>``) is removed by the next save into
+    the same parent directory.
 
     Args:
       directory: where the checkpoint goes (on a file system every process
@@ -170,6 +193,8 @@ def save_sharded(directory: str, tx, state, params=None) -> None:
     rank, n = st.rank, st.size
     agree = Agreement(f"save_sharded({directory!r})")
     tmp = directory + f".partial-{st.generation}"
+    if rank == 0:
+        _remove_stale_partials(directory)
     shard = os.path.join("shards", f"{rank}.npz")
     # Whatever fails on a process, every process raises (agree.step) at once.
     error = None
@@ -225,7 +250,7 @@ def _open(directory: str):
                      f"its format is {fmt!r}; this one reads {FORMAT!r} and {FORMAT_V1!r}")
 
 
-def restore_sharded(directory: str, tx, params):
+def restore_sharded(directory: str, tx, params, *, cast: bool = False):
     """Reads a checkpoint of save_sharded onto this job, whatever its number
     of processes: returns (state, params) with this process's chunks.
 
@@ -240,6 +265,11 @@ def restore_sharded(directory: str, tx, params):
       params: parameters of the right structure, shapes and dtypes (their
         values are not used: the saved ones are returned;
         ``jax.ShapeDtypeStruct`` leaves do for fully_sharded).
+      cast: False (default): a saved leaf (parameter, state or residual)
+        whose dtype differs from the one `params` makes is refused, naming
+        the leaf and both dtypes. True: the saved values are converted to
+        this job's dtypes (``numpy.astype``), e.g. to resume a float32 run
+        in bfloat16.
 
     Returns:
       sharded_optimizer: ``(state, params)``. fully_sharded: its
@@ -250,12 +280,39 @@ def restore_sharded(directory: str, tx, params):
     rank, n = st.rank, st.size
     manifest, reader = _open(directory)
     try:
-        return _restore(directory, tx, params, manifest, reader, rank, n)
+        return _restore(directory, tx, params, manifest, reader, rank, n, cast)
     finally:
         reader.close()
 
 
-def _restore(directory, tx, params, manifest, reader, rank: int, n: int):
+def _check_dtype(directory: str, name: str, saved: np.dtype, wanted: np.dtype,
+                 cast: bool) -> None:
+    if saved != wanted and not cast:
+        raise ValueError(
+            f"{directory} holds {name} as {saved.name}, but the parameters given to "
+            f"restore_sharded make it {wanted.name}: pass parameters of the saved dtypes, or "
+            "cast=True to convert the saved values to these")
+
+
+def _residual(values: np.ndarray, like, cast: bool) -> np.ndarray:
+    """A saved error feedback residual in this job's dtype: the file holds
+    16-bit floats' bits (checkpoint_files.file_dtype), so a residual saved
+    in the dtype wanted is its bits viewed back. One saved in another dtype
+    (the parameters' dtypes changed, cast=True) starts from zero, as on
+    another number of processes: the file does not say which 16-bit float
+    its bits are."""
+    wanted = np.dtype(like.dtype)
+    if values.dtype == files.file_dtype(wanted.name) and values.shape == tuple(like.shape):
+        return values.view(wanted)
+    if not cast:
+        raise ValueError(f"an error feedback residual was saved as {values.dtype.name}"
+                         f"{list(values.shape)}, this job's is {wanted.name}"
+                         f"{list(like.shape)}: pass parameters of the saved dtypes, or "
+                         "cast=True (the residual then starts from zero)")
+    return np.zeros(like.shape, wanted)
+
+
+def _restore(directory, tx, params, manifest, reader, rank: int, n: int, cast: bool):
     inner = _inner(tx)
     p_leaves, p_def = jax.tree_util.tree_flatten(params)
     p_leaves = [jax.ShapeDtypeStruct(tuple(np.shape(p)) if not hasattr(p, "shape") else
@@ -271,36 +328,45 @@ def _restore(directory, tx, params, manifest, reader, rank: int, n: int):
     if len(entries) != len(like) or any(e["param"] != o for e, o in zip(entries, owners)):
         raise ValueError(f"{directory} holds the state of another inner transformation")
 
-    def typed(flat, entry, like_dtype):
-        data = flat.view(np.dtype(jnp.dtype(entry["dtype"])))
-        return data.astype(np.dtype(like_dtype), copy=False)
+    p_names = [f"params{jax.tree_util.keystr(path)}"
+               for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
+    def typed(flat, entry, like_dtype, name):
+        saved = np.dtype(jnp.dtype(entry["dtype"]))
+        _check_dtype(directory, name, saved, np.dtype(like_dtype), cast)
+        return flat.view(saved).astype(np.dtype(like_dtype), copy=False)
+
+    # Every leaf's dtype before any file is read: a refusal costs no reading.
+    for name, m, p in zip(p_names, manifest["params"], p_leaves):
+        _check_dtype(directory, name, np.dtype(jnp.dtype(m["dtype"])), np.dtype(p.dtype), cast)
     leaves = []
     for e, t in zip(entries, like):
+        name = f"state{e['path']}"
         if not e["chunked"]:
-            leaves.append(jnp.asarray(typed(reader.whole(e), e, t.dtype).reshape(t.shape)))
+            leaves.append(jnp.asarray(typed(reader.whole(e), e, t.dtype, name).reshape(t.shape)))
             continue
         lo, hi = chunk_range(int(np.prod(e["shape"], dtype=np.int64)), n, rank)
         chunk = np.zeros(int(np.prod(t.shape, dtype=np.int64)), np.dtype(t.dtype))
-        chunk[:hi - lo] = typed(reader.range(e, lo, hi), e, t.dtype)
+        chunk[:hi - lo] = typed(reader.range(e, lo, hi), e, t.dtype, name)
         leaves.append(jnp.asarray(chunk.reshape(t.shape)))
     if fully:
         # This process's chunk of each parameter, from whichever files hold it.
         restored = []
-        for p, m in zip(p_leaves, manifest["params"]):
+        for p, m, name in zip(p_leaves, manifest["params"], p_names):
             lo, hi = chunk_range(int(np.prod(np.shape(p), dtype=np.int64)), n, rank)
             shape = chunk_shape(np.shape(p), n)
             chunk = np.zeros(int(np.prod(shape, dtype=np.int64)), np.dtype(p.dtype))
-            chunk[:hi - lo] = typed(reader.range(m, lo, hi), m, p.dtype)
+            chunk[:hi - lo] = typed(reader.range(m, lo, hi), m, p.dtype, name)
             restored.append(jnp.asarray(chunk.reshape(shape)))
     else:
-        restored = [jnp.asarray(typed(reader.whole(m), m, p.dtype).reshape(np.shape(p)))
-                    for p, m in zip(p_leaves, manifest["params"])]
+        restored = [jnp.asarray(typed(reader.whole(m), m, p.dtype, name).reshape(np.shape(p)))
+                    for p, m, name in zip(p_leaves, manifest["params"], p_names)]
     residual = jax.tree_util.tree_map(lambda t: jnp.zeros(t.shape, t.dtype), template.residual)
     if manifest["residuals"] and manifest["processes"] == n:
         r_leaves, r_def = jax.tree_util.tree_flatten(residual)
         residual = jax.tree_util.tree_unflatten(r_def, [
-            jnp.asarray(reader.residual(rank, k)) for k in range(len(r_leaves))])
+            jnp.asarray(_residual(reader.residual(rank, k), t, cast))
+            for k, t in enumerate(r_leaves)])
     inner_state = jax.tree_util.tree_unflatten(s_def, leaves)
     shard = jnp.asarray(rank, jnp.int32)
     if fully:

@@ -22,9 +22,12 @@ D steps (count: the step count after this step's inner update, 1, 2, ...):
 The other fragments go on with their inner updates. A D >= 1 reduction
 starts in one execution of the step and ends in a later one
 (async_reduce.py): its bytes are in the engine's memory meanwhile, and the
-optimizer state holds only its token, so a checkpoint must be saved where no
-fragment is in flight (``local_sgd_in_flight``); a done whose start ran
-before a restore fails with an error that says so.
+optimizer state holds its tokens and a copy of what it sent
+(``Pending``), so that a checkpoint saved after any step resumes: where the
+tokens name no start of this process (its start ran in an earlier life of
+the process), the arriving step starts the reduction again from that copy,
+under the same ticket on every process, and waits for it. The average, so
+the result, is bitwise the one the uninterrupted run collected.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from typing import Any, NamedTuple
+
 import optax
 
 from herring_jax._src import async_reduce
@@ -83,9 +88,10 @@ def schedule(every: int, fragments: int, delay: int) -> np.ndarray:
 
 def local_sgd_in_flight(count, every: int, fragments: int = 1, delay: int = 0) -> bool:
     """Whether a fragment's reduction of ``local_sgd(..., delay=D)`` is in
-    flight after a step: a checkpoint of the state saved then is refused
-    when restored (the step that would collect the fragment fails, saying
-    so). Save where this is False.
+    flight after a step: not in the parameters yet. Training that stops
+    there ends without it (a checkpoint of the state saved then holds what
+    was sent, and the resumed run applies it where the uninterrupted run
+    would have).
 
     Args:
       count: the state's step count after the step (``opt_state.count``).
@@ -135,14 +141,47 @@ def init_outer(outer, params, fragments: int, delay: int):
                  for f in range(fragments))
 
 
-def init_pending(fragments: int, delay: int):
-    """The tokens of the fragments in flight (async_reduce's): for each
-    fragment one per call of its start (float32 leaves, the others); () with
-    no delay, so that the state of local_sgd without streaming keeps its
-    leaves."""
+class Pending(NamedTuple):
+    """What local_sgd with a delay keeps of the fragments in flight.
+
+    Attributes:
+      tokens: for each fragment, its start's tokens (async_reduce's), one row
+        per call (its float32 leaves, its other leaves): uint8[2, 8].
+      sent: what the last fragment to start sent, one flat buffer per dtype
+        of the parameters (sorted by name), each as long as the largest
+        fragment's elements of that dtype: a resumed run starts the
+        reduction again from it (one fragment is in flight at a time, as
+        ``delay < every // fragments``, so the fragments share it).
+    """
+
+    tokens: Any
+    sent: Any
+
+
+def _payload_layout(leaves, fragments: int):
+    """(dtypes, lengths, where): the dtypes of the sent buffers (sorted by
+    name), each buffer's length, and where[i] = (buffer, offset) of leaf i's
+    elements in its fragment's payload."""
+    of = fragment_leaves(leaves, fragments)
+    dtypes = sorted({np.dtype(x.dtype).name for x in leaves})
+    fill = {(f, d): 0 for f in range(fragments) for d in dtypes}
+    where = []
+    for x, f in zip(leaves, of):
+        d = np.dtype(x.dtype).name
+        where.append((dtypes.index(d), fill[f, d]))
+        fill[f, d] += int(x.size)
+    lengths = [max(fill[f, d] for f in range(fragments)) for d in dtypes]
+    return dtypes, lengths, where
+
+
+def init_pending(params, fragments: int, delay: int):
+    """The state of the fragments in flight (``Pending``); () with no delay,
+    so that the state of local_sgd without streaming keeps its leaves."""
     if not delay:
         return ()
-    return tuple(jnp.zeros((2, 8), jnp.uint8) for _ in range(fragments))
+    dtypes, lengths, _ = _payload_layout(jax.tree_util.tree_leaves(params), fragments)
+    return Pending(tokens=tuple(jnp.zeros((2, 8), jnp.uint8) for _ in range(fragments)),
+                   sent=tuple(jnp.zeros((n,), d) for d, n in zip(dtypes, lengths)))
 
 
 def streamed_update(u, params, state, count, *, every, fragments, delay, mixing, outer,
@@ -189,18 +228,23 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
         rest = [i for i in live if i not in f32]
         return [(f32, compression), (rest, "none")]
 
+    dtypes, lengths, where = _payload_layout(p_leaves, fragments) if delay else ([], [], [])
+
     def start(f, u_l, s_l, outer_states, r_l, pend):
         """Delay >= 1: send fragment f's pseudo-gradient under the ticket
-        `count`, keep the tokens; the fragment trains on."""
+        `count`, keep the tokens and a copy of what was sent; the fragment
+        trains on."""
         idx = members[f]
         pseudo = dict(zip(idx, pseudo_of(idx, u_l, s_l)))
         r_l = list(r_l)
-        tokens = list(pend[f])
+        tokens = list(pend.tokens[f])
+        sent_of = {}
         for g, (group, codec) in enumerate(groups_of(idx)):
             if not group:
                 continue
             sent = [jnp.ravel(pseudo[i] + r_l[i] if feedback and codec != "none"
                               else pseudo[i]) for i in group]
+            sent_of.update(zip(group, sent))
             tokens[g] = async_reduce.start_reduction(sent, count, op="mean", codec=codec)
             if feedback and codec != "none":
                 # What each buffer loses on the wire, as allreduce_gradients
@@ -208,7 +252,13 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
                 for i, b in zip(group, sent):
                     lost = jnp.where(jnp.isfinite(b), b - codecs.roundtrip(codec, b), 0.0)
                     r_l[i] = lost.reshape(p_leaves[i].shape)
-        pend = tuple(jnp.stack(tokens) if g == f else x for g, x in enumerate(pend))
+        copies = []
+        for k, (d, n) in enumerate(zip(dtypes, lengths)):
+            parts = [sent_of[i] for i in idx if i in sent_of and where[i][0] == k]
+            used = sum(int(b.size) for b in parts)
+            copies.append(jnp.concatenate([*parts, jnp.zeros((n - used,), d)]))
+        pend = Pending(tuple(jnp.stack(tokens) if g == f else x
+                             for g, x in enumerate(pend.tokens)), tuple(copies))
         return list(u_l), list(s_l), outer_states, r_l, pend
 
     def arrive(f, u_l, s_l, outer_states, r_l, pend):
@@ -216,12 +266,30 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
         ago), take the outer step and merge it into the local parameters."""
         idx = members[f]
         average = {}
+        ticket = count - delay
         for g, (group, codec) in enumerate(groups_of(idx)):
             if not group:
                 continue
             like = [jax.ShapeDtypeStruct((p_leaves[i].size,), p_leaves[i].dtype) for i in group]
-            got = async_reduce.finish_reduction(count - delay, pend[f][g], like, op="mean",
-                                                codec=codec)
+            token = pend.tokens[f][g]
+
+            def collect(token=token, like=like, codec=codec):
+                return async_reduce.finish_reduction(ticket, token, like, op="mean",
+                                                     codec=codec)
+
+            def again(token=token, like=like, codec=codec, group=group):
+                # The start ran in an earlier life of the process (a restored
+                # checkpoint): every process starts it again from its copy,
+                # under the start's ticket, and waits for it.
+                del token
+                sent = [jax.lax.dynamic_slice_in_dim(pend.sent[where[i][0]], where[i][1],
+                                                     p_leaves[i].size) for i in group]
+                again_token = async_reduce.start_reduction(sent, ticket, op="mean",
+                                                           codec=codec)
+                return async_reduce.finish_reduction(ticket, again_token, like, op="mean",
+                                                     codec=codec)
+
+            got = jax.lax.cond(async_reduce.started(token) == 1, collect, again)
             average.update({i: g.reshape(p_leaves[i].shape) for i, g in zip(group, got)})
         average = [average[i] if i in average else jnp.zeros_like(p_leaves[i]) for i in idx]
         o, new_f, outer_states = outer_step(f, average, s_l, outer_states)

@@ -8,7 +8,12 @@ Cases, in one job of 2 processes, under --dir:
           full disk), rank 0 writes its own;
   after   a save that succeeds, restored bitwise (the residual too); only
           its keys are left in jax.distributed's key-value store (those of
-          the failed saves deleted);
+          the failed saves deleted); no `<name>.partial-<gen>` directory is
+          left beside it (the failed save's, and one that a save killed
+          midway left, are removed by this save);
+  dtype   restoring it with bfloat16 parameters is refused, naming the leaf
+          and both dtypes; with cast=True it gives the saved values in
+          bfloat16 (dtype-cast);
 then restores that must fail, with the error each gives: from a directory
 without a manifest (missing), from one whose shard file of process 1 lost a
 byte (truncated), and from one of an unknown format (format).
@@ -101,8 +106,13 @@ def main() -> None:
     failing_save("full", full, tx, state, params,
                  full_disk_under(full) if rank == 1 else contextlib.nullcontext())
 
+    if rank == 0:
+        # What a save killed after its "prepare" step leaves.
+        os.makedirs(os.path.join(args.dir, "killed.partial-7", "shards"))
+    everyone_here()
     ok = os.path.join(args.dir, "ok")
     herring_jax.save_sharded(ok, tx, state, params)
+    partials = sorted(n for n in os.listdir(args.dir) if ".partial-" in n)
     got_state, got_params = herring_jax.restore_sharded(ok, tx, params)
     same = all(common.bitwise_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
         jax.tree_util.tree_leaves((state, params)),
@@ -114,7 +124,16 @@ def main() -> None:
     client = jax_compat.distributed_client()
     keys = client.key_value_dir_get_bytes("herring_jax/") if rank == 0 else []
     everyone_here()
-    common.report("after", same, checkpoint_keys=[k for k, _ in keys if "/checkpoint/" in k])
+    common.report("after", same and not partials, partials=partials,
+                  checkpoint_keys=[k for k, _ in keys if "/checkpoint/" in k])
+
+    half = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
+    failing_restore("dtype", ok, tx, half)
+    got_state, got_params = herring_jax.restore_sharded(ok, tx, half, cast=True)
+    common.report("dtype-cast", all(
+        a.dtype == jnp.bfloat16 and common.bitwise_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree_util.tree_leaves(got_params),
+                        jax.tree_util.tree_leaves(half))))
 
     failing_restore("missing", full, tx, params)
     damaged = os.path.join(args.dir, "damaged")

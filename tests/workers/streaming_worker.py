@@ -13,14 +13,24 @@
 --phase resume (second launch, fresh processes):
   "resume/not-in-flight": restored at count 3 and trained to 9: bitwise the
     run without a restart.
-  "resume/in-flight-refused": restored at count 4, the next step (which
-    collects fragment 0) fails with the error that names the ticket and
-    checkpoints; local_sgd_in_flight says 4 is in flight and 3 is not.
+  "resume/in-flight": restored at count 4 (fragment 0 in flight: its start
+    ran in the first launch) and trained to 9: bitwise the run without a
+    restart (the arrival re-issues the reduction from the state's copy of
+    what was sent); local_sgd_in_flight says 4 is in flight and 3 is not;
+    and a done handed that restored token directly (finish_reduction) fails
+    with the error that names the ticket.
   "cuda/not-implemented": lowering the step for XLA:CUDA raises
     NotImplementedError naming the way out (delay=0).
   "two-optimizers/interleaved": two local_sgd's of equal shapes and
     schedules, each run alone and then in turn, end alike: each done takes
     its own start's result (the start's token, not the ticket, pairs them).
+--phase every-step (one launch):
+  "every-step/<config>": a short streaming run saved (host copies) after
+    every step and resumed from each, with tokens that name no reduction of
+    this engine any more: every resumed run ends bitwise where the run
+    without a restart ends. Configs: every=4, fragments=2, delay=1; and
+    every=6, fragments=2, delay=2, int8 with error feedback, mixing 0, a
+    bfloat16 leaf beside the float32 ones.
 """
 
 from __future__ import annotations
@@ -95,7 +105,7 @@ def phase_save(rank: int, root: str) -> None:
             for x, f in zip(jax.tree_util.tree_leaves(p), of) if f == 1]
     # Fragment 1's float32 call: its start's token is in the state.
     got = jax.jit(lambda t, token: async_reduce.finish_reduction(t, token, like))(
-        10, state.pending[1][0])
+        10, state.pending.tokens[1][0])
     got = np.concatenate([np.asarray(g) for g in got])
     want = (mine + np.load(os.path.join(root, "pseudo-r1.npy"))) / 2
     common.report("exit/peer-last-reduction", bool(np.allclose(got, want, rtol=1e-5, atol=1e-6)),
@@ -145,14 +155,25 @@ def phase_resume(rank: int, root: str) -> None:
                   digest=common.digest(flat(p)))
     flags = [herring_jax.local_sgd_in_flight(c, EVERY, FRAGMENTS, DELAY) for c in (3, 4)]
     p, state = load(os.path.join(root, f"r{rank}-c4.npz"), like)
+    stale = state.pending
+    for k in range(4, 9):
+        p, state = step(grads(rank, k, p), state, p)
+    common.report("resume/in-flight", flat(p).tobytes() == want.tobytes() and
+                  flags == [False, True], digest=common.digest(flat(p)), flags=flags)
+    # The engine's own check, below local_sgd: a done handed a token of an
+    # earlier life of the process is refused, naming the ticket.
+    of = fragment_leaves(start, FRAGMENTS)
+    like0 = [jax.ShapeDtypeStruct((x.size,), x.dtype)
+             for x, f in zip(jax.tree_util.tree_leaves(start), of) if f == 0]
     error = ""
     try:
-        jax.block_until_ready(step(grads(rank, 4, p), state, p))
+        jax.block_until_ready(jax.jit(lambda t, token: async_reduce.finish_reduction(
+            t, token, like0))(4, stale.tokens[0][0]))
     except Exception as e:  # noqa: BLE001 - the refusal is the result
         error = str(e)
-    common.report("resume/in-flight-refused",
-                  "no reduction was started with ticket 4" in error and "checkpoint" in error
-                  and flags == [False, True], error=error[:600], flags=flags)
+    common.report("done/stale-token-refused",
+                  "no reduction was started with ticket 4" in error and "checkpoint" in error,
+                  error=error[:600])
     # XLA:CUDA has no handlers for a reduction across steps: refused when lowered.
     traced = jax.jit(lambda g, s, x: step(g, s, x)).trace(grads(rank, 4, p), state, p)
     why = ""
@@ -164,14 +185,62 @@ def phase_resume(rank: int, root: str) -> None:
     herring_jax.shutdown()
 
 
+# A bfloat16 leaf travels in a call of its own, uncompressed (streaming.py).
+MIXED_SHAPES = {"a": ((37,), jnp.float32), "b": ((5, 7), jnp.float32),
+                "c": ((20,), jnp.bfloat16), "d": ((3, 4), jnp.float32)}
+
+
+def every_step(rank: int) -> None:
+    configs = {
+        "f2d1": (4, dict(fragments=2, delay=1),
+                 {k: (v, jnp.float32) for k, v in FRAGMENT_SHAPES.items()}, 9),
+        "f2d2-int8-mixed": (6, dict(fragments=2, delay=2, compression="int8", mixing=0.0),
+                            MIXED_SHAPES, 13),
+    }
+    for name, (every, kw, shapes, steps) in configs.items():
+        tx = herring_jax.local_sgd(optax.adam(0.05), every, **kw)
+        step = train_step(tx)
+        rng = np.random.default_rng(7)
+        p = {k: jnp.asarray(rng.normal(size=shape).astype(np.float32)).astype(dtype)
+             for k, (shape, dtype) in sorted(shapes.items())}
+
+        def g(k, p):
+            return {n: (common.make_input("float32", v.size, rank, k).reshape(v.shape)
+                        + np.float32(0.5) * np.asarray(v, np.float32)).astype(v.dtype)
+                    for n, v in p.items()}
+
+        state = tx.init(p)
+        saved = []
+        for k in range(steps):
+            p, state = step(g(k, p), state, p)
+            # Host copies: what a checkpoint holds.
+            saved.append(jax.tree_util.tree_map(np.array, (p, state)))
+        want = flat(p).tobytes()
+        wrong = []
+        for k, was in enumerate(saved[:-1]):
+            p, state = jax.tree_util.tree_map(jnp.asarray, was)
+            for j in range(k + 1, steps):
+                p, state = step(g(j, p), state, p)
+            if flat(p).tobytes() != want:
+                wrong.append(k + 1)
+        in_flight = [c for c in range(1, steps)
+                     if herring_jax.local_sgd_in_flight(c, every, kw["fragments"], kw["delay"])]
+        common.report(f"every-step/{name}", not wrong and bool(in_flight), wrong=wrong,
+                      in_flight=in_flight, steps=steps)
+    herring_jax.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--phase", choices=["save", "resume"], required=True)
-    parser.add_argument("--dir", required=True)
+    parser.add_argument("--phase", choices=["save", "resume", "every-step"], required=True)
+    parser.add_argument("--dir", help="--phase save and resume: where the states go")
     args = parser.parse_args()
     herring_jax.initialize()
     rank = herring_jax.process_index()
-    (phase_save if args.phase == "save" else phase_resume)(rank, args.dir)
+    if args.phase == "every-step":
+        every_step(rank)
+    else:
+        (phase_save if args.phase == "save" else phase_resume)(rank, args.dir)
 
 
 if __name__ == "__main__":
