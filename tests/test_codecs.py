@@ -56,6 +56,21 @@ def test_error_feedback_residual_is_what_the_contribution_lost():
     assert_all_ok(run, expected_cases=4)
 
 
+@pytest.mark.parametrize("transform", ["allreduce", "sharded"])
+@pytest.mark.parametrize("hosts,nproc", [(None, 2), (2, 4), (2, 2)],
+                         ids=["1x2", "2x2", "2x1"])
+def test_error_feedback_keeps_what_the_engine_encoding_lost(transform, hosts, nproc):
+    # allreduce_gradients / sharded_optimizer(compression="int8") through the
+    # host stage: on one host nothing is encoded, so the residual stays zero
+    # and every step is the exact mean; across hosts each process keeps what
+    # its slice of its host's sum lost (2x2), or its own contribution (2x1).
+    # Every step's result and residual against the numpy model of what was
+    # encoded where (tests/workers/ef_host_worker.py).
+    run = launch("ef_host_worker.py", ["--codec", "int8", "--transform", transform],
+                 nproc=nproc, hosts=hosts)
+    assert_all_ok(run, expected_cases=4)
+
+
 def test_numpy_model_bounds():
     # The model itself: each codec's error stays within its bound of the
     # block's largest magnitude, and the sizes on the wire are as documented.

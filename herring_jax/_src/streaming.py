@@ -35,7 +35,6 @@ import numpy as np
 import optax
 
 from herring_jax._src import async_reduce
-from herring_jax._src import codecs
 from herring_jax._src.optax_transform import CompressedGradientsState
 
 
@@ -199,15 +198,10 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
         for g, (group, codec) in enumerate(groups_of(idx)):
             if not group:
                 continue
-            sent = [jnp.ravel(pseudo[i] + r_l[i] if feedback and codec != "none"
-                              else pseudo[i]) for i in group]
-            tokens[g] = async_reduce.start_reduction(sent, count, op="mean", codec=codec)
-            if feedback and codec != "none":
-                # What each buffer loses on the wire, as allreduce_gradients
-                # keeps it (a non-finite value leaves no residual behind).
-                for i, b in zip(group, sent):
-                    lost = jnp.where(jnp.isfinite(b), b - codecs.roundtrip(codec, b), 0.0)
-                    r_l[i] = lost.reshape(p_leaves[i].shape)
+            lossy = feedback and codec != "none"
+            sent = [jnp.ravel(pseudo[i] + r_l[i] if lossy else pseudo[i]) for i in group]
+            tokens[g] = async_reduce.start_reduction(sent, count, op="mean", codec=codec,
+                                                     feedback=lossy)
         pend = tuple(jnp.stack(tokens) if g == f else x for g, x in enumerate(pend))
         return list(u_l), list(s_l), outer_states, r_l, pend
 
@@ -220,9 +214,17 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
             if not group:
                 continue
             like = [jax.ShapeDtypeStruct((p_leaves[i].size,), p_leaves[i].dtype) for i in group]
+            lossy = feedback and codec != "none"
             got = async_reduce.finish_reduction(count - delay, pend[f][g], like, op="mean",
-                                                codec=codec)
+                                                codec=codec, feedback=lossy)
             average.update({i: g.reshape(p_leaves[i].shape) for i, g in zip(group, got)})
+            if lossy:
+                # What this process's encoding lost, as the engine encoded it
+                # (allreduce_gradients' residual), kept for the fragment's
+                # next start, which comes after this arrival.
+                r_l = list(r_l)
+                for i, lost in zip(group, got[len(group):]):
+                    r_l[i] = lost.reshape(p_leaves[i].shape)
         average = [average[i] if i in average else jnp.zeros_like(p_leaves[i]) for i in idx]
         o, new_f, outer_states = outer_step(f, average, s_l, outer_states)
         u_l, s_l = list(u_l), list(s_l)
