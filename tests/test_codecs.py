@@ -71,6 +71,16 @@ def test_error_feedback_keeps_what_the_engine_encoding_lost(transform, hosts, np
     assert_all_ok(run, expected_cases=4)
 
 
+@pytest.mark.parametrize("hosts,nproc", [(None, 2), (2, 4)], ids=["1x2", "2x2"])
+def test_error_feedback_of_processes_with_two_devices(hosts, nproc):
+    # allreduce_gradients('d') inside shard_map, 2 devices per process: a
+    # process encodes its devices' sum (or its slice of its host's sum), and
+    # its first device keeps the loss, the other zeros.
+    run = launch("ef_host_worker.py", ["--codec", "int8", "--devices", "2"],
+                 nproc=nproc, devices=2, hosts=hosts)
+    assert_all_ok(run, expected_cases=4)
+
+
 def test_numpy_model_bounds():
     # The model itself: each codec's error stays within its bound of the
     # block's largest magnitude, and the sizes on the wire are as documented.

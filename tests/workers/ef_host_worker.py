@@ -10,7 +10,10 @@ process encodes its own contribution and keeps what that lost. Across hosts
 with several processes each, the processes with local index j encode slice j
 of their host's float32 sum (an all-reduce's j-th equal slice; a
 reduce-scatter's parts of the ranks with local index j), and each keeps what
-its slices lost, nowhere else; so every loss is kept once.
+its slices lost, nowhere else; so every loss is kept once. With several
+devices per process (--devices, allreduce_gradients('d') inside shard_map)
+a process's contribution is its devices' sum, whose loss its first device
+keeps.
 
 Usage (under the launcher; HERRING_TEST_HOSTS gives the simulated hosts):
   python tests/workers/ef_host_worker.py --codec int8 --transform allreduce
@@ -28,10 +31,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
 from herring_jax._src import codecs  # noqa: E402
+from herring_jax._src.optax_transform import CompressedGradientsState  # noqa: E402
 
 # One float32 leaf (one fusion buffer) of whole codec blocks per worker, so
 # that sharded_optimizer's buffer is the leaf itself, in order.
@@ -56,21 +61,46 @@ def lost(codec: str, x: np.ndarray) -> np.ndarray:
 
 
 def model(codec, transform, sent, hosts):
-    """(result, residual of every rank) of one step."""
-    nproc = len(sent)
-    result = common.reference("float32", "mean", [[s] for s in sent], hosts, codec)
-    residual = [np.zeros(SIZE, np.float32) for _ in range(nproc)]
-    per_host = len(hosts[0])
-    if not common.host_stage_on() or per_host == 1:
-        return result, [lost(codec, s) for s in sent]  # flat: each its own
-    if len(hosts) == 1:
-        return result, residual  # one host: nothing encoded
-    for h in hosts:
-        host_lost = lost(codec, common._sum_in_order([sent[r] for r in h], np.float32))
-        for r in h:
-            for a, b in encoded_ranges(transform, r, hosts):
-                residual[r][a:b] = host_lost[a:b]
+    """(result, residual of every rank's every device) of one step;
+    sent[rank][device]."""
+    result = common.reference("float32", "mean", sent, hosts, codec)
+    procs = [common._sum_in_order(devs, np.float32) for devs in sent]
+    kept = [np.zeros(SIZE, np.float32) for _ in sent]
+    if not common.host_stage_on() or len(hosts[0]) == 1:
+        kept = [lost(codec, p) for p in procs]  # flat: each its own
+    elif len(hosts) > 1:  # (one host: nothing encoded)
+        for h in hosts:
+            host_lost = lost(codec, common._sum_in_order([procs[r] for r in h], np.float32))
+            for r in h:
+                for a, b in encoded_ranges(transform, r, hosts):
+                    kept[r][a:b] = host_lost[a:b]
+    residual = [[k] + [np.zeros(SIZE, np.float32) for _ in devs[1:]]
+                for k, devs in zip(kept, sent)]
     return result, residual
+
+
+def per_device_update(tx, devices: int):
+    """tx.update inside shard_map over every device of the job (axis 'd'),
+    each device with its own gradient and residual (leading axis: devices)."""
+    mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    spec = NamedSharding(mesh, P("d"))
+
+    def body(g, residual, params):
+        out, state = tx.update({"w": g[0]}, CompressedGradientsState({"w": residual[0]}), params)
+        return out["w"][None], state.residual["w"][None]
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P("d"), P()),
+                                 out_specs=(P("d"), P("d")), check_vma=False))
+
+    def update(local_grads, local_residuals, params):
+        g = jax.make_array_from_process_local_data(spec, local_grads)
+        e = jax.make_array_from_process_local_data(spec, local_residuals)
+        out, res = step(g, e, params)
+        shards = lambda a: np.stack([np.asarray(s.data[0]) for s in  # noqa: E731
+                                     sorted(a.addressable_shards, key=lambda s: s.index)])
+        return shards(out), shards(res)
+
+    return update
 
 
 def main() -> int:
@@ -78,31 +108,43 @@ def main() -> int:
     parser.add_argument("--codec", default="int8")
     parser.add_argument("--transform", choices=("allreduce", "sharded"), default="allreduce")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args()
     herring_jax.initialize()
     rank, nproc = herring_jax.process_index(), herring_jax.process_count()
     hosts = common.hosts_from_env(nproc)
+    devs = args.devices
 
+    axis = "d" if devs > 1 else None
     if args.transform == "allreduce":
-        tx = herring_jax.allreduce_gradients(compression=args.codec)
+        tx = herring_jax.allreduce_gradients(axis, compression=args.codec)
     else:
         tx = herring_jax.sharded_optimizer(optax.identity(), compression=args.codec)
     params = {"w": jnp.zeros(SIZE, jnp.float32)}
     state = tx.init(params)
-    update = jax.jit(tx.update)
-    residuals = [np.zeros(SIZE, np.float32) for _ in range(nproc)]
+    update = jax.jit(tx.update) if devs == 1 else per_device_update(tx, devs)
+    residuals = [[np.zeros(SIZE, np.float32)] * devs for _ in range(nproc)]
+    mine = np.zeros((devs, SIZE), np.float32)
     ok = True
     kept_any = False
     for step in range(args.steps):
-        g = [common.make_input("float32", SIZE, r, step) for r in range(nproc)]
-        out, state = update({"w": jnp.asarray(g[rank])}, state, params)
+        g = [[common.make_input("float32", SIZE, r * devs + d, step) for d in range(devs)]
+             for r in range(nproc)]
+        if devs == 1:
+            out, state = update({"w": jnp.asarray(g[rank][0])}, state, params)
+            got_w, got_e = np.asarray(out["w"]), np.asarray(state.residual["w"])
+        else:
+            # The residual this rank's devices kept at the last step.
+            got, got_e = update(np.stack(g[rank]), mine, params)
+            mine = got_e
+            got_w = got[0]
+            assert all(common.bitwise_equal(o, got_w) for o in got)
         want, residuals = model(args.codec, args.transform,
-                                [g[r] + residuals[r] for r in range(nproc)], hosts)
-        got_w = np.asarray(out["w"])
-        got_e = np.asarray(state.residual["w"])
+                                [[x + e for x, e in zip(g[r], residuals[r])]
+                                 for r in range(nproc)], hosts)
         out_ok = common.bitwise_equal(got_w, want)
-        residual_ok = common.bitwise_equal(got_e, residuals[rank])
-        kept_any = kept_any or any(np.any(e != 0) for e in residuals)
+        residual_ok = common.bitwise_equal(got_e, np.stack(residuals[rank]).reshape(got_e.shape))
+        kept_any = kept_any or any(np.any(e != 0) for devs_e in residuals for e in devs_e)
         ok = ok and out_ok and residual_ok
         common.report(f"step{step}", out_ok and residual_ok, digest=common.digest(got_w),
                       out_ok=out_ok, residual_ok=residual_ok,

@@ -429,7 +429,13 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
       slice.lost = nullptr;
       if (requests[k].lost != nullptr) {
         lost[k] = PooledBuffer(&pool_, std::max<size_t>(1, Total(w.slices[k][me])) * 4);
-        if (!lost[k].ok()) fail(Status::Error("out of memory for the host stage"), true);
+        if (!lost[k].ok()) {
+          fail(Status::Error("out of memory for the host stage"), true);
+          break;
+        }
+        // The stage across hosts encodes every element of the slice; zeros
+        // all the same, so that nothing stale could ever be kept.
+        std::memset(lost[k].data(), 0, Total(w.slices[k][me]) * 4);
         slice.lost = reinterpret_cast<float*>(lost[k].data());
       }
       slice.count = Total(w.slices[k][me]);
