@@ -3,7 +3,9 @@ every codec on several processes, bitwise against the numpy model of the
 engine's codecs (herring_jax/_src/codecs.py: contributions encoded, decoded
 and summed in float32 in rank order, the result encoded once more), over the
 transport and through the host stage, where only the hosts' shares are
-encoded. Non-float32 leaves of a compressed reduction stay exact. Each
+encoded. Non-float32 leaves of a compressed reduction stay exact. Error
+feedback keeps exactly what the engine's encoding lost, where it encoded:
+nothing on one host, each host's sum across hosts. Each
 codec's own round trip and bounds are tests/cpp/codec_wire_test.cc; a codec
 mismatch between processes is tests/test_failures.py."""
 
