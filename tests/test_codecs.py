@@ -3,7 +3,9 @@ every codec on several processes, bitwise against the numpy model of the
 engine's codecs (herring_jax/_src/codecs.py: contributions encoded, decoded
 and summed in float32 in rank order, the result encoded once more), over the
 transport and through the host stage, where only the hosts' shares are
-encoded. Non-float32 leaves of a compressed reduction stay exact. Each
+encoded. Non-float32 leaves of a compressed reduction stay exact. Error
+feedback keeps exactly what the engine's encoding lost, where it encoded:
+nothing on one host, each host's sum across hosts. Each
 codec's own round trip and bounds are tests/cpp/codec_wire_test.cc; a codec
 mismatch between processes is tests/test_failures.py."""
 
@@ -53,6 +55,31 @@ def test_error_feedback_residual_is_what_the_contribution_lost():
     # (tests/workers/ef_worker.py); int8 has the blocks and scales.
     run = launch("ef_worker.py", ["--codec", "int8"], nproc=2,
                  env={"HERRING_HOST_STAGE": "0"})
+    assert_all_ok(run, expected_cases=4)
+
+
+@pytest.mark.parametrize("transform", ["allreduce", "sharded"])
+@pytest.mark.parametrize("hosts,nproc", [(None, 2), (2, 4), (2, 2)],
+                         ids=["1x2", "2x2", "2x1"])
+def test_error_feedback_keeps_what_the_engine_encoding_lost(transform, hosts, nproc):
+    # allreduce_gradients / sharded_optimizer(compression="int8") through the
+    # host stage: on one host nothing is encoded, so the residual stays zero
+    # and every step is the exact mean; across hosts each process keeps what
+    # its slice of its host's sum lost (2x2), or its own contribution (2x1).
+    # Every step's result and residual against the numpy model of what was
+    # encoded where (tests/workers/ef_host_worker.py).
+    run = launch("ef_host_worker.py", ["--codec", "int8", "--transform", transform],
+                 nproc=nproc, hosts=hosts)
+    assert_all_ok(run, expected_cases=4)
+
+
+@pytest.mark.parametrize("hosts,nproc", [(None, 2), (2, 4)], ids=["1x2", "2x2"])
+def test_error_feedback_of_processes_with_two_devices(hosts, nproc):
+    # allreduce_gradients('d') inside shard_map, 2 devices per process: a
+    # process encodes its devices' sum (or its slice of its host's sum), and
+    # its first device keeps the loss, the other zeros.
+    run = launch("ef_host_worker.py", ["--codec", "int8", "--devices", "2"],
+                 nproc=nproc, devices=2, hosts=hosts)
     assert_all_ok(run, expected_cases=4)
 
 

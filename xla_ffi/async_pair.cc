@@ -32,6 +32,7 @@
 // A process that shuts down with a start still in flight waits for it first
 // (DrainAsync, from herring_jax.shutdown), so that its peers' matching
 // reduction ends normally; then the unclaimed results are dropped.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -65,6 +66,9 @@ struct Started {
   int64_t key = 0;  // the call's description hash, which the done's must equal
   std::vector<size_t> bytes;
   std::vector<engine::PooledBuffer> in, out;  // the engine's copies
+  // Error feedback (handler_common.h's OpFeedback): per operand, what this
+  // process's encoding lost, which the done returns after the results.
+  std::vector<engine::PooledBuffer> lost;
   int64_t ticket = 0;
 
   std::mutex mu;
@@ -130,11 +134,24 @@ ffi::Error AsyncStartImpl(int32_t device, InstructionState* instruction,
     }
     ffi::Error read = ReadTicket(ticket_buffer, call->where, &task->ticket);
     if (read.failure()) return read;
+    const bool feedback = OpFeedback(op);
     for (size_t k = 0; k < call->dtypes.size(); ++k) {
       const size_t bytes = call->counts[k] * engine::ElementSize(call->dtypes[k]);
+      if (feedback && call->dtypes[k] != engine::DType::kFloat32) {
+        return ffi::Error::InvalidArgument(call->where + "error feedback takes float32 "
+                                           "operands only");
+      }
       task->bytes.push_back(bytes);
       task->in.emplace_back(&call->comm->pool(), bytes);
       task->out.emplace_back(&call->comm->pool(), bytes);
+      if (feedback) {
+        task->lost.emplace_back(&call->comm->pool(), std::max<size_t>(1, bytes));
+        if (!task->lost.back().ok()) {
+          return ffi::Error::Internal(call->where + "out of memory for an async reduction's "
+                                      "losses");
+        }
+        call->arrival.lost.push_back(reinterpret_cast<float*>(task->lost.back().data()));
+      }
       if (!task->in.back().ok() || !task->out.back().ok()) {
         return ffi::Error::Internal(call->where + "out of memory for an async reduction's "
                                     "copy of its operands");
@@ -243,19 +260,24 @@ ffi::Error AsyncDoneImpl(ffi::Buffer<ffi::S32> ticket_buffer, ffi::AnyBuffer tok
       }
       if (task->error.failure()) return task->error;
     }
-    if (rets.size() != task->bytes.size()) {
+    const size_t num = task->bytes.size();
+    const size_t want = task->lost.empty() ? num : 2 * num;
+    if (rets.size() != want) {
       return ffi::Error::InvalidArgument(where + "the done has " + std::to_string(rets.size()) +
                                          " results but its start reduced " +
-                                         std::to_string(task->bytes.size()) + " buffers");
+                                         std::to_string(num) + " buffers" +
+                                         (task->lost.empty() ? "" : " with their losses"));
     }
+    // The reduced buffers, then (error feedback) what encoding them lost.
     for (size_t k = 0; k < rets.size(); ++k) {
       auto out = rets.get<ffi::AnyBuffer>(k);
       if (out.has_error()) return out.error();
-      if ((*out)->size_bytes() != task->bytes[k]) {
+      if ((*out)->size_bytes() != task->bytes[k % num]) {
         return ffi::Error::InvalidArgument(where + "result " + std::to_string(k) +
                                            " is not the size of its start's operand");
       }
-      std::memcpy((*out)->untyped_data(), task->out[k].data(), task->bytes[k]);
+      const engine::PooledBuffer& from = k < num ? task->out[k] : task->lost[k - num];
+      std::memcpy((*out)->untyped_data(), from.data(), task->bytes[k % num]);
     }
     return ffi::Error::Success();
   });

@@ -189,12 +189,17 @@ ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
       auto in = args.get<ffi::AnyBuffer>(k);
       if (in.has_error()) return in.error();
       const size_t bytes = in->size_bytes();
+      if (OpFeedback(op) && in->element_type() != ffi::DataType::F32) {
+        return ffi::Error::InvalidArgument(where + "error feedback takes float32 operands only");
+      }
       pending->types.push_back(in->element_type());
       pending->elements.push_back(in->element_count());
       pending->bytes.push_back(bytes);
       pending->staging.emplace_back(&Pinned(), bytes);
       pending->staging.emplace_back(&Pinned(), bytes);
-      if (!pending->staging[2 * k].ok() || !pending->staging[2 * k + 1].ok()) {
+      if (OpFeedback(op)) pending->lost.emplace_back(&Pinned(), bytes);
+      if (!pending->staging[2 * k].ok() || !pending->staging[2 * k + 1].ok() ||
+          (OpFeedback(op) && !pending->lost[k].ok())) {
         return ffi::Error::Internal(where + "cudaHostAlloc of " + std::to_string(bytes) +
                                     " bytes failed (" + cudaGetErrorString(cudaGetLastError()) +
                                     "): lower the fusion buffer size or free host memory");
@@ -220,6 +225,9 @@ ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
       }
       task->call.arrival.in[k] = host_in;
       task->call.arrival.out.push_back(pending->staging[2 * k + 1].data());
+      if (OpFeedback(op)) {
+        task->call.arrival.lost.push_back(reinterpret_cast<float*>(pending->lost[k].data()));
+      }
     }
     err = cudaEventRecord(task->copied, stream);
     if (err != cudaSuccess) return fail(CudaError(where, "cudaEventRecord", err));
@@ -277,7 +285,9 @@ ffi::Error DoneImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
               " (its start failed, or XLA copied the token between them); rerun with "
               "the first error of this rank, and report it if there was none");
     }
-    if (pending->key != key || pending->types.size() != rets.size()) {
+    const size_t num = pending->types.size();
+    const bool feedback = !pending->lost.empty();
+    if (pending->key != key || (feedback ? 2 : 1) * num != rets.size()) {
       return ffi::Error::Internal(where + "this done does not match the reduction its token "
                                   "started; this is a herring_jax bug: please report it");
     }
@@ -285,8 +295,9 @@ ffi::Error DoneImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
     for (size_t k = 0; k < rets.size(); ++k) {
       auto out = rets.get<ffi::AnyBuffer>(k);
       if (out.has_error()) return out.error();
-      if ((*out)->element_type() != pending->types[k] ||
-          (*out)->element_count() != pending->elements[k]) {
+      // The losses (error feedback) are float32 of their operands' sizes.
+      if ((*out)->element_type() != pending->types[k % num] ||
+          (*out)->element_count() != pending->elements[k % num]) {
         return ffi::Error::Internal(where + "result " + std::to_string(k) +
                                     " does not match its start's operand; this is a "
                                     "herring_jax bug: please report it");
@@ -312,9 +323,11 @@ ffi::Error DoneImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
       return e;
     };
     for (size_t k = 0; k < results.size(); ++k) {
-      if (pending->bytes[k] == 0) continue;
-      cudaError_t err = cudaMemcpyAsync(results[k], pending->staging[2 * k + 1].data(),
-                                        pending->bytes[k], cudaMemcpyHostToDevice, stream);
+      if (pending->bytes[k % num] == 0) continue;
+      const void* from = k < num ? pending->staging[2 * k + 1].data()
+                                 : pending->lost[k - num].data();
+      cudaError_t err = cudaMemcpyAsync(results[k], from, pending->bytes[k % num],
+                                        cudaMemcpyHostToDevice, stream);
       if (err != cudaSuccess) {
         return release_after_stream(CudaError(where, "cudaMemcpyAsync to device", err));
       }

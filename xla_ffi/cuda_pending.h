@@ -71,6 +71,10 @@ class PendingReduction {
   // Staging, two per operand (2k: the copy of operand k, 2k + 1: its sum).
   // Held until the last copy that reads or writes them is known finished.
   std::vector<PinnedBuffer> staging;
+  // Error feedback (handler_common.h's OpFeedback): one per operand, the
+  // loss of its encoding, which the done copies into its results after the
+  // reduced buffers; empty otherwise.
+  std::vector<PinnedBuffer> lost;
 
   // Marks the reduction ended (error: success or why not) and wakes the done.
   void Finish(ffi::Error error);

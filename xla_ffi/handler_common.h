@@ -238,9 +238,15 @@ constexpr int64_t kCollectiveAllGather = 2;
 // Bits 24..31 of the op attribute carry the wire codec of a sum or mean
 // (engine/codec.h; 0: none), so that it is part of the attributes every
 // process compiles alike; bits 0..23 are the operation above.
+// Bit 32 asks for error feedback: the call returns, after the reduced
+// buffers, one float32 buffer per operand (its shape) with what this device's
+// contribution lost in encoding (engine::ReduceRequest::lost; the first local
+// device of a process keeps the loss of their sum, the others zeros).
 constexpr int kOpCodecShift = 24;
+constexpr int kOpFeedbackShift = 32;
 inline int64_t OpKind(int64_t op) { return op & ((int64_t{1} << kOpCodecShift) - 1); }
-inline int64_t OpCodec(int64_t op) { return op >> kOpCodecShift; }
+inline int64_t OpCodec(int64_t op) { return (op >> kOpCodecShift) & 0xff; }
+inline bool OpFeedback(int64_t op) { return (op >> kOpFeedbackShift) & 1; }
 
 // For a broadcast (op >= kOpBroadcast): off the root, points `call`'s inputs
 // at zeroed buffers kept in `zeros`; returns the engine's op (a sum) in *op.

@@ -99,6 +99,12 @@ engine::Status ReduceAll(engine::Communicator& comm, ReduceOp op, engine::Codec 
     r.buffer = static_cast<uint32_t>(k);
     r.out = arrivals[0].out[k];
     r.contributors = static_cast<uint32_t>(local);
+    // Error feedback: the first device keeps what encoding the process's
+    // contribution (its devices' sum) lost; the others' losses are zeros.
+    if (!arrivals[0].lost.empty()) {
+      r.lost = arrivals[0].lost[k];
+      for (size_t d = 1; d < local; ++d) std::memset(arrivals[d].lost[k], 0, counts[k] * 4);
+    }
     if (local == 1) {
       r.in = arrivals[0].in[k];
       continue;
@@ -155,6 +161,11 @@ ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, Decod
     return ffi::Error::InvalidArgument(where + "op's codec bits must name a codec (0 none, "
                                        "1 bf16, 2 fp16, 3 int8), for a sum or mean only");
   }
+  if (OpFeedback(attrs.op) && (codec == 0 || attrs.collective == kCollectiveAllGather ||
+                               (attrs.op >> (kOpFeedbackShift + 1)) != 0)) {
+    return ffi::Error::InvalidArgument(where + "error feedback (op bit 32) needs a codec and "
+                                       "a sum or mean to contribute to");
+  }
   if (attrs.collective < kCollectiveAllReduce || attrs.collective > kCollectiveAllGather ||
       (attrs.collective != kCollectiveAllReduce && kind >= kOpBroadcast)) {
     return ffi::Error::InvalidArgument(where + "collective must be 0 (all-reduce), 1 "
@@ -181,8 +192,25 @@ ffi::Error DecodeCall(ffi::RemainingArgs args, ffi::RemainingRets rets, const Ca
                       DecodedCall* call) {
   ffi::Error decoded = DecodeOperands(args, attrs, call);
   if (decoded.failure()) return decoded;
-  if (args.size() != rets.size()) {
-    return ffi::Error::InvalidArgument(call->where + "operand and result counts differ");
+  const bool feedback = OpFeedback(attrs.op);
+  if ((feedback ? 2 : 1) * args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument(
+        call->where + (feedback ? "with error feedback a call returns twice as many results "
+                                  "as it takes operands (the reduced buffers, then the losses)"
+                                : "operand and result counts differ"));
+  }
+  for (size_t k = 0; feedback && k < args.size(); ++k) {
+    auto in = args.get<ffi::AnyBuffer>(k);
+    auto lost = rets.get<ffi::AnyBuffer>(args.size() + k);
+    if (in.has_error()) return in.error();
+    if (lost.has_error()) return lost.error();
+    if ((*lost)->element_type() != ffi::DataType::F32 ||
+        in->element_type() != ffi::DataType::F32 ||
+        (*lost)->element_count() != in->element_count()) {
+      return ffi::Error::InvalidArgument(call->where + "loss result " + std::to_string(k) +
+                                         " must be float32 of its float32 operand's size");
+    }
+    call->arrival.lost.push_back(static_cast<float*>((*lost)->untyped_data()));
   }
   for (size_t k = 0; k < args.size(); ++k) {
     auto in = args.get<ffi::AnyBuffer>(k);

@@ -125,7 +125,7 @@ engine::Status ScatterGatherAll(engine::Communicator& comm, const CallAttrs& att
   const size_t self = std::find(place.ranks.begin(), place.ranks.end(), me) - place.ranks.begin();
   std::vector<engine::ReduceRequest> requests(num);
   std::vector<BlockLayout> layouts(num);
-  std::vector<engine::PooledBuffer> ins(num), outs(num);
+  std::vector<engine::PooledBuffer> ins(num), outs(num), losts(num);
   std::vector<const void*> srcs(local);
   for (size_t k = 0; k < num; ++k) {
     const engine::DType dtype = call.dtypes[k];
@@ -172,6 +172,18 @@ engine::Status ScatterGatherAll(engine::Communicator& comm, const CallAttrs& att
         }
         r.in = ins[k].data();
       }
+      // Error feedback: the loss of the input, in the engine's order, for
+      // the first device (the others' are zeros).
+      if (!all[0].lost.empty()) {
+        for (size_t d = 1; d < local; ++d) std::memset(all[d].lost[k], 0, n * 4);
+        if (local == 1 && layout.in_place) {
+          r.lost = all[0].lost[k];
+        } else {
+          losts[k] = engine::PooledBuffer(&comm.pool(), std::max<size_t>(1, n) * 4);
+          if (!losts[k].ok()) return engine::Status::Error("out of memory for a reduce-scatter");
+          r.lost = reinterpret_cast<float*>(losts[k].data());
+        }
+      }
       // Out: this process's part; straight into the device's block if it
       // has one device here.
       if (local == 1) {
@@ -209,6 +221,12 @@ engine::Status ScatterGatherAll(engine::Communicator& comm, const CallAttrs& att
     const BlockLayout& layout = layouts[k];
     const size_t elem = engine::ElementSize(call.dtypes[k]);
     if (scatter) {
+      if (losts[k].ok() && !all[0].lost.empty()) {
+        for (size_t j = 0; j < layout.order.size(); ++j) {
+          std::memcpy(all[0].lost[k] + layout.order[j] * layout.block,
+                      losts[k].data() + layout.offset[j] * 4, layout.Len(layout.order[j]) * 4);
+        }
+      }
       for (size_t d = 0; d < local; ++d) {
         const int64_t g = layout.local[d];
         char* out = static_cast<char*>(all[d].out[k]);

@@ -38,6 +38,12 @@ parameters:
   tokens     how many leading operands are start tokens (0 except in
              split.split_reductions): the first is this reduction's own
              start's, the others order it after the other buckets' starts.
+  feedback   error feedback (a codec, a sum or mean of float32, not an
+             all-gather): after the results, one float32 array per operand
+             (its type) with what this device's contribution lost in
+             encoding, as the engine encoded it (zeros where it encoded
+             nothing: on one host, or another process's slice of its host's
+             sum); bind_with_loss binds it. Not differentiable.
 
 `herring_allreduce_start` (bound only by split.split_reductions) takes the
 same operands and parameters and returns one token: where XLA:CUDA lowers it,
@@ -231,14 +237,28 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def bind(leaves, *, op, axes, groups=None, root=None, codec="none", collective="allreduce"):
+def bind(leaves, *, op, axes, groups=None, root=None, codec="none", collective="allreduce",
+         feedback=False):
     """Binds one reduction; every public function reduces through here."""
     params = dict(reduction=op, axes=axes, groups=groups, transpose=False, root=root, codec=codec,
-                  collective=collective)
+                  collective=collective, feedback=feedback)
     receiver = _receiver.current
     if receiver is None:
         return allreduce_p.bind(*leaves, tokens=0, **params)
     return receiver.bind(leaves, params)
+
+
+def bind_with_loss(leaves, *, op, axes, codec, collective="allreduce"):
+    """Error feedback's reduction of float32 `leaves` (a lossy `codec`): their
+    reductions and, per leaf, what this device's contribution lost on the wire
+    (the leaf's shape; zeros where nothing of it was encoded). `axes`: as for
+    bind, None for the processes; one-sized axes reduce nothing (as psum's)."""
+    if axes is not None and collective == "allreduce":
+        axes = jax_compat.skip_one_sized_axes(tuple(axes))
+        if not axes:
+            return list(leaves), [jax.numpy.zeros_like(x) for x in leaves]
+    outs = bind(leaves, op=op, axes=axes, codec=codec, collective=collective, feedback=True)
+    return outs[:len(leaves)], outs[len(leaves):]
 
 
 # While split.py's split_reductions traces, a receiver of its own takes every
@@ -289,9 +309,16 @@ def _reshaped(aval, shape, spec):
                        sharding=aval.sharding.update(spec=jax.sharding.PartitionSpec(*spec)))
 
 
-def _abstract_eval(*avals, reduction, axes, groups, transpose, root, codec, tokens, collective):
+def _abstract_eval(*avals, reduction, axes, groups, transpose, root, codec, tokens, collective,
+                   feedback):
     del reduction, transpose, root, codec
     avals = avals[tokens:]
+    outs = _reduced_avals(avals, axes, groups, collective)
+    # The losses are each device's own: its operands' types.
+    return outs + list(avals) if feedback else outs
+
+
+def _reduced_avals(avals, axes, groups, collective):
     api = API_NAMES[collective]
     if axes is not None:
         jax_compat.check_axis_names(axes, api)
@@ -315,8 +342,9 @@ def _abstract_eval(*avals, reduction, axes, groups, transpose, root, codec, toke
     return [_reshaped(a, a.shape[1:], tuple(a.sharding.spec)[1:]) for a in avals]
 
 
-def _start_abstract_eval(*avals, reduction, axes, groups, transpose, root, codec, collective):
-    del avals, reduction, groups, transpose, root, codec
+def _start_abstract_eval(*avals, reduction, axes, groups, transpose, root, codec, collective,
+                         feedback):
+    del avals, reduction, groups, transpose, root, codec, feedback
     if axes is not None:
         jax_compat.check_axis_names(axes, API_NAMES[collective])
     return lowering.TOKEN
@@ -376,9 +404,11 @@ def _jvp(primals, tangents, **params):
     outs = allreduce_p.bind(*primals, **params)
     tangents = tangents[params["tokens"]:]
     nonzero = [i for i, t in enumerate(tangents) if type(t) is not ad.Zero]
+    # What encoding lost is not differentiated (as a rounding is not): zero.
     tangents_out = [jax_compat.zero_tangent(o) for o in outs]
     if nonzero:
-        reduced = allreduce_p.bind(*[tangents[i] for i in nonzero], **{**params, "tokens": 0})
+        reduced = allreduce_p.bind(*[tangents[i] for i in nonzero],
+                                   **{**params, "tokens": 0, "feedback": False})
         for i, t in zip(nonzero, reduced):
             tangents_out[i] = t
     return outs, tangents_out
@@ -390,10 +420,15 @@ def _start_jvp(primals, tangents, **params):
     return token, jax_compat.zero_tangent(token)
 
 
-def _transpose(cts, *args, reduction, axes, groups, transpose, root, codec, tokens, collective):
+def _transpose(cts, *args, reduction, axes, groups, transpose, root, codec, tokens, collective,
+               feedback):
+    if feedback:
+        raise NotImplementedError("herring_jax: a reduction with error feedback is not linear "
+                                  "(its losses are not) and cannot be transposed; this is a "
+                                  "herring_jax bug: please report it")
     op = reduction
     params = dict(reduction=op, axes=axes, groups=groups, transpose=transpose,
-                  root=root, codec=codec, tokens=0, collective=collective)
+                  root=root, codec=codec, tokens=0, collective=collective, feedback=False)
     args = args[tokens:]
     outs = [ad.Zero(a.aval) if type(ct) is ad.Zero else None for ct, a in zip(cts, args)]
     if collective != "allreduce":
@@ -435,7 +470,8 @@ def _transpose_half(cts, outs, op, axes, groups, collective):
     if axes is not None:
         cts = [jax_compat.vary_over(ct, axes) for ct in cts]
     results = allreduce_p.bind(*cts, reduction="sum", axes=axes, groups=groups, transpose=False,
-                               root=None, codec="none", tokens=0, collective=other)
+                               root=None, codec="none", tokens=0, collective=other,
+                               feedback=False)
     if op == "mean":
         n = group_count(axes, groups)
         results = [r / np.asarray(n, r.dtype) for r in results]
@@ -452,9 +488,23 @@ def _batch(axis_data, args, dims, **params):
     tokens = params["tokens"]
     operands, how, out_dims = batching.batched(axis_data, args[tokens:], dims[tokens:],
                                                params, API_NAMES[params["collective"]])
+    if params["feedback"]:
+        out_dims = list(out_dims) + _loss_dims(axis_data, operands, dims[tokens:], params)
     if operands is None:
         return how, out_dims
     return allreduce_p.bind(*args[:tokens], *operands, **how), out_dims
+
+
+def _loss_dims(axis_data, operands, dims, params):
+    """The batch dimensions of error feedback's losses: their operands'
+    as bound (a reduce-scatter's batched first moves behind G)."""
+    axes = params["axes"]
+    if operands is None or (axes is not None and axis_data.name in axes):
+        raise NotImplementedError("herring_jax: error feedback over an axis bound by jax.vmap "
+                                  "is not supported; reduce over mesh axes or processes")
+    if params["collective"] != "reduce_scatter":
+        return list(dims)
+    return [d if d is jax_compat.not_mapped or d != 0 else 1 for d in dims]
 
 
 def _start_batch(axis_data, args, dims, **params):

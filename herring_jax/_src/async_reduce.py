@@ -36,26 +36,31 @@ _NOT_ON_CUDA = (
     "step on CPU devices")
 
 
-def start_reduction(buffers, ticket, *, op: str = "mean", codec: str = "none"):
+def start_reduction(buffers, ticket, *, op: str = "mean", codec: str = "none",
+                    feedback: bool = False):
     """Starts reducing `buffers` (arrays, one device per process) across the
     processes under `ticket` (an int32 scalar, the same on every process);
     returns its token (uint8[8]) at once. ``finish_reduction`` with the same
-    ticket, that token, the buffers' shapes and op in a later step gives the
-    result. Inside jax.jit only."""
+    ticket, that token, the buffers' shapes, op, codec and feedback in a later
+    step gives the result. `feedback` (float32 buffers, a lossy codec): the
+    done also gives what this process's encoding lost (allreduce.py's
+    feedback). Inside jax.jit only."""
     if op not in ("sum", "mean"):
         raise ValueError(f"start_reduction: op must be 'sum' or 'mean', got {op!r}")
     codecs.check_codec(codec)
     buffers = [jnp.asarray(b) for b in buffers]
-    return start_p.bind(jnp.asarray(ticket, jnp.int32), *buffers, op=op, codec=codec)
+    return start_p.bind(jnp.asarray(ticket, jnp.int32), *buffers, op=op, codec=codec,
+                        feedback=feedback)
 
 
-def finish_reduction(ticket, token, like, *, op: str = "mean", codec: str = "none") -> list:
+def finish_reduction(ticket, token, like, *, op: str = "mean", codec: str = "none",
+                     feedback: bool = False) -> list:
     """Waits for the reduction whose start returned `token` under `ticket`,
     of buffers shaped as `like` (arrays or ShapeDtypeStructs), and returns
-    its results."""
+    its results (with `feedback`, then one loss per buffer)."""
     avals = tuple((tuple(x.shape), np.dtype(x.dtype).name) for x in like)
     return done_p.bind(jnp.asarray(ticket, jnp.int32), jnp.asarray(token, jnp.uint8),
-                       avals=avals, op=op, codec=codec)
+                       avals=avals, op=op, codec=codec, feedback=feedback)
 
 
 def started(token):
@@ -70,15 +75,15 @@ def started(token):
 # otherwise be dropped by jax's dead-code elimination, and a done's results
 # may go unused): they carry an effect.
 
-def _start_abstract(ticket, *buffers, op, codec):
-    del ticket, buffers, op, codec
+def _start_abstract(ticket, *buffers, op, codec, feedback):
+    del ticket, buffers, op, codec, feedback
     return lowering.TOKEN, {jax_compat.HOST_STATE_EFFECT}
 
 
-def _done_abstract(ticket, token, *, avals, op, codec):
+def _done_abstract(ticket, token, *, avals, op, codec, feedback):
     del ticket, token, op, codec
-    return ([jax.core.ShapedArray(shape, np.dtype(dtype)) for shape, dtype in avals],
-            {jax_compat.HOST_STATE_EFFECT})
+    outs = [jax.core.ShapedArray(shape, np.dtype(dtype)) for shape, dtype in avals]
+    return outs + (outs if feedback else []), {jax_compat.HOST_STATE_EFFECT}
 
 
 def _known_abstract(token):
@@ -91,22 +96,23 @@ def _outside_jit(*args, **params):
     raise NotImplementedError("herring_jax's reductions across steps run inside jax.jit only")
 
 
-def _lower_start(ctx, ticket, *buffers, platform, op, codec):
+def _lower_start(ctx, ticket, *buffers, platform, op, codec, feedback):
     if platform != "cpu":
         raise NotImplementedError(_NOT_ON_CUDA)
     avals = ctx.avals_in[1:]
     attrs = lowering._attributes(ctx, avals, platform="cpu", op=op, axes=None, groups=None,
-                                 root=None, codec=codec)
+                                 root=None, codec=codec, feedback=feedback)
     return lowering._call("herring_async_start", ctx, [ticket, *buffers], ctx.avals_in,
                           [lowering.TOKEN], attrs)
 
 
-def _lower_done(ctx, ticket, token, *, platform, avals, op, codec):
+def _lower_done(ctx, ticket, token, *, platform, avals, op, codec, feedback):
     if platform != "cpu":
         raise NotImplementedError(_NOT_ON_CUDA)
-    del avals
+    del feedback
+    # The start's key describes the reduced buffers (not the losses after them).
     attrs = dict(comm=np.int64(runtime.state().handle),
-                 key=np.int64(lowering.key(op, ctx.avals_out, codec)))
+                 key=np.int64(lowering.key(op, ctx.avals_out[:len(avals)], codec)))
     return lowering._call("herring_async_done", ctx, [ticket, token], ctx.avals_in,
                           ctx.avals_out, attrs)
 

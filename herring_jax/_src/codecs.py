@@ -19,7 +19,9 @@ transport carries: inside a host the host stage moves float32 through memory
 
 Blocks start at multiples of 256 elements of each reduced buffer. This module
 holds the same codecs in numpy (``roundtrip_np``: the engine's bits, for
-checks) and in jax (``roundtrip``: what error feedback subtracts).
+checks) and in jax (``roundtrip``). Error feedback takes what the engine
+itself reports it lost (allreduce.bind_with_loss), since which process
+encodes what depends on the topology.
 """
 
 from __future__ import annotations

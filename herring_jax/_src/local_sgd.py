@@ -114,8 +114,10 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         check_vma=False)``, each with its own parameters and state.
       compression: the wire codec of the pseudo-gradients (``"none"``,
         ``"bf16"``, ``"fp16"``, ``"int8"``; see ``allreduce_gradients``).
-      error_feedback: with a lossy codec, add what this worker's last
-        pseudo-gradient lost on the wire to its next one.
+      error_feedback: with a lossy codec, add what the encoding of the last
+        pseudo-gradients lost to the next ones, kept as allreduce_gradients
+        keeps it (what the engine encoded: nothing on one host; with a
+        delay, taken when the fragment arrives).
       fusion_bytes, first_bucket_bytes: as for ``allreduce_gradients``.
       fragments: F, Streaming DiLoCo's fragments (Douillard et al., 2025):
         the leaves are cut into F runs of about equal bytes

@@ -39,6 +39,8 @@ OPS = {"sum": 0, "mean": 1, "max": 2, "min": 3}
 # (handler_common.h): how float32 data crosses between processes.
 CODECS = {"none": 0, "bf16": 1, "fp16": 2, "int8": 3}
 _OP_CODEC_SHIFT = 24
+# Bit 32 of the op attribute asks for error feedback's losses (handler_common.h).
+_OP_FEEDBACK_SHIFT = 32
 _OP_BROADCAST = 4  # the op attribute of a broadcast from rank r is 4 + r (handler_common.h)
 # The collective attribute (handler_common.h): what each device gets back.
 COLLECTIVES = {"allreduce": 0, "reduce_scatter": 1, "all_gather": 2}
@@ -94,7 +96,7 @@ def zeros_for_empty(avals_out, kept) -> list:
 
 
 def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec,
-                collective="allreduce") -> dict:
+                collective="allreduce", feedback=False) -> dict:
     """The attributes every reducing call takes (handler_common.h's CallAttrs)."""
     state = runtime.state()
     plan = layout.plan(ctx, axes, groups, root is not None or collective != "allreduce",
@@ -110,7 +112,7 @@ def _attributes(ctx, avals_in, *, platform, op, axes, groups, root, codec,
     return dict(
         comm=np.int64(state.handle),
         op=np.int64((OPS[op] if root is None else _OP_BROADCAST + root)
-                    | CODECS[codec] << _OP_CODEC_SHIFT),
+                    | CODECS[codec] << _OP_CODEC_SHIFT | int(feedback) << _OP_FEEDBACK_SHIFT),
         key=np.int64(call_key),
         slot=np.int64(slot),
         device_procs=i64(plan.device_procs),
@@ -181,10 +183,12 @@ def start_cuda(ctx, operands, avals_in, **params):
     return token
 
 
-def done_cuda(ctx, tokens, avals_out, *, op, codec):
+def done_cuda(ctx, tokens, avals_out, *, op, codec, reduced=None):
     """XLA:CUDA: the done of the reduction whose start returned tokens[0], after
-    every start that returned the other tokens."""
-    attrs = dict(comm=np.int64(runtime.state().handle), key=np.int64(key(op, avals_out, codec)))
+    every start that returned the other tokens. `reduced`: the results the
+    start's key describes (with error feedback, avals_out has the losses too)."""
+    described = avals_out if reduced is None else reduced
+    attrs = dict(comm=np.int64(runtime.state().handle), key=np.int64(key(op, described, codec)))
     return _call("herring_allreduce_done", ctx, tokens, [TOKEN] * len(tokens), avals_out,
                  attrs)
 
@@ -219,7 +223,8 @@ def _lower_transposed(ctx, *args, op):
                           multiple_results=True)(ctx, *args)
 
 
-def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec, tokens, collective):
+def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec, tokens, collective,
+          feedback):
     """herring_allreduce on `platform` (allreduce.py's parameters)."""
     op = reduction
     own_tokens, args = args[:tokens], args[tokens:]
@@ -227,14 +232,18 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
     if transpose:
         return _lower_transposed(ctx.replace(avals_in=avals_in), *args, op=op)
     wire = _on_the_wire(platform, collective)
+    num = len(avals_in)
     kept = nonempty(avals_in)
-    outs = zeros_for_empty(avals_out, kept)
+    # With error feedback the losses follow the results, one per operand.
+    kept_all = kept + [num + i for i in kept] if feedback else kept
+    outs = zeros_for_empty(avals_out, kept_all)
     if not kept:
         return outs
     operands = [args[i] for i in kept]
     kept_in = [avals_in[i] for i in kept]
-    kept_out = [avals_out[i] for i in kept]
-    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec, collective=wire)
+    kept_out = [avals_out[i] for i in kept_all]
+    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec, collective=wire,
+                  feedback=feedback)
     if platform == "cpu":
         # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
         # A bucket of allreduce_gradients (own tokens) is reduced in place
@@ -243,16 +252,19 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
         results = reduce_cpu(ctx, operands, kept_in, kept_out,
                              in_place=bool(own_tokens) and wire == "allreduce", **params)
     elif own_tokens:
-        results = done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec)
+        results = done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec,
+                            reduced=kept_out[:len(kept)])
     else:
         token = start_cuda(ctx, operands, kept_in, **params)
-        results = done_cuda(ctx, [token], kept_out, op=op, codec=codec)
-    for i, r in zip(kept, results):
+        results = done_cuda(ctx, [token], kept_out, op=op, codec=codec,
+                            reduced=kept_out[:len(kept)])
+    for i, r in zip(kept_all, results):
         outs[i] = r
     return outs
 
 
-def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, codec, collective):
+def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, codec, collective,
+                feedback):
     """herring_allreduce_start on `platform`: its token."""
     op = reduction
     del transpose
@@ -262,4 +274,4 @@ def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, 
         return [token_constant()]
     return [start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
                        op=op, axes=axes, groups=groups, root=root, codec=codec,
-                       collective=wire)]
+                       collective=wire, feedback=feedback)]

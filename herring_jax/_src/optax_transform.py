@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
 from herring_jax._src import fusion
 from herring_jax._src import jax_compat
@@ -66,9 +67,10 @@ class AllReduceGradientsState(NamedTuple):
 
 
 class CompressedGradientsState(NamedTuple):
-    """allreduce_gradients(compression=...) with error feedback: what this
-    process's compressed contributions lost so far (one array per float32
-    gradient leaf, () for the others), added to its next gradients."""
+    """allreduce_gradients(compression=...) with error feedback: what the
+    part of the reduction this process encoded lost at the last step (one
+    array per float32 gradient leaf, () for the others), added to its next
+    gradients."""
 
     residual: Any
 
@@ -107,13 +109,14 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
       compression: the wire codec of float32 gradients: ``"none"`` (exact),
         ``"bf16"``, ``"fp16"`` or ``"int8"`` (see ``herring_jax.allreduce``).
       error_feedback: with a lossy codec, keep in the optimizer state what
-        this process's contribution lost in encoding and add it to the next
-        step's gradients (EF-SGD), so that the error does not accumulate. The
-        residual is exact where the process's fusion buffer is what crosses the
-        wire (one device per process, one process per host, or the host stage
-        off); where the host stage sums a host's processes first, or a process
-        sums its devices first, the engine encodes that sum and the residual
-        models each process's share of the loss only approximately.
+        encoding lost and add it to the next step's gradients (EF-SGD), so
+        that the error does not accumulate. The engine reports what it
+        encoded: the residual is exactly what the contributions lost on the
+        wire, kept once. Where a process's buffer crosses the wire (one
+        process per host, or the host stage off) it keeps its own loss; where
+        the host stage sums a host's processes first, each keeps the loss of
+        the slice of the host's sum it encodes; on one host nothing is
+        encoded and the residual stays zero (the reduction is exact).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -129,6 +132,12 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
     feedback = error_feedback and compression != "none"
 
     def reduce(buffer):
+        if feedback and is_f32(buffer):
+            # The reduced buffer and what this process's encoding lost.
+            axes = None if axis_name is None else _psum_axes(axis_name)
+            [out], [lost] = _allreduce.bind_with_loss([buffer], op=op, axes=axes,
+                                                      codec=compression)
+            return out, lost
         if axis_name is None:
             return allreduce(buffer, op=op, codec=compression)
         return (pmean if average else psum)(buffer, axis_name, codec=compression)
@@ -157,19 +166,22 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         # this is one asynchronous call per bucket, in place, and one join
         # before the update (lowering.join_cpu).
         reduced = split_reductions(reduce, buffers)
+        if feedback:
+            # What the engine's encoding of each float32 buffer lost, where
+            # this process encoded it (engine::ReduceRequest::lost); a
+            # non-finite loss (an overflow) is kept as zero, so that it does
+            # not poison the steps after it.
+            lost = [r[1] if is_f32(b) else b for r, b in zip(reduced, buffers)]
+            reduced = [r[0] if is_f32(b) else r for r, b in zip(reduced, buffers)]
         out = jax.tree_util.tree_unflatten(treedef, fusion.unpack(reduced, buckets, leaves))
         if not feedback:
             return out, state
-        # What each buffer loses on the wire (the engine's blocks start at the
-        # buffer's first element, as codecs.roundtrip's; its decode is exact,
-        # so XLA's fused multiply-adds give the engine's bits).
-        # A non-finite gradient (an overflow) makes this step's update NaN or
-        # inf, as without compression, but leaves no residual behind to
-        # poison the steps after it.
-        lost = [jnp.where(jnp.isfinite(b), b - codecs.roundtrip(compression, b), 0.0)
-                if is_f32(b) else b for b in buffers]
         kept = fusion.unpack(lost, buckets, leaves)
         residual = [k if is_f32(g) else e for k, g, e in zip(kept, leaves, residual)]
         return out, CompressedGradientsState(jax.tree_util.tree_unflatten(treedef, residual))
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _psum_axes(axis_name) -> tuple:
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)

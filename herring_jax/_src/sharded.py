@@ -99,8 +99,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
       fusion_bytes, first_bucket_bytes: as for ``allreduce_gradients``.
       compression: wire codec of the reduce-scatter (``"none"``, ``"bf16"``,
         ``"fp16"``, ``"int8"``); the all-gather carries updates exactly.
-      error_feedback: with a lossy codec, add what this worker's contribution
-        lost to its next gradients (the residual is whole-sized).
+      error_feedback: with a lossy codec, add what encoding lost to the next
+        gradients, as ``allreduce_gradients`` does (the engine reports what
+        this worker encoded; the residual is whole-sized).
       check_inner: run the element-wise check at init (see above).
 
     Returns:
@@ -168,7 +169,13 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         # exist (on XLA:CUDA every start before any done), as
         # allreduce_gradients issues its reductions.
         parts = split_reductions(
-            lambda b: _reduce_scatter(b, axis_name, op, compression), buffers)
+            lambda b: _reduce_scatter(b, axis_name, op, compression,
+                                      feedback and b.dtype == np.float32), buffers)
+        if feedback:
+            # What the engine's encoding of each float32 buffer lost, where
+            # this worker encoded it (see allreduce_gradients).
+            lost = [p[1] if b.dtype == np.float32 else b for p, b in zip(parts, buffers)]
+            parts = [p[0] if b.dtype == np.float32 else p for p, b in zip(parts, buffers)]
         # The chunks this worker serves, averaged, in the inner's shapes.
         grad_chunks = [jnp.zeros(chunk_shape(np.shape(g), n), g.dtype) for g in leaves]
         for lay, part in zip(layouts, parts):
@@ -191,8 +198,6 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
                 out[i] = value.reshape(np.shape(leaves[i]))
         new_state = ShardedOptimizerState(inner_state, state.shard, state.residual)
         if feedback:
-            lost = [jnp.where(jnp.isfinite(b), b - codecs.roundtrip(compression, b), 0.0)
-                    for b in buffers]
             kept = list(residual)
             for lay, loss in zip(layouts, lost):
                 if lay.dtype != np.float32:
@@ -214,10 +219,16 @@ def _axes(axis_name):
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _reduce_scatter(buffer, axis_name, op: str, codec: str):
+def _reduce_scatter(buffer, axis_name, op: str, codec: str, feedback: bool = False):
     """This worker's row of the (n, width) buffer, reduced (mean or sum) over
-    the workers: the first half of herring's reduction."""
+    the workers: the first half of herring's reduction. With `feedback`, also
+    what this worker's encoding lost (the buffer's shape)."""
     n = _workers(axis_name)
+    if feedback:
+        [row], [lost] = _allreduce.bind_with_loss([buffer.reshape(n, -1)], op=op,
+                                                  axes=_axes(axis_name), codec=codec,
+                                                  collective="reduce_scatter")
+        return row, lost.reshape(buffer.shape)
     [row] = _allreduce.bind([buffer.reshape(n, -1)], op=op, axes=_axes(axis_name), codec=codec,
                             collective="reduce_scatter")
     return row

@@ -66,13 +66,15 @@ class _Split:
 
 def _placeholders(leaves, params) -> list:
     """The first pass's results, which nothing uses, with the types of the
-    reduction's results (so that the caller's code after it traces)."""
+    reduction's results (so that the caller's code after it traces); with
+    error feedback, the losses' after them (the operands' types)."""
+    losses = list(leaves) if params["feedback"] else []
     if params["collective"] == "reduce_scatter":
-        return [x[0] for x in leaves]
+        return [x[0] for x in leaves] + losses
     if params["collective"] in allreduce.GATHERS:
         n = allreduce.group_count(params["axes"], params["groups"])
         return [jax.numpy.broadcast_to(x[None], (n, *x.shape)) for x in leaves]
-    return list(leaves)
+    return list(leaves) + losses
 
 
 def split_reductions(reduce, buffers) -> list:

@@ -40,7 +40,6 @@ from typing import Any, NamedTuple
 import optax
 
 from herring_jax._src import async_reduce
-from herring_jax._src import codecs
 from herring_jax._src.optax_transform import CompressedGradientsState
 
 
@@ -242,16 +241,11 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
         for g, (group, codec) in enumerate(groups_of(idx)):
             if not group:
                 continue
-            sent = [jnp.ravel(pseudo[i] + r_l[i] if feedback and codec != "none"
-                              else pseudo[i]) for i in group]
+            lossy = feedback and codec != "none"
+            sent = [jnp.ravel(pseudo[i] + r_l[i] if lossy else pseudo[i]) for i in group]
             sent_of.update(zip(group, sent))
-            tokens[g] = async_reduce.start_reduction(sent, count, op="mean", codec=codec)
-            if feedback and codec != "none":
-                # What each buffer loses on the wire, as allreduce_gradients
-                # keeps it (a non-finite value leaves no residual behind).
-                for i, b in zip(group, sent):
-                    lost = jnp.where(jnp.isfinite(b), b - codecs.roundtrip(codec, b), 0.0)
-                    r_l[i] = lost.reshape(p_leaves[i].shape)
+            tokens[g] = async_reduce.start_reduction(sent, count, op="mean", codec=codec,
+                                                     feedback=lossy)
         copies = []
         for k, (d, n) in enumerate(zip(dtypes, lengths)):
             parts = [sent_of[i] for i in idx if i in sent_of and where[i][0] == k]
@@ -272,25 +266,34 @@ def streamed_update(u, params, state, count, *, every, fragments, delay, mixing,
                 continue
             like = [jax.ShapeDtypeStruct((p_leaves[i].size,), p_leaves[i].dtype) for i in group]
             token = pend.tokens[f][g]
+            lossy = feedback and codec != "none"
 
-            def collect(token=token, like=like, codec=codec):
+            def collect(token=token, like=like, codec=codec, lossy=lossy):
                 return async_reduce.finish_reduction(ticket, token, like, op="mean",
-                                                     codec=codec)
+                                                     codec=codec, feedback=lossy)
 
-            def again(token=token, like=like, codec=codec, group=group):
+            def again(token=token, like=like, codec=codec, group=group, lossy=lossy):
                 # The start ran in an earlier life of the process (a restored
                 # checkpoint): every process starts it again from its copy,
-                # under the start's ticket, and waits for it.
+                # under the start's ticket, and waits for it (re-encoding the
+                # same bytes loses the same, so the residual is as before).
                 del token
                 sent = [jax.lax.dynamic_slice_in_dim(pend.sent[where[i][0]], where[i][1],
                                                      p_leaves[i].size) for i in group]
                 again_token = async_reduce.start_reduction(sent, ticket, op="mean",
-                                                           codec=codec)
+                                                           codec=codec, feedback=lossy)
                 return async_reduce.finish_reduction(ticket, again_token, like, op="mean",
-                                                     codec=codec)
+                                                     codec=codec, feedback=lossy)
 
             got = jax.lax.cond(async_reduce.started(token) == 1, collect, again)
             average.update({i: g.reshape(p_leaves[i].shape) for i, g in zip(group, got)})
+            if lossy:
+                # What this process's encoding lost, as the engine encoded it
+                # (allreduce_gradients' residual), kept for the fragment's
+                # next start, which comes after this arrival.
+                r_l = list(r_l)
+                for i, lost in zip(group, got[len(group):]):
+                    r_l[i] = lost.reshape(p_leaves[i].shape)
         average = [average[i] if i in average else jnp.zeros_like(p_leaves[i]) for i in idx]
         o, new_f, outer_states = outer_step(f, average, s_l, outer_states)
         u_l, s_l = list(u_l), list(s_l)

@@ -240,6 +240,31 @@ void TestDecodeSum() {
   }
 }
 
+// EncodingLoss: x - x' of the encoding itself, and 0 where that is not
+// finite (an int8 block holding inf decodes to NaN; bf16 overflows to inf).
+void TestEncodingLoss() {
+  using namespace herring::engine;
+  const size_t n = 2 * kCodecBlock + 5;
+  for (Codec codec : {Codec::kBFloat16, Codec::kFloat16, Codec::kInt8}) {
+    std::vector<float> x = Data(n);
+    x[3] = std::numeric_limits<float>::infinity();  // block 0 holds inf
+    x[kCodecBlock + 1] = 3.0e38f;                   // bf16 rounds it to inf
+    std::vector<char> wire(EncodedBytes(codec, n));
+    Encode(codec, x.data(), n, wire.data());
+    std::vector<float> decoded(n), lost(n, 7.0f);
+    Decode(codec, wire.data(), n, decoded.data());
+    EncodingLoss(codec, x.data(), n, wire.data(), lost.data());
+    bool same = true, any = false;
+    for (size_t i = 0; i < n; ++i) {
+      const float d = x[i] - decoded[i];
+      same &= Bits(lost[i]) == Bits(std::isfinite(d) ? d : 0.0f);
+      any |= lost[i] != 0.0f;
+    }
+    Check(same && any, std::string("EncodingLoss: x - x', 0 where not finite: ") +
+                           CodecName(codec));
+  }
+}
+
 void TestTruncationWords() {
   using herring::engine::DescribeTruncation;
   using herring::engine::Identity;
@@ -334,6 +359,7 @@ int main() {
   TestFp16Bits();
   TestInt8Bits();
   TestDecodeSum();
+  TestEncodingLoss();
   TestTruncationWords();
   TestLaunchRuns();
   return herring::test::Finish("CODEC_WIRE");

@@ -304,6 +304,15 @@ void Decode(Codec codec, const void* src_v, size_t count, float* dst) {
   }
 }
 
+void EncodingLoss(Codec codec, const float* src, size_t count, const void* encoded,
+                  float* lost) {
+  Decode(codec, encoded, count, lost);
+  for (size_t i = 0; i < count; ++i) {
+    const float d = src[i] - lost[i];
+    lost[i] = std::isfinite(d) ? d : 0.0f;
+  }
+}
+
 void DecodeSum(Codec codec, const void* const* srcs, size_t num_srcs, size_t count,
                float divisor, float* dst) {
   IeeeDenormals ieee;

@@ -58,6 +58,14 @@ void Encode(Codec codec, const float* src, size_t count, void* dst);
 // Decodes EncodedBytes(codec, count) bytes of `src` into `count` floats.
 void Decode(Codec codec, const void* src, size_t count, float* dst);
 
+// What encoding lost: lost[i] = src[i] - x'[i], x' the decoding of
+// `encoded` (Encode's output for the `count` elements of `src`); 0 where that
+// difference is not finite (a value or block that holds inf or NaN, or a
+// bfloat16 overflow), so that error feedback never carries a non-finite
+// residual into the next step.
+void EncodingLoss(Codec codec, const float* src, size_t count, const void* encoded,
+                  float* lost);
+
 // The server's sum: dst[i] = ((x'0[i] + x'1[i]) + ...) / divisor in float32,
 // the sources (each an encoding of `count` elements) decoded and added in
 // the order given, tile by tile so that the sums stay in cache: the same bits

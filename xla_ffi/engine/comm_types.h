@@ -114,6 +114,14 @@ struct ReduceRequest {
   // other than kNone only for float32 sums and means. Inside a host the host
   // stage moves float32 through memory; a group of one process is exact.
   Codec codec = Codec::kNone;
+  // Error feedback (a float32 sum or mean through a codec): `count` floats
+  // (the input's coordinates) that get, for every element this process
+  // encoded as a contribution, what the encoding lost (EncodingLoss), and 0
+  // for every other: with the host stage that is this process's slice of its
+  // host's sum where the sum crosses hosts, nothing on one host; flat, its
+  // whole input. Summed over the processes, the losses are exactly what the
+  // contributions lost on their way to the servers. nullptr: not asked.
+  float* lost = nullptr;
 };
 
 struct CommStats {

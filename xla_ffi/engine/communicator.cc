@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -238,6 +239,11 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
     if (!invalid.empty()) return Status::Error(invalid);
     bytes_reduced_ += r.count * ElementSize(r.dtype);
   }
+  // Nothing lost where nothing is encoded (the paths below write the loss
+  // of what this process encodes, and only that).
+  for (const ReduceRequest& r : requests) {
+    if (r.lost != nullptr) std::memset(r.lost, 0, r.count * sizeof(float));
+  }
   reductions_ += requests.size();
 
   if (n > 1 && TestFault("abort-at-start")) {
@@ -273,6 +279,9 @@ std::string CheckRequest(const ReduceRequest& r, int n) {
     return std::string("codec ") + CodecName(r.codec) + " compresses float32 sums and means " +
            "only; this reduction is a " + ReduceOpName(r.op) + " of " + DTypeName(r.dtype) +
            " (use codec none for it)";
+  }
+  if (r.lost != nullptr && (r.codec == Codec::kNone || r.collective == Collective::kAllGather)) {
+    return "error feedback (lost) needs a codec and a sum or mean to contribute to";
   }
   if (r.collective == Collective::kAllReduce) {
     return r.parts.empty() ? "" : "an all-reduce cuts its own parts";

@@ -65,6 +65,20 @@ bool Communicator::AcceptHeader(Batch* batch, const WireHeader& h, size_t len,
   }
 }
 
+namespace {
+
+// Error feedback: what encoding chunk c of part i of this process's
+// contribution lost (ReduceRequest::lost), from its encoding as it travels.
+// On the caller's thread, before the chunk is sent: the input is intact.
+void KeepLoss(Job* job, int i, size_t c) {
+  if (job->req.lost == nullptr) return;
+  const size_t begin = job->ChunkBegin(i, c);
+  EncodingLoss(job->req.codec, reinterpret_cast<const float*>(job->InAt(begin)),
+               job->ChunkLen(i, c), job->WireIn(i, c), job->req.lost + (begin - job->in_base));
+}
+
+}  // namespace
+
 Status Communicator::StartJob(Batch* batch, Job* job) {
   const int n = job->n;
   const int me = job->me;
@@ -96,6 +110,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
     for (size_t c = 0; c < chunks_me; ++c) {
       Encode(job->req.codec, reinterpret_cast<const float*>(job->InAt(job->ChunkBegin(me, c))),
              job->ChunkLen(me, c), job->WireIn(me, c));
+      KeepLoss(job, me, c);
     }
   }
   if (config_.test_early_strangers) {
@@ -165,6 +180,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       if (job->Encoded()) {
         Encode(job->req.codec, reinterpret_cast<const float*>(data), job->ChunkLen(i, c),
                job->WireIn(i, c));
+        KeepLoss(job, i, c);
         data = job->WireIn(i, c);
       }
       WireHeader& h = job->send_hdrs[i * job->max_chunks + c];

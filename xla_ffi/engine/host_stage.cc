@@ -421,8 +421,23 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
   // of every host with this local index land in its staging).
   if (ok && w.hosts > 1) {
     std::vector<ReduceRequest> slices(requests);
+    // Error feedback: this process encodes its slice of the host's sum, and
+    // keeps what that lost (its host's other processes keep nothing of it).
+    std::vector<PooledBuffer> lost(num);
     for (size_t k = 0; k < num; ++k) {
       ReduceRequest& slice = slices[k];
+      slice.lost = nullptr;
+      if (requests[k].lost != nullptr) {
+        lost[k] = PooledBuffer(&pool_, std::max<size_t>(1, Total(w.slices[k][me])) * 4);
+        if (!lost[k].ok()) {
+          fail(Status::Error("out of memory for the host stage"), true);
+          break;
+        }
+        // The stage across hosts encodes every element of the slice; zeros
+        // all the same, so that nothing stale could ever be kept.
+        std::memset(lost[k].data(), 0, Total(w.slices[k][me]) * 4);
+        slice.lost = reinterpret_cast<float*>(lost[k].data());
+      }
       slice.count = Total(w.slices[k][me]);
       slice.contributors = static_cast<uint32_t>(contributors[k]);
       slice.in = w.staging[k].data();
@@ -432,7 +447,16 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
       if (slice.collective == Collective::kAllGather) slice.in = requests[k].in;
     }
     // Its failure has been told to every rank already.
-    fail(ReduceFlat(stream, plan.cross, slices, ids), /*tell_peers=*/false);
+    if (ok) fail(ReduceFlat(stream, plan.cross, slices, ids), /*tell_peers=*/false);
+    for (size_t k = 0; ok && k < num; ++k) {
+      if (requests[k].lost == nullptr) continue;
+      size_t staged = 0;
+      for (const Range& range : w.slices[k][me]) {
+        std::memcpy(requests[k].lost + range.begin, lost[k].data() + staged * 4,
+                    range.len * 4);
+        staged += range.len;
+      }
+    }
   }
 
   // 4. ready, and this process's own slice into its output (an all-gather's

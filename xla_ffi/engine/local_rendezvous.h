@@ -42,6 +42,9 @@ using transport::Status;
 struct LocalArrival {
   std::vector<const void*> in;
   std::vector<void*> out;
+  // Error feedback: per buffer, float32 of the input's size, for what this
+  // device's contribution lost (ReduceRequest::lost); empty: not asked.
+  std::vector<float*> lost;
 };
 
 // Names the reduction that local devices meet for (see the file comment).
