@@ -1,8 +1,8 @@
 """fully_sharded against optax.chain(allreduce_gradients(), inner): the same
 training steps from the same parameters, the whole parameters (gathered)
 compared bitwise (element-wise inner transformations) or within a tolerance
-(a global-norm clip, a lossy codec), on every process; and what each process
-holds between steps."""
+(a global-norm clip), on every process; and what each process holds between
+steps. (A lossy codec's error feedback: fully_sharded_ef_worker.py.)"""
 
 from __future__ import annotations
 
@@ -97,7 +97,6 @@ def main() -> None:
     parser.add_argument("--cases", default="float32/adam/default",
                         help="comma-separated dtype/inner/variant[+variant...] (variants: "
                              f"{', '.join(VARIANTS)})")
-    parser.add_argument("--codec", default="")
     parser.add_argument("--refused", action="store_true",
                         help="also: transformations that look at whole leaves are refused")
     args = parser.parse_args()
@@ -136,23 +135,6 @@ def main() -> None:
                 common.report(f"refused/{name}", False, error="no error")
             except ValueError as e:
                 common.report(f"refused/{name}", "element by element" in str(e), error=str(e))
-    if args.codec:
-        params = make_params("float32")
-        ref, _ = train_reference(optax.chain(
-            herring_jax.allreduce_gradients(compression=args.codec), optax.sgd(0.1)),
-            params, rank)
-        fs = herring_jax.fully_sharded(optax.sgd(0.1), compression=args.codec)
-        got, state = train_fully_sharded(fs, params, rank, False)
-        a, b = flat(got), flat(ref)
-        # Error feedback keeps the compressed run close to the exact one.
-        exact, _ = train_reference(optax.chain(herring_jax.allreduce_gradients(),
-                                               optax.sgd(0.1)), params, rank)
-        e = flat(exact)
-        err = float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
-        common.report(f"codec/{args.codec}", err < 2e-2 and bool(np.any(state.residual["dense"]
-                                                                        ["kernel"] != 0)),
-                      digest=common.digest(np.asarray(a)), rel_err=err,
-                      max_diff_vs_allreduce_codec=float(np.max(np.abs(a - b))))
     herring_jax.shutdown()
 
 
