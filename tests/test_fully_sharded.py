@@ -34,7 +34,7 @@ CASES = {
 @pytest.mark.parametrize("nproc,hosts", [(2, None), (1, None), (3, None), (4, 2)])
 def test_the_parameters_match_the_unsharded_chain_on_every_process(nproc, hosts):
     # On 2 processes also: LAMB, adafactor and apply_if_finite refused at init,
-    # as by sharded_optimizer.
+    # as by sharded_optimizer, and integer and bool leaves (TypeError naming them).
     refused = ["--refused"] if nproc == 2 else []
     run = launch("fully_sharded_worker.py", ["--cases", CASES[nproc], *refused], nproc=nproc,
                  hosts=hosts, env=BITWISE, timeout=900)

@@ -114,6 +114,7 @@ class FullySharded:
         """This process's chunks of `params` (whole, the same on every
         process) and the inner state over them. Works eagerly and under
         ``jax.jit`` (the same program on every process)."""
+        _check_floating(params)
         n = runtime.process_count()
         shard = jnp.asarray(_reduce_scatter_mod.shard_index(), jnp.int32)
         if self.check_inner:
@@ -318,6 +319,25 @@ class FullySharded:
             return [p.reshape(a.shape) for p, a in zip(parts, avals)]
 
         return composite.bind("all_gather", body, list(chunks), transpose=transpose)
+
+
+def _check_floating(params) -> None:
+    """Refuses integer and bool leaves at init: value_and_grad differentiates
+    every parameter the state holds, and jax gives them no gradient (its
+    error would ask for an allow_int the user cannot pass)."""
+    bad = [(jax.tree_util.keystr(path), np.dtype(x.dtype).name)
+           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+           if not _allreduce.is_floating(x)]
+    if bad:
+        shown = ", ".join(f"{p} ({d})" for p, d in bad[:3])
+        shown += f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise TypeError(
+            f"herring_jax.fully_sharded: the parameters {shown} are not floating point, and "
+            "fully_sharded differentiates every parameter it holds (integer and bool leaves "
+            "have no gradient). They are usually state rather than trainable parameters: "
+            "keep them out of the tree given to init (nnx.split(model, nnx.Param, ...) "
+            "splits them off) and pass them to the loss beside the state, or cast them to "
+            "float.")
 
 
 def contributions_encoded() -> bool:

@@ -135,6 +135,16 @@ def main() -> None:
                 common.report(f"refused/{name}", False, error="no error")
             except ValueError as e:
                 common.report(f"refused/{name}", "element by element" in str(e), error=str(e))
+        # Integer and bool leaves have no gradient: refused at init, named.
+        params = {**make_params("float32"), "step": jnp.zeros((), jnp.int32),
+                  "mask": jnp.ones(3, bool)}
+        try:
+            herring_jax.fully_sharded(optax.sgd(0.1)).init(params)
+            common.report("refused/integer-leaves", False, error="no error")
+        except TypeError as e:
+            common.report("refused/integer-leaves", "['step'] (int32)" in str(e)
+                          and "['mask'] (bool)" in str(e) and "fully_sharded" in str(e),
+                          error=str(e))
     herring_jax.shutdown()
 
 
