@@ -46,8 +46,8 @@ from herring_jax._src import jax_compat
 class _Collective(jex_core.Primitive):
     """A primitive whose str() is the lax collective it stands in for."""
 
-    def __init__(self, label: str):
-        super().__init__(f"herring_{label}")
+    def __init__(self, label: str, name: str | None = None):
+        super().__init__(name or f"herring_{label}")
         self.label = label
 
     def __str__(self) -> str:
@@ -58,7 +58,8 @@ _PRIMITIVES: dict[str, _Collective] = {}
 
 
 def bind(label: str, body: Callable, operands, transpose: Callable | None = None,
-         jvp: Callable | None = None, nondiff: tuple[int, ...] = ()) -> list:
+         jvp: Callable | None = None, nondiff: tuple[int, ...] = (),
+         name: str | None = None) -> list:
     """``body(*operands)`` (a list of arrays) as one equation of the
     collective `label`.
 
@@ -76,6 +77,7 @@ def bind(label: str, body: Callable, operands, transpose: Callable | None = None
     and gives them no cotangent (None). The transpose then runs even where
     every result's cotangent is zero, since it may act on these values
     alone.
+    `name`: the primitive's name in jaxprs (default ``herring_<label>``).
     """
     operands = list(operands)
     nondiff = tuple(sorted(set(nondiff)))
@@ -87,14 +89,15 @@ def bind(label: str, body: Callable, operands, transpose: Callable | None = None
     if transpose is None:
         transpose = functools.partial(_transpose_body, body, nondiff)
     closed = jax.make_jaxpr(lambda *xs: list(body(*xs)))(*operands)
-    return _primitive(label).bind(*operands, jaxpr=closed, transpose=transpose, jvp=jvp,
-                                  nondiff=nondiff)
+    return _primitive(label, name).bind(*operands, jaxpr=closed, transpose=transpose, jvp=jvp,
+                                        nondiff=nondiff)
 
 
-def _primitive(label: str) -> _Collective:
-    p = _PRIMITIVES.get(label)
+def _primitive(label: str, name: str | None = None) -> _Collective:
+    name = name or f"herring_{label}"
+    p = _PRIMITIVES.get(name)
     if p is None:
-        p = _PRIMITIVES[label] = _register(_Collective(label))
+        p = _PRIMITIVES[name] = _register(_Collective(label, name))
     return p
 
 

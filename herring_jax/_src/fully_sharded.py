@@ -43,6 +43,7 @@ from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
 from herring_jax._src import composite
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
+from herring_jax._src import reshard
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
 from herring_jax._src.sharded_checks import global_sum
@@ -193,6 +194,12 @@ class FullySharded:
             def of_chunks(chunks, sinks):
                 whole = self._gather(treedef.flatten_up_to(chunks), residual, sinks,
                                      state.shapes, order)
+                if self.reshard_after_forward:
+                    # What is computed from the gathered buckets alone is
+                    # recomputed in the backward pass too (reshard.py).
+                    return reshard.evaluate(
+                        lambda p, *a: fun(jax.tree_util.tree_unflatten(treedef, p), *a),
+                        whole, args)
                 return fun(jax.tree_util.tree_unflatten(treedef, whole), *args)
 
             if self.reshard_after_forward:
@@ -364,7 +371,8 @@ def contributions_encoded() -> bool:
 
 def _all_but_gathers(prim, *_, **__) -> bool:
     """reshard_after_forward's remat policy: keep every value of the forward
-    pass but the gathered parameters (gathered again for the backward)."""
+    pass but the gathered parameters (gathered again for the backward) and
+    what is computed from them alone (reshard.py binds it as all_gather)."""
     return str(prim) != "all_gather"
 
 
@@ -406,8 +414,9 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
         waits for (FSDP2 keeps two in flight); None: every gather starts at
         once (the most overlap, all gathered buckets allocated together).
       reshard_after_forward: gather every bucket again in the backward pass
-        instead of keeping it from the forward pass (1.5x the bytes; lower
-        peak memory).
+        instead of keeping it from the forward pass, and recompute there what
+        the loss computes from the parameters alone (casts, transposes):
+        1.5x the bytes; lower peak memory.
       fusion_bytes, first_bucket_bytes: bucket sizes, as for
         ``allreduce_gradients`` (the first bucket is the first layers').
       compression: wire codec of the gradients' reduce-scatter (``"none"``,

@@ -7,6 +7,7 @@ steps. (A lossy codec's error feedback: fully_sharded_ef_worker.py.)"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -87,6 +88,53 @@ def model_case(case: str, rank: int) -> None:
                   max_diff=float(np.max(np.abs(a - b))))
 
 
+def saved_residuals_case(rank: int) -> None:
+    """reshard_after_forward keeps nothing of a whole parameter's size for
+    the backward pass: not the gathered weights, nor what is computed from
+    them alone (a cast of a bfloat16 weight to float32, its transpose, what
+    a nested jit computes from a weight and a cast of that, the sine of a
+    weight), nor what the tangent of a nonlinear function of a weight needs
+    (the cosine). What the backward pass's jax.checkpoint
+    equations take in is what the forward pass saved for them."""
+    rng = np.random.default_rng(5)
+    params = {"w": jnp.asarray(rng.normal(size=(256, 256)) / 16, jnp.bfloat16),
+              "v": jnp.asarray(rng.normal(size=(256, 96)) / 16, jnp.float32)}
+    # (No whole size equals another's chunk, which the backward pass takes in.)
+    whole = {int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)}
+
+    def loss(params, x):
+        w = params["w"].astype(jnp.float32)
+        u = jax.jit(lambda a: (a * 0.5).T)(params["w"]).astype(jnp.float32)
+        # Layers after the first: their inputs' gradients need the weights.
+        h = jnp.tanh(jnp.tanh(jnp.tanh(x @ w) @ w.T) @ u)
+        g = jnp.einsum("bi,ij->bj", h, jnp.sin(params["v"]))
+        return jnp.mean(h ** 2) + jnp.mean(g ** 2)
+
+    x = jnp.asarray(rng.normal(size=(8, 256)), jnp.float32)
+    fs = herring_jax.fully_sharded(optax.sgd(0.1), reshard_after_forward=True)
+    state = fs.init(params)
+    closed = jax.make_jaxpr(fs.value_and_grad(loss))(state, x)
+    # The backward pass's jax.checkpoint equations (the only ones with a
+    # remat policy) and what they take in.
+    saved = [v.aval for e in closed.jaxpr.eqns if "policy" in e.params
+             for v in e.invars if hasattr(v, "aval")]
+    too_big = [a.str_short() for a in saved if int(np.prod(a.shape)) in whole]
+    # The gradients are still right: jax.grad of the whole parameters (every
+    # process has the same batch, so their mean is its gradient), within
+    # 64 roundings of each leaf's dtype (the program is compiled otherwise;
+    # a wrong term would be off by far more).
+    _, grads = jax.jit(fs.value_and_grad(loss))(state, x)
+    got = jax.jit(lambda g: fs.gather(dataclasses.replace(state, chunks=g)))(grads.chunks)
+    want = jax.grad(loss)(params, x)
+    errs = {}
+    for k in params:
+        a, b = np.asarray(got[k], np.float32), np.asarray(want[k], np.float32)
+        errs[k] = float(np.max(np.abs(a - b)) / np.max(np.abs(b)) / jnp.finfo(got[k].dtype).eps)
+    common.report("reshard/saved-residuals",
+                  bool(saved) and not too_big and max(errs.values()) <= 64,
+                  saved=[a.str_short() for a in saved], too_big=too_big, grad_err_in_eps=errs)
+
+
 VARIANTS = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
             "prefetch1": dict(prefetch=1, fusion_bytes=256),
             "all": dict(prefetch=None, fusion_bytes=512)}
@@ -97,6 +145,8 @@ def main() -> None:
     parser.add_argument("--cases", default="float32/adam/default",
                         help="comma-separated dtype/inner/variant[+variant...] (variants: "
                              f"{', '.join(VARIANTS)})")
+    parser.add_argument("--saved-residuals", action="store_true",
+                        help="also: what reshard_after_forward saves for the backward pass")
     parser.add_argument("--refused", action="store_true",
                         help="also: transformations that look at whole leaves are refused")
     args = parser.parse_args()
@@ -145,6 +195,8 @@ def main() -> None:
             common.report("refused/integer-leaves", "['step'] (int32)" in str(e)
                           and "['mask'] (bool)" in str(e) and "fully_sharded" in str(e),
                           error=str(e))
+    if args.saved_residuals:
+        saved_residuals_case(rank)
     herring_jax.shutdown()
 
 
