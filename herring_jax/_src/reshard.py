@@ -75,8 +75,7 @@ def _eval(jaxpr, consts, args, derived_in) -> tuple[list, list]:
             outs = _wrap(eqn, invals)
             outs_derived = [True] * len(outs)
         else:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = _bind(eqn.primitive, invals, eqn.params)
             outs_derived = [False] * len(outs)
         for v, x, d in zip(eqn.outvars, outs, outs_derived):
             env[v] = x
@@ -84,6 +83,16 @@ def _eval(jaxpr, consts, args, derived_in) -> tuple[list, list]:
                 derived.add(v)
     return ([read(v) for v in jaxpr.outvars],
             [not isinstance(v, jex_core.Literal) and v in derived for v in jaxpr.outvars])
+
+
+def _bind(prim, invals, params) -> list:
+    """An equation's primitive bound again (as jax.core.eval_jaxpr does),
+    its results as a list."""
+    bind_params = prim.get_bind_params(params)
+    # Older jax gave (subfuns, params); jax 0.10 gives the params alone.
+    subfuns, bind_params = bind_params if isinstance(bind_params, tuple) else ((), bind_params)
+    out = prim.bind(*subfuns, *invals, **bind_params)
+    return list(out) if prim.multiple_results else [out]
 
 
 def _wrappable(eqn) -> bool:
@@ -97,7 +106,7 @@ def _wrappable(eqn) -> bool:
 def _wrap(eqn, invals) -> list:
     """One equation as a composite: its value, and a JVP that evaluates
     jax's JVP of it with the primal-only equations wrapped again."""
-    prim, params = eqn.primitive, eqn.primitive.get_bind_params(eqn.params)
+    prim, params = eqn.primitive, eqn.params
     # Literal operands stay in the body; the others are its operands.
     at = [k for k, v in enumerate(eqn.invars) if not isinstance(v, jex_core.Literal)]
     operands = [invals[k] for k in at]
@@ -106,8 +115,7 @@ def _wrap(eqn, invals) -> list:
         full = list(invals)
         for k, x in zip(at, xs):
             full[k] = x
-        out = prim.bind(*full, **params)
-        return list(out) if prim.multiple_results else [out]
+        return _bind(prim, full, params)
 
     def jvp(primals, tangents):
         tangents = [jax_compat.zeros_of(jax.typeof(x)) if type(t) is ad.Zero else t
