@@ -57,7 +57,6 @@ EXTENDED_CASES = {
     "test_fully_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[1-None]",
     "test_fully_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[3-None]",
     "test_fully_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[4-2]",
-    "test_fully_sharded.py::test_a_codec_with_error_feedback_stays_close_to_the_exact_run",
     # Moved when the core tier took 14.4 min on a fresh clone (2026-11-27):
     # guards whose feature keeps its main test in the core tier.
     "test_fuzz.py::test_header_fuzzer_finds_nothing",

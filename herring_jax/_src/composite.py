@@ -15,9 +15,14 @@ The equation holds the traced body (a ClosedJaxpr, as ``jit``'s equation
 does) and the function that transposes it. The body is linear in its
 operands (a sum, a gather, moves of data): its JVP is the body applied to
 the tangents, its transpose is the given function; or, for a max or min, it
-has a JVP rule of its own (which refuses). Lowering inlines the body; under
-``jax.vmap`` the body is batched in place (the vmapped program then holds
-its pieces, each batched as lax's).
+has a JVP rule of its own (which refuses). Some operands may be values that
+the transpose reads and nobody differentiates (`nondiff`: an error
+feedback's residual, added to the cotangents before they are compressed):
+the JVP passes their values, not their tangents, to the tangent equation,
+so that its transpose finds them among the known operands (zeros of their
+tangents would stand there otherwise, and the residual would be lost).
+Lowering inlines the body; under ``jax.vmap`` the body is batched in place
+(the vmapped program then holds its pieces, each batched as lax's).
 
 While split.split_reductions traces (allreduce_gradients' buckets), the
 body is bound in place instead: the split pairs each reduction with its
@@ -41,8 +46,8 @@ from herring_jax._src import jax_compat
 class _Collective(jex_core.Primitive):
     """A primitive whose str() is the lax collective it stands in for."""
 
-    def __init__(self, label: str):
-        super().__init__(f"herring_{label}")
+    def __init__(self, label: str, name: str | None = None):
+        super().__init__(name or f"herring_{label}")
         self.label = label
 
     def __str__(self) -> str:
@@ -53,7 +58,8 @@ _PRIMITIVES: dict[str, _Collective] = {}
 
 
 def bind(label: str, body: Callable, operands, transpose: Callable | None = None,
-         jvp: Callable | None = None) -> list:
+         jvp: Callable | None = None, nondiff: tuple[int, ...] = (),
+         name: str | None = None) -> list:
     """``body(*operands)`` (a list of arrays) as one equation of the
     collective `label`.
 
@@ -65,59 +71,75 @@ def bind(label: str, body: Callable, operands, transpose: Callable | None = None
     herring_allreduce's rules included).
     `jvp(primals, tangents)`: for a body that is not linear, its JVP rule
     (tangents as jax gives them, symbolic zeros included); None: linear.
+    `nondiff`: the positions of operands taken as constants: their tangents
+    are ignored (the body must be linear in the other operands for fixed
+    values of these), and `transpose` always finds their values in `known`
+    and gives them no cotangent (None). The transpose then runs even where
+    every result's cotangent is zero, since it may act on these values
+    alone.
+    `name`: the primitive's name in jaxprs (default ``herring_<label>``).
     """
     operands = list(operands)
+    nondiff = tuple(sorted(set(nondiff)))
+    if any(not 0 <= i < len(operands) for i in nondiff):
+        raise ValueError(f"composite.bind: nondiff positions {nondiff} outside the "
+                         f"{len(operands)} operands")
     if _allreduce._receiver.current is not None:
         return list(body(*operands))
     if transpose is None:
-        transpose = functools.partial(_transpose_body, body)
+        transpose = functools.partial(_transpose_body, body, nondiff)
     closed = jax.make_jaxpr(lambda *xs: list(body(*xs)))(*operands)
-    return _primitive(label).bind(*operands, jaxpr=closed, transpose=transpose, jvp=jvp)
+    return _primitive(label, name).bind(*operands, jaxpr=closed, transpose=transpose, jvp=jvp,
+                                        nondiff=nondiff)
 
 
-def _primitive(label: str) -> _Collective:
-    p = _PRIMITIVES.get(label)
+def _primitive(label: str, name: str | None = None) -> _Collective:
+    name = name or f"herring_{label}"
+    p = _PRIMITIVES.get(name)
     if p is None:
-        p = _PRIMITIVES[label] = _register(_Collective(label))
+        p = _PRIMITIVES[name] = _register(_Collective(label, name))
     return p
 
 
 def _register(p: _Collective) -> _Collective:
     p.multiple_results = True
 
-    def abstract_eval(*avals, jaxpr, transpose, jvp):
-        del avals, transpose, jvp
+    def abstract_eval(*avals, jaxpr, transpose, jvp, nondiff):
+        del avals, transpose, jvp, nondiff
         return list(jaxpr.out_avals)
 
-    def impl(*args, jaxpr, transpose, jvp):
-        del transpose, jvp
+    def impl(*args, jaxpr, transpose, jvp, nondiff):
+        del transpose, jvp, nondiff
         return jex_core.jaxpr_as_fun(jaxpr)(*args)
 
-    def lower(ctx, *args, jaxpr, transpose, jvp):
-        del transpose, jvp
+    def lower(ctx, *args, jaxpr, transpose, jvp, nondiff):
+        del transpose, jvp, nondiff
         return mlir.lower_fun(jex_core.jaxpr_as_fun(jaxpr), multiple_results=True)(ctx, *args)
 
-    def jvp_rule(primals, tangents, *, jaxpr, transpose, jvp):
+    def jvp_rule(primals, tangents, *, jaxpr, transpose, jvp, nondiff):
         if jvp is not None:
             return jvp(primals, tangents)
-        outs = p.bind(*primals, jaxpr=jaxpr, transpose=transpose, jvp=jvp)
-        if all(type(t) is ad.Zero for t in tangents):
+        params = dict(jaxpr=jaxpr, transpose=transpose, jvp=jvp, nondiff=nondiff)
+        outs = p.bind(*primals, **params)
+        if all(type(t) is ad.Zero for i, t in enumerate(tangents) if i not in nondiff):
             return outs, [jax_compat.zero_tangent(o) for o in outs]
+        # The constants go in as their values (the transpose reads them).
         # Integer operands have no tangent: zeros of their own type stand in,
         # and integer results get symbolic zeros.
-        tangents = [_zeros(jax.typeof(x)) if type(t) is ad.Zero or not _inexact(jax.typeof(x))
-                    else t for x, t in zip(primals, tangents)]
-        touts = p.bind(*tangents, jaxpr=jaxpr, transpose=transpose, jvp=jvp)
+        tangents = [x if i in nondiff else
+                    _zeros(jax.typeof(x)) if type(t) is ad.Zero or not _inexact(jax.typeof(x))
+                    else t for i, (x, t) in enumerate(zip(primals, tangents))]
+        touts = p.bind(*tangents, **params)
         return outs, [t if _inexact(jax.typeof(o)) else jax_compat.zero_tangent(o)
                       for o, t in zip(outs, touts)]
 
-    def transpose_rule(cts, *args, jaxpr, transpose, jvp):
+    def transpose_rule(cts, *args, jaxpr, transpose, jvp, nondiff):
         del jvp
         # The operands' own types, as traced: jax may give an undefined
         # operand the type of its cotangent instead (reduced for an unreduced
         # operand), and the body's transpose must see what it was traced on.
         avals = list(jaxpr.in_avals)
-        if all(type(c) is ad.Zero for c in cts):
+        if all(type(c) is ad.Zero for c in cts) and not nondiff:
             return [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None for x in args]
         cts = [_zeros(c.aval) if type(c) is ad.Zero else c for c in cts]
         known = [None if ad.is_undefined_primal(a) else a for a in args]
@@ -125,8 +147,8 @@ def _register(p: _Collective) -> _Collective:
         return [None if not ad.is_undefined_primal(x) else
                 (ad.Zero(x.aval) if o is None else o) for x, o in zip(args, outs)]
 
-    def batch(axis_data, args, dims, *, jaxpr, transpose, jvp):
-        del transpose, jvp
+    def batch(axis_data, args, dims, *, jaxpr, transpose, jvp, nondiff):
+        del transpose, jvp, nondiff
         fun = jex_core.jaxpr_as_fun(jaxpr)
         outs = jax.vmap(lambda *xs: fun(*xs), in_axes=tuple(dims), out_axes=0,
                         axis_name=axis_data.name, axis_size=axis_data.size,
@@ -143,10 +165,20 @@ def _register(p: _Collective) -> _Collective:
     return p
 
 
-def _transpose_body(body, cts, avals, known):
-    del known
-    operands = [_zeros(a) for a in avals]
-    return list(jax.linear_transpose(lambda *xs: list(body(*xs)), *operands)(list(cts)))
+def _transpose_body(body, nondiff, cts, avals, known):
+    linear = [i for i in range(len(avals)) if i not in nondiff]
+
+    def of_linear(*xs):
+        operands = list(known)
+        for i, x in zip(linear, xs):
+            operands[i] = x
+        return list(body(*operands))
+
+    outs = jax.linear_transpose(of_linear, *[_zeros(avals[i]) for i in linear])(list(cts))
+    result = [None] * len(avals)
+    for i, o in zip(linear, outs):
+        result[i] = o
+    return result
 
 
 def inexact(aval) -> bool:

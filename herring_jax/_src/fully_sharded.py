@@ -43,6 +43,7 @@ from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
 from herring_jax._src import composite
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
+from herring_jax._src import reshard
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
 from herring_jax._src.sharded_checks import global_sum
@@ -114,6 +115,7 @@ class FullySharded:
         """This process's chunks of `params` (whole, the same on every
         process) and the inner state over them. Works eagerly and under
         ``jax.jit`` (the same program on every process)."""
+        _check_floating(params)
         n = runtime.process_count()
         shard = jnp.asarray(_reduce_scatter_mod.shard_index(), jnp.int32)
         if self.check_inner:
@@ -157,15 +159,33 @@ class FullySharded:
 
     def value_and_grad(self, fun: Callable, has_aux: bool = False) -> Callable:
         """``jax.value_and_grad`` of ``fun(params, *args)`` taken through the
-        sharding: the returned function takes ``(state, *args)``, gathers the
-        parameters (in the order `fun` first uses them), and returns
-        ``(value, FullyShardedGrads)`` (``((value, aux), grads)`` with
-        `has_aux`)."""
+        sharding: the returned function takes ``(state, *args,
+        accumulate=None)``, gathers the parameters (in the order `fun` first
+        uses them), and returns ``(value, FullyShardedGrads)``
+        (``((value, aux), grads)`` with `has_aux`).
 
-        def run(state: FullyShardedState, *args):
+        Each call reduce-scatters its gradients once. Several calls in one
+        step (gradient accumulation) pass the previous call's grads as
+        `accumulate`: the result holds the sum of their chunks and this
+        call's, and with error feedback this call's reduction adds the
+        residual the previous one left (not the state's again), so each
+        loss is added back once, by the next reduction. Calls given the same
+        state without `accumulate` would each add the state's residual."""
+
+        def run(state: FullyShardedState, *args, accumulate: FullyShardedGrads | None = None):
+            if accumulate is not None and not isinstance(accumulate, FullyShardedGrads):
+                raise TypeError(
+                    f"fully_sharded.value_and_grad: accumulate must be the FullyShardedGrads "
+                    f"of an earlier call of this step (or fs.zero_gradients(state)), got "
+                    f"{type(accumulate).__name__}")
             order = self._forward_order(fun, state, args)
             treedef = jax.tree_util.tree_structure(state.chunks)
-            residual = treedef.flatten_up_to(state.residual) if self.feedback else None
+            # Where nothing this process sends is encoded, nothing is lost:
+            # the residual stays zeros (adding an error never made would be
+            # worse than no feedback).
+            feedback = self.feedback and contributions_encoded()
+            carried = state.residual if accumulate is None else accumulate.residual
+            residual = treedef.flatten_up_to(carried) if feedback else None
 
             # With error feedback the new residual leaves the backward pass
             # as the "gradient" of `sinks`, zeros the gathers take and never
@@ -174,17 +194,34 @@ class FullySharded:
             def of_chunks(chunks, sinks):
                 whole = self._gather(treedef.flatten_up_to(chunks), residual, sinks,
                                      state.shapes, order)
+                if self.reshard_after_forward:
+                    # What is computed from the gathered buckets alone is
+                    # recomputed in the backward pass too (reshard.py).
+                    return reshard.evaluate(
+                        lambda p, *a: fun(jax.tree_util.tree_unflatten(treedef, p), *a),
+                        whole, args)
                 return fun(jax.tree_util.tree_unflatten(treedef, whole), *args)
 
             if self.reshard_after_forward:
                 of_chunks = jax.checkpoint(of_chunks, policy=_all_but_gathers)
-            sinks = jax.tree_util.tree_map(jnp.zeros_like, residual) if self.feedback else None
+            sinks = jax.tree_util.tree_map(jnp.zeros_like, residual) if feedback else None
             value, (g_chunks, g_sinks) = jax.value_and_grad(
                 of_chunks, argnums=(0, 1), has_aux=has_aux)(state.chunks, sinks)
-            new_residual = jax.tree_util.tree_unflatten(treedef, g_sinks) if self.feedback else ()
+            new_residual = (jax.tree_util.tree_unflatten(treedef, g_sinks) if feedback
+                            else carried)
+            if accumulate is not None:
+                g_chunks = jax.tree_util.tree_map(jnp.add, accumulate.chunks, g_chunks)
             return value, FullyShardedGrads(g_chunks, new_residual)
 
         return run
+
+    def zero_gradients(self, state: FullyShardedState) -> FullyShardedGrads:
+        """Gradients of nothing yet: zero chunks and the state's residual, the
+        `accumulate` of a step's first ``value_and_grad`` call (for a
+        ``jax.lax.scan`` over microbatches, whose carry needs it from the
+        start)."""
+        return FullyShardedGrads(jax.tree_util.tree_map(jnp.zeros_like, state.chunks),
+                                 state.residual)
 
     # -- inside the step -----------------------------------------------------
 
@@ -237,11 +274,15 @@ class FullySharded:
 
     def _gather_bucket(self, lay, shapes, chunks, residual, sinks):
         """One bucket's all-gather as one equation (composite.py): the chunks
-        in, the whole leaves out; its transpose the reduce-scatter (whose
-        error feedback reads `residual` and writes the sinks' cotangents)."""
+        in, the whole leaves out; its transpose the reduce-scatter, whose
+        error feedback adds `residual` (operands the composite passes to the
+        transpose as values, never differentiated) and writes what this
+        process's contribution lost as the sinks' cotangents."""
         n, op, codec = lay.n, self.op, self.compression
         count = len(chunks)
-        extra = (residual or []) + (sinks or [])
+        sinks, residual = sinks or [], residual or []
+        operands = list(chunks) + sinks + residual
+        known_at = tuple(range(count + len(sinks), len(operands)))
 
         if codec == "none":
             return self._gather_leaves(n, shapes, chunks)
@@ -252,20 +293,20 @@ class FullySharded:
             return [v.reshape(s) for v, s in zip(lay.unpack(rows.reshape(-1), n), shapes)]
 
         def transpose(cts, avals, known):
-            old = [known[count + j] for j in range(len(residual))] if residual else None
+            old = [known[i] for i in known_at]
             buffer = lay.pack([ct + e for ct, e in zip(cts, old)] if old else cts)
             [part] = _allreduce.bind([buffer.reshape(n, -1)], op=op, axes=None,
                                      codec=_allreduce.leaf_codec(buffer, codec),
                                      collective="reduce_scatter")
             grads = [c.reshape(a.shape) for c, a in zip(lay.split(part), avals[:count])]
-            grads += [None] * len(residual or [])
             if not sinks:
-                return grads
+                return grads + [None] * len(residual)
             lost = jnp.where(jnp.isfinite(buffer), buffer - codecs.roundtrip(codec, buffer), 0.0)
-            return grads + [v.reshape(s) for v, s in zip(lay.unpack(lost, n), shapes)]
+            return (grads + [v.reshape(s) for v, s in zip(lay.unpack(lost, n), shapes)]
+                    + [None] * len(residual))
 
-        return composite.bind("all_gather", body, list(chunks) + extra, transpose=transpose)
-
+        return composite.bind("all_gather", body, operands, transpose=transpose,
+                              nondiff=known_at)
 
     def _gather_leaves(self, n, shapes, chunks):
         """A bucket without a codec: one call with an operand per leaf, so
@@ -287,9 +328,51 @@ class FullySharded:
         return composite.bind("all_gather", body, list(chunks), transpose=transpose)
 
 
+def _check_floating(params) -> None:
+    """Refuses integer and bool leaves at init: value_and_grad differentiates
+    every parameter the state holds, and jax gives them no gradient (its
+    error would ask for an allow_int the user cannot pass)."""
+    bad = [(jax.tree_util.keystr(path), np.dtype(x.dtype).name)
+           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+           if not _allreduce.is_floating(x)]
+    if bad:
+        shown = ", ".join(f"{p} ({d})" for p, d in bad[:3])
+        shown += f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise TypeError(
+            f"herring_jax.fully_sharded: the parameters {shown} are not floating point, and "
+            "fully_sharded differentiates every parameter it holds (integer and bool leaves "
+            "have no gradient). They are usually state rather than trainable parameters: "
+            "keep them out of the tree given to init (nnx.split(model, nnx.Param, ...) "
+            "splits them off) and pass them to the loss beside the state, or cast them to "
+            "float.")
+
+
+def contributions_encoded() -> bool:
+    """Whether the gradients' reduce-scatter encodes what this process sends
+    (else a lossy codec loses nothing of it, and error feedback keeps no
+    residual). A job of one process sends nothing; where every host holds
+    the same number (> 1) of processes that reduce through memory, the host
+    stage (topology.py) sums them in float32 first: with one host nothing
+    crosses the wire, with several each host's sum is encoded, and the
+    residual of this process's own contribution stands for that loss (an
+    approximation, as in allreduce_gradients)."""
+    current = runtime.state()
+    if current.size == 1:
+        return False
+    topology = current.topology
+    per_host: dict[int, int] = {}
+    for host in topology.host_of:
+        per_host[host] = per_host.get(host, 0) + 1
+    counts = set(per_host.values())
+    staged = (len(counts) == 1 and counts.pop() > 1
+              and all(topology.memory_shared[h] for h in per_host))
+    return not (staged and len(per_host) == 1)
+
+
 def _all_but_gathers(prim, *_, **__) -> bool:
     """reshard_after_forward's remat policy: keep every value of the forward
-    pass but the gathered parameters (gathered again for the backward)."""
+    pass but the gathered parameters (gathered again for the backward) and
+    what is computed from them alone (reshard.py binds it as all_gather)."""
     return str(prim) != "all_gather"
 
 
@@ -331,15 +414,19 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
         waits for (FSDP2 keeps two in flight); None: every gather starts at
         once (the most overlap, all gathered buckets allocated together).
       reshard_after_forward: gather every bucket again in the backward pass
-        instead of keeping it from the forward pass (1.5x the bytes; lower
-        peak memory).
+        instead of keeping it from the forward pass, and recompute there what
+        the loss computes from the parameters alone (casts, transposes):
+        1.5x the bytes; lower peak memory.
       fusion_bytes, first_bucket_bytes: bucket sizes, as for
         ``allreduce_gradients`` (the first bucket is the first layers').
       compression: wire codec of the gradients' reduce-scatter (``"none"``,
         ``"bf16"``, ``"fp16"``, ``"int8"``); the gathers carry parameters
         exactly, in their dtype.
       error_feedback: with a lossy codec, add what this process's gradients
-        lost to the next step's (a whole-sized float32 residual per leaf).
+        lost to the next reduction's (a whole-sized float32 residual per
+        leaf; zeros where nothing this process sends is encoded: one
+        process, one host through the host stage). Gradient accumulation:
+        ``value_and_grad``'s `accumulate`.
       average: mean (True) or sum (False) of the processes' gradients.
       check_inner: run the element-wise check at init.
 

@@ -1,12 +1,13 @@
 """fully_sharded against optax.chain(allreduce_gradients(), inner): the same
 training steps from the same parameters, the whole parameters (gathered)
 compared bitwise (element-wise inner transformations) or within a tolerance
-(a global-norm clip, a lossy codec), on every process; and what each process
-holds between steps."""
+(a global-norm clip), on every process; and what each process holds between
+steps. (A lossy codec's error feedback: fully_sharded_ef_worker.py.)"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -87,6 +88,53 @@ def model_case(case: str, rank: int) -> None:
                   max_diff=float(np.max(np.abs(a - b))))
 
 
+def saved_residuals_case(rank: int) -> None:
+    """reshard_after_forward keeps nothing of a whole parameter's size for
+    the backward pass: not the gathered weights, nor what is computed from
+    them alone (a cast of a bfloat16 weight to float32, its transpose, what
+    a nested jit computes from a weight and a cast of that, the sine of a
+    weight), nor what the tangent of a nonlinear function of a weight needs
+    (the cosine). What the backward pass's jax.checkpoint
+    equations take in is what the forward pass saved for them."""
+    rng = np.random.default_rng(5)
+    params = {"w": jnp.asarray(rng.normal(size=(256, 256)) / 16, jnp.bfloat16),
+              "v": jnp.asarray(rng.normal(size=(256, 96)) / 16, jnp.float32)}
+    # (No whole size equals another's chunk, which the backward pass takes in.)
+    whole = {int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params)}
+
+    def loss(params, x):
+        w = params["w"].astype(jnp.float32)
+        u = jax.jit(lambda a: (a * 0.5).T)(params["w"]).astype(jnp.float32)
+        # Layers after the first: their inputs' gradients need the weights.
+        h = jnp.tanh(jnp.tanh(jnp.tanh(x @ w) @ w.T) @ u)
+        g = jnp.einsum("bi,ij->bj", h, jnp.sin(params["v"]))
+        return jnp.mean(h ** 2) + jnp.mean(g ** 2)
+
+    x = jnp.asarray(rng.normal(size=(8, 256)), jnp.float32)
+    fs = herring_jax.fully_sharded(optax.sgd(0.1), reshard_after_forward=True)
+    state = fs.init(params)
+    closed = jax.make_jaxpr(fs.value_and_grad(loss))(state, x)
+    # The backward pass's jax.checkpoint equations (the only ones with a
+    # remat policy) and what they take in.
+    saved = [v.aval for e in closed.jaxpr.eqns if "policy" in e.params
+             for v in e.invars if hasattr(v, "aval")]
+    too_big = [a.str_short() for a in saved if int(np.prod(a.shape)) in whole]
+    # The gradients are still right: jax.grad of the whole parameters (every
+    # process has the same batch, so their mean is its gradient), within
+    # 64 roundings of each leaf's dtype (the program is compiled otherwise;
+    # a wrong term would be off by far more).
+    _, grads = jax.jit(fs.value_and_grad(loss))(state, x)
+    got = jax.jit(lambda g: fs.gather(dataclasses.replace(state, chunks=g)))(grads.chunks)
+    want = jax.grad(loss)(params, x)
+    errs = {}
+    for k in params:
+        a, b = np.asarray(got[k], np.float32), np.asarray(want[k], np.float32)
+        errs[k] = float(np.max(np.abs(a - b)) / np.max(np.abs(b)) / jnp.finfo(got[k].dtype).eps)
+    common.report("reshard/saved-residuals",
+                  bool(saved) and not too_big and max(errs.values()) <= 64,
+                  saved=[a.str_short() for a in saved], too_big=too_big, grad_err_in_eps=errs)
+
+
 VARIANTS = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
             "prefetch1": dict(prefetch=1, fusion_bytes=256),
             "all": dict(prefetch=None, fusion_bytes=512)}
@@ -97,7 +145,8 @@ def main() -> None:
     parser.add_argument("--cases", default="float32/adam/default",
                         help="comma-separated dtype/inner/variant[+variant...] (variants: "
                              f"{', '.join(VARIANTS)})")
-    parser.add_argument("--codec", default="")
+    parser.add_argument("--saved-residuals", action="store_true",
+                        help="also: what reshard_after_forward saves for the backward pass")
     parser.add_argument("--refused", action="store_true",
                         help="also: transformations that look at whole leaves are refused")
     args = parser.parse_args()
@@ -136,23 +185,18 @@ def main() -> None:
                 common.report(f"refused/{name}", False, error="no error")
             except ValueError as e:
                 common.report(f"refused/{name}", "element by element" in str(e), error=str(e))
-    if args.codec:
-        params = make_params("float32")
-        ref, _ = train_reference(optax.chain(
-            herring_jax.allreduce_gradients(compression=args.codec), optax.sgd(0.1)),
-            params, rank)
-        fs = herring_jax.fully_sharded(optax.sgd(0.1), compression=args.codec)
-        got, state = train_fully_sharded(fs, params, rank, False)
-        a, b = flat(got), flat(ref)
-        # Error feedback keeps the compressed run close to the exact one.
-        exact, _ = train_reference(optax.chain(herring_jax.allreduce_gradients(),
-                                               optax.sgd(0.1)), params, rank)
-        e = flat(exact)
-        err = float(np.max(np.abs(a - e)) / np.max(np.abs(e)))
-        common.report(f"codec/{args.codec}", err < 2e-2 and bool(np.any(state.residual["dense"]
-                                                                        ["kernel"] != 0)),
-                      digest=common.digest(np.asarray(a)), rel_err=err,
-                      max_diff_vs_allreduce_codec=float(np.max(np.abs(a - b))))
+        # Integer and bool leaves have no gradient: refused at init, named.
+        params = {**make_params("float32"), "step": jnp.zeros((), jnp.int32),
+                  "mask": jnp.ones(3, bool)}
+        try:
+            herring_jax.fully_sharded(optax.sgd(0.1)).init(params)
+            common.report("refused/integer-leaves", False, error="no error")
+        except TypeError as e:
+            common.report("refused/integer-leaves", "['step'] (int32)" in str(e)
+                          and "['mask'] (bool)" in str(e) and "fully_sharded" in str(e),
+                          error=str(e))
+    if args.saved_residuals:
+        saved_residuals_case(rank)
     herring_jax.shutdown()
 
 
