@@ -29,6 +29,9 @@ _ANNOUNCE_AFTER_S = 0.5
 # After a rank failed, how long the others get to end (and report) by
 # themselves before SIGTERM.
 _SETTLE_S = 3.0
+# Once every worker has succeeded, how long the server-only processes get to
+# end by themselves (they do once every worker's leave notice is in).
+_SERVERS_END_S = 10.0
 # A reader can only hang past the kill if something left the child's process
 # group and still holds the pipe; do not let that hang the launcher too.
 _READER_JOIN_S = 2.0
@@ -133,6 +136,11 @@ class _Job:
         self.preexec = _die_with_launcher()
         # (rank, returncode, how it ended) of the failure stop() reported.
         self.verdict: tuple[int, int | None, str] | None = None
+        self.servers: set[int] = set()  # ranks of server-only processes
+
+    def who(self, rank: int) -> str:
+        """'rank R', or 'server rank R' for a server-only process."""
+        return f"server rank {rank}" if rank in self.servers else f"rank {rank}"
 
     def say(self, message: str) -> None:
         """Writes one launcher line to stderr without splitting a child's line."""
@@ -161,8 +169,11 @@ class _Job:
     def _wait(self, rank: int, proc: subprocess.Popen) -> None:
         self.events.put(("exit", rank, proc.wait()))
 
-    def start(self, rank: int, command: list[str], env: dict) -> None:
-        """Starts one child in its own session, with its reader and waiter threads."""
+    def start(self, rank: int, command: list[str], env: dict, server: bool = False) -> None:
+        """Starts one child in its own session, with its reader and waiter
+        threads (`server`: a server-only process, see servers.py)."""
+        if server:
+            self.servers.add(rank)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=self.preexec)
@@ -194,7 +205,9 @@ class _Job:
         if deadline is None and timeout is not None:
             deadline = time.monotonic() + timeout
         running = set(range(len(self.procs)))
-        while running:
+        # Server-only processes run until the workers are done: the job
+        # succeeds once every worker has (let_servers_end then ends them).
+        while running - self.servers:
             # Bounded waits: a signal caught by another thread gets its Python
             # handler run only when this thread wakes up.
             wait_s = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
@@ -213,7 +226,7 @@ class _Job:
             running.discard(what)
             if code != 0:
                 tail = f"; stopping the other {_processes(len(running))}" if running else ""
-                return _exit_code(code), f"rank {what} {_describe(code)}{tail}", what
+                return _exit_code(code), f"{self.who(what)} {_describe(code)}{tail}", what
         return 0, None, None
 
     def _blame(self, rank: int, message: str | None) -> tuple[int, str | None]:
@@ -243,8 +256,8 @@ class _Job:
                 r, code = killed[0]
                 tail = message.split(";", 1)[1] if message and ";" in message else ""
                 self.verdict = (r, code, _describe(code))
-                return r, (f"rank {r} {_describe(code)} (rank {rank} {_describe(first)} "
-                           f"a moment earlier);{tail}")
+                return r, (f"{self.who(r)} {_describe(code)} ({self.who(rank)} "
+                           f"{_describe(first)} a moment earlier);{tail}")
         self.verdict = (rank, first, _describe(first) if first is not None else "")
         return rank, message
 
@@ -322,3 +335,11 @@ class _Job:
         for threads in self.readers.values():
             for t in threads:
                 t.join(_READER_JOIN_S)
+
+    def let_servers_end(self) -> None:
+        """After every worker succeeded: waits up to _SERVERS_END_S for the
+        server-only processes to end by themselves (stop() ends the rest)."""
+        end = time.monotonic() + _SERVERS_END_S
+        while (time.monotonic() < end and not self.signals
+               and any(self.procs[r].poll() is None for r in self.servers)):
+            time.sleep(_POLL_S)
