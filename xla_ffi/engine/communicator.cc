@@ -233,6 +233,12 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
       std::adjacent_find(group.begin(), group.end()) != group.end()) {
     return Status::Error("invalid process group for rank " + std::to_string(config_.rank));
   }
+  if (ServerCount() > 0 && group.back() >= config_.workers) {
+    // A server-only process reduces nothing of its own: it would never come.
+    return Status::Error("rank " + std::to_string(config_.rank) + ": process group names " +
+                         RankText(group.back()) + ", a server-only process; groups hold "
+                         "workers only (ranks 0.." + std::to_string(config_.workers - 1) + ")");
+  }
   const int n = static_cast<int>(group.size());
   for (const ReduceRequest& r : requests) {
     const std::string invalid = CheckRequest(r, n);
