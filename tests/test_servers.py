@@ -51,3 +51,12 @@ def test_a_killed_server_fails_every_worker_fast_naming_it():
         assert "rank 2" in result["message"], result
         # Long before HERRING_TIMEOUT_S: the peer watch or the transport.
         assert result["seconds"] < 60, result
+
+
+def test_workers_told_of_servers_that_never_come_say_how_to_start_them():
+    run = launch("reduce_worker.py", ["--counts", "1"], nproc=2,
+                 env={**FLAT, "HERRING_SERVERS": "1", "HERRING_INIT_TIMEOUT_S": "5"},
+                 timeout=120)
+    assert run.returncode != 0, run.explain()
+    assert "1 server-only processes (HERRING_SERVERS)" in run.stderr, run.explain()
+    assert "herring-jax serve --coordinator" in run.stderr, run.explain()
