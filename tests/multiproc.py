@@ -38,12 +38,14 @@ FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
            env: dict[str, str] | None = None, timeout: float = 600,
-           hosts: int | None = None, platform: str = "cpu") -> Run:
+           hosts: int | None = None, platform: str = "cpu", servers: int = 0) -> Run:
     """Runs tests/workers/<worker> on `nproc` processes with `devices` CPU devices each.
 
     hosts: run them as that many simulated hosts (network namespaces, needs
     root), nproc / hosts consecutive ranks on each; the workers learn the
     layout from HERRING_TEST_HOSTS ("HxP") for their numpy reference.
+    servers: also start that many server-only processes (launch --servers);
+    their HERRING_RESULT lines are collected under their ranks nproc, nproc+1...
     platform: the ranks' JAX_PLATFORMS. The suite runs on CPU devices, set
     here rather than inherited so that a GPU on the test machine changes
     nothing; the GPU check (tests/gpu/checks.py) passes "cuda", and then each
@@ -69,7 +71,8 @@ def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
     else:
         assert devices == 1, "only CPU devices can be multiplied per process"
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc),
-           "--timeout", str(int(timeout)), *layout, "--",
+           "--timeout", str(int(timeout)), *layout,
+           *(["--servers", str(servers)] if servers else []), "--",
            sys.executable, str(WORKERS / worker), *args]
     # cwd=tests/: `-m` puts the cwd on sys.path, and the source tree's
     # herring_jax (without the compiled extension) must not shadow the installed one.

@@ -95,6 +95,13 @@ def test_chunking(sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_served_parts(sanitizer):
+    # The share of each buffer that goes to server-only processes (BytePS's
+    # split on links of one rate) and the parts it is cut into.
+    _build_and_run("served_parts_test", sanitizer, "SERVED_PARTS_OK")
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
 def test_leave_ledger(sanitizer):
     # The leave protocol's counts: a receipt is due once, and only once every
     # message of the rank that left is in; confirmations need every message.

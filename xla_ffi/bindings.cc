@@ -125,7 +125,8 @@ NB_MODULE(_herring_ffi, m) {
          bool test_stale_copies, int test_gather_delay_ms, bool test_early_strangers,
          int progress_slice_us, double stall_s, double done_grace_s,
          const std::string& test_fault, int test_read_delay_ms, int test_activate_delay_ms,
-         int test_forge_as, size_t host_direct_bytes, size_t min_chunk_bytes) {
+         int test_forge_as, size_t host_direct_bytes, size_t min_chunk_bytes, int workers,
+         double server_share) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -151,6 +152,8 @@ NB_MODULE(_herring_ffi, m) {
         config.test_activate_delay_ms = test_activate_delay_ms;
         config.test_forge_as = test_forge_as;
         config.host_direct_bytes = host_direct_bytes;
+        config.workers = workers;
+        config.server_share = server_share;
         engine::Status status;
         std::unique_ptr<engine::Communicator> comm;
         {
@@ -170,6 +173,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("test_fault") = "", nb::arg("test_read_delay_ms") = 0,
       nb::arg("test_activate_delay_ms") = 0, nb::arg("test_forge_as") = -1,
       nb::arg("host_direct_bytes") = 0, nb::arg("min_chunk_bytes") = 16 << 10,
+      nb::arg("workers") = 0, nb::arg("server_share") = -1.0,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {
@@ -256,6 +260,9 @@ NB_MODULE(_herring_ffi, m) {
     d["host_bytes_read"] = s.host_bytes_read;
     d["host_direct_calls"] = s.host_direct_calls;
     d["batches_in_flight"] = s.batches_in_flight;
+    d["served_jobs"] = s.served_jobs;
+    d["served_chunks"] = s.served_chunks;
+    d["served_bytes"] = s.served_bytes;
     d["posts_queued"] = s.transport.posts_queued;
     d["duplicate_completions"] = s.transport.duplicate_completions;
     d["queue_errors"] = s.transport.queue_errors;
@@ -297,6 +304,21 @@ NB_MODULE(_herring_ffi, m) {
       },
       nb::arg("handle"), nb::arg("key"), nb::arg("slot"), nb::arg("site"),
       "Where the reduction of `key` at `slot` was written, for stall reports and errors.");
+
+  m.def(
+      "serve",
+      [](int64_t handle) {
+        auto comm = Find(handle);
+        engine::Status s;
+        {
+          nb::gil_scoped_release release;
+          s = comm->Serve();
+        }
+        return s.ok() ? std::string() : s.message();
+      },
+      nb::arg("handle"),
+      "A server-only process: sums the workers' parts until every worker has left "
+      "(returns '') or the job failed (returns why).");
 
   m.def("destroy", [](int64_t handle) {
     nb::gil_scoped_release release;

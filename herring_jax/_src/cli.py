@@ -2,7 +2,8 @@
 
 Usage::
 
-  herring-jax launch -n 4 [--devices-per-process 2] -- python train.py
+  herring-jax launch -n 4 [--devices-per-process 2] [--servers 2] -- python train.py
+  herring-jax serve --coordinator HOST:PORT
   herring-jax bench -n 4
   herring-jax train-bench -n 4
   herring-jax timeline trace.rank*.json -o trace.json
@@ -19,7 +20,7 @@ import argparse
 import copy
 from collections.abc import Callable
 
-from herring_jax._src import launch, timeline
+from herring_jax._src import launch, servers, timeline
 from herring_jax._src.tools import bench, train_bench
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
@@ -42,6 +43,8 @@ def register(name: str, help: str, add_arguments: AddArguments, run: Run) -> Non
 
 
 register("launch", "start N local processes of a command", launch.add_arguments, launch.run)
+register("serve", "run a server-only process of a job (sums, trains nothing)",
+         servers.add_arguments, servers.run)
 register("bench", "time herring_jax's all-reduce against its peers", bench.add_arguments,
          bench.run)
 register("train-bench", "training step time and scaling efficiency per reducer",

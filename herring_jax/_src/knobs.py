@@ -56,6 +56,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"expected a share from 0 to 1, got {text!r}")
+    return value
+
+
 _TEST_FAULTS = ("", "abort-at-start", "no-staging", "no-posting", "withdraw-after-ready",
                 "bad-alloc")
 
@@ -157,6 +164,25 @@ KNOBS: dict[str, Knob] = {
              "1: the host stage's steps (where inputs and result slices are) go through a "
              "shared-memory board per process with futex waits; 0: through transport "
              "messages. Rank 0's value holds for the whole job."),
+        Knob("HERRING_SERVERS", 0, _non_negative_int,
+             "Server-only processes of the job: processes that train nothing and only sum "
+             "(`herring-jax launch --servers K` sets it; on a cluster set it on every worker "
+             "and start K `herring-jax serve`, see docs/guides/servers.md). Rank 0 waits for "
+             "them at initialize(). jax.process_count() stays the number of workers. Rank "
+             "0's value holds for the whole job."),
+        Knob("HERRING_SERVER_SHARE", None, _share,
+             "The share (0 to 1) of each all-reduce buffer that goes to the server-only "
+             "processes; the rest goes to the workers' own server shards. Unset: the split "
+             "at which the workers' and the servers' links finish together (n workers, k "
+             "servers: a / (n/k - 1 + a) with a = 2(n-1)/n; 0.6 for n = 4, k = 2; 1 for "
+             "k >= n). Rank 0's value holds for the whole job."),
+        Knob("HERRING_SERVER_PORT", 0, _non_negative_int,
+             "The TCP port on which rank 0 waits for the server-only processes (`herring-jax "
+             "serve --coordinator HOST:PORT` connects there). 0: the jax.distributed "
+             "coordinator's port + 1."),
+        Knob("HERRING_TEST_SERVER_EXIT_S", None, _positive_float,
+             "Tests only: a server-only process kills itself (SIGKILL) this many seconds "
+             "after it starts serving."),
         Knob("HERRING_ALLOW_MEMORY_READS", True, _bool,
              "1: under Yama's kernel.yama.ptrace_scope 1, this process lets the other processes "
              "of its host read its memory for the host stage, by declaring their nearest "

@@ -9,6 +9,7 @@ Usage (the two forms are the same)::
   herring-jax launch -n 4 --devices-per-process 2 -- python train.py --steps 100
   herring-jax launch -n 4 --netns --host-rate 1gbit --flow-rate 250mbit -- python train.py
   herring-jax launch -n 4 --max-restarts 3 [--min-processes 2] -- python train.py
+  herring-jax launch -n 4 --servers 2 -- python train.py
 
 Each child gets the launcher's environment plus HERRING_COORDINATOR_ADDRESS
 (127.0.0.1:P, P a free port by default), HERRING_NUM_PROCESSES,
@@ -24,6 +25,14 @@ bridge, rate-limited with --host-rate (each host's egress) and --flow-rate
 and HERRING_LOCAL_RANK is the rank's index on its host. The coordinator is
 then rank 0's address. Everything created is removed when the job ends, also
 on failure or Ctrl-C. Needs root and iproute2.
+
+With --servers K, K server-only processes (`python -m herring_jax.serve
+--index J`, ranks N .. N+K-1 of herring's communicator, outside jax.distributed:
+jax.process_count() stays N) start beside the N ranks; each worker gets
+HERRING_SERVERS=K and HERRING_SERVER_PORT, where rank 0 meets them. With --netns
+each server runs on a simulated host of its own. Their output is prefixed
+"[rank N+J] ". A server ends by itself once every worker has left; one that
+fails fails the job like a rank.
 
 The first child to fail stops the job: the others get up to 3 s to end by
 themselves, then SIGTERM, SIGKILL after HERRING_LAUNCH_GRACE_S seconds
@@ -121,6 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--processes-per-host", type=_number(int, 1), default=1, metavar="P",
                      help="with --netns: P processes share each host's namespace (ranks "
                           "hP..hP+P-1 on host h); N must be a multiple of P")
+    parser.add_argument("--servers", type=_number(int, 0), default=0, metavar="K",
+                        help="also start K server-only processes, which only sum (see "
+                             "docs/guides/servers.md); the program still sees -n processes")
     restarts = parser.add_argument_group(
         "restarts", "start the whole job again after a failure (the program resumes from "
         "its checkpoint)")
@@ -230,11 +242,14 @@ def run(args: argparse.Namespace) -> int:
               "job)", file=sys.stderr)
         return 2
     restarts = Restarts(n // per_host, per_host, max_restarts, min_processes)
+    num_servers = getattr(args, "servers", 0) or 0
     net = None
     if netns:
         from herring_jax._src.tools.netns import SimulatedNetwork
         try:
-            net = SimulatedNetwork(n // per_host, args.host_rate, args.flow_rate)
+            # Each server on a host of its own, after the workers' hosts.
+            net = SimulatedNetwork(n // per_host + num_servers, args.host_rate,
+                                   args.flow_rate)
         except ValueError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
@@ -274,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
             if code is not None:
                 return code
             code, message, failed_rank = job.wait_for_end(args.timeout, deadline)
+            if failed_rank is None and job.servers:
+                job.let_servers_end()
             if failed_rank is None:
                 if job.signals:
                     # Ranks that catch the signal save and exit with
@@ -295,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
                 return 128 + job.signals[0]
             rank, returncode, why = job.verdict
             code = _exit_code(returncode)
-            line = restarts.after_failure(rank, why)
+            line = (restarts.after_server_failure(job.who(rank), why) if rank in job.servers
+                    else restarts.after_failure(rank, why))
             if line is None:
                 if max_restarts:
                     job.say(f"giving up: the job failed again after {max_restarts} "
@@ -321,16 +339,37 @@ def _start_all(job: _Job, command: list[str], args, restarts: Restarts, net,
                port: int) -> int | None:
     """Starts every process of the next run; returns an exit code if one cannot start."""
     n, per_host = restarts.num_processes, restarts.per_host
+    num_servers = getattr(args, "servers", 0) or 0
+    coordinator_host = net.address(restarts.slots[0]) if net else "127.0.0.1"
+    server_env = {}
+    if num_servers:
+        # In a fresh namespace the port after the coordinator's is free.
+        server_env = {"HERRING_SERVERS": str(num_servers),
+                      "HERRING_SERVER_PORT": str(port + 1 if net else free_port())}
     for rank in range(n):
         host = restarts.slot_of(rank)
         try:
             job.start(rank, net.wrap(host, command) if net else command,
-                      child_env(os.environ, rank, n, port, args.devices_per_process,
-                                net.address(restarts.slots[0]) if net else "127.0.0.1",
-                                local_rank=rank % per_host if net else rank,
-                                restart=restarts.restart))
+                      {**child_env(os.environ, rank, n, port, args.devices_per_process,
+                                   coordinator_host,
+                                   local_rank=rank % per_host if net else rank,
+                                   restart=restarts.restart), **server_env})
         except OSError as e:
             job.say(f"cannot start {command[0]!r}: {e}")
+            return 126 if isinstance(e, PermissionError) else 127
+    for j in range(num_servers):
+        serve = [sys.executable, "-m", "herring_jax.serve", "--index", str(j)]
+        env = {**os.environ, **server_env, "PYTHONUNBUFFERED": "1",
+               "HERRING_COORDINATOR_ADDRESS": f"{coordinator_host}:{port}",
+               RESTART_ENV: str(restarts.restart)}
+        env.setdefault("JAX_PLATFORMS", "cpu")  # a server needs no accelerator
+        for name in ("HERRING_NUM_PROCESSES", "HERRING_PROCESS_ID", "HERRING_LOCAL_RANK"):
+            env.pop(name, None)
+        try:
+            job.start(n + j, net.wrap(restarts.hosts + j, serve) if net else serve, env,
+                      server=True)
+        except OSError as e:
+            job.say(f"cannot start server {j}: {e}")
             return 126 if isinstance(e, PermissionError) else 127
     return None
 

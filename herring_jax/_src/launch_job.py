@@ -30,6 +30,9 @@ _ANNOUNCE_AFTER_S = 0.5
 # After a rank failed, how long the others get to end (and report) by
 # themselves before SIGTERM.
 _SETTLE_S = 3.0
+# Once every worker has succeeded, how long the server-only processes get to
+# end by themselves (they do once every worker's leave notice is in).
+_SERVERS_END_S = 10.0
 # A reader can only hang past the kill if something left the child's process
 # group and still holds the pipe; do not let that hang the launcher too.
 _READER_JOIN_S = 2.0
@@ -136,6 +139,11 @@ class _Job:
         self.verdict: tuple[int, int | None, str] | None = None
         # Ranks that exited with PREEMPTED_EXIT_CODE: saved for a preemption.
         self.preempted: set[int] = set()
+        self.servers: set[int] = set()  # ranks of server-only processes
+
+    def who(self, rank: int) -> str:
+        """'rank R', or 'server rank R' for a server-only process."""
+        return f"server rank {rank}" if rank in self.servers else f"rank {rank}"
 
     def say(self, message: str) -> None:
         """Writes one launcher line to stderr without splitting a child's line."""
@@ -164,8 +172,11 @@ class _Job:
     def _wait(self, rank: int, proc: subprocess.Popen) -> None:
         self.events.put(("exit", rank, proc.wait()))
 
-    def start(self, rank: int, command: list[str], env: dict) -> None:
-        """Starts one child in its own session, with its reader and waiter threads."""
+    def start(self, rank: int, command: list[str], env: dict, server: bool = False) -> None:
+        """Starts one child in its own session, with its reader and waiter
+        threads (`server`: a server-only process, see servers.py)."""
+        if server:
+            self.servers.add(rank)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=self.preexec)
@@ -198,7 +209,9 @@ class _Job:
         if deadline is None and timeout is not None:
             deadline = time.monotonic() + timeout
         running = set(range(len(self.procs)))
-        while running:
+        # Server-only processes run until the workers are done: the job
+        # succeeds once every worker has (let_servers_end then ends them).
+        while running - self.servers:
             # Bounded waits: a signal caught by another thread gets its Python
             # handler run only when this thread wakes up.
             wait_s = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
@@ -224,10 +237,13 @@ class _Job:
 
     def ended_preempted(self) -> bool:
         """Whether every child has ended, each with status 0 or
-        PREEMPTED_EXIT_CODE and one at least with the latter."""
-        codes = [proc.poll() for proc in self.procs]
+        PREEMPTED_EXIT_CODE and one at least with the latter (server-only
+        processes aside: stopped with the job, they hold no training state)."""
+        codes = [proc.poll() for rank, proc in enumerate(self.procs) if rank not in self.servers]
         return (PREEMPTED_EXIT_CODE in codes
                 and all(code in (0, PREEMPTED_EXIT_CODE) for code in codes))
+                return _exit_code(code), f"{self.who(what)} {_describe(code)}{tail}", what
+        return 0, None, None
 
     def _blame(self, rank: int, message: str | None) -> tuple[int, str | None]:
         """The rank to name for the failure, once the others had their moment
@@ -256,8 +272,8 @@ class _Job:
                 r, code = killed[0]
                 tail = message.split(";", 1)[1] if message and ";" in message else ""
                 self.verdict = (r, code, _describe(code))
-                return r, (f"rank {r} {_describe(code)} (rank {rank} {_describe(first)} "
-                           f"a moment earlier);{tail}")
+                return r, (f"{self.who(r)} {_describe(code)} ({self.who(rank)} "
+                           f"{_describe(first)} a moment earlier);{tail}")
         self.verdict = (rank, first, _describe(first) if first is not None else "")
         return rank, message
 
@@ -335,3 +351,11 @@ class _Job:
         for threads in self.readers.values():
             for t in threads:
                 t.join(_READER_JOIN_S)
+
+    def let_servers_end(self) -> None:
+        """After every worker succeeded: waits up to _SERVERS_END_S for the
+        server-only processes to end by themselves (stop() ends the rest)."""
+        end = time.monotonic() + _SERVERS_END_S
+        while (time.monotonic() < end and not self.signals
+               and any(self.procs[r].poll() is None for r in self.servers)):
+            time.sleep(_POLL_S)

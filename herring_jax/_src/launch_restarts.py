@@ -82,3 +82,13 @@ class Restarts:
                     f"{left} out and continuing on {_processes(fewer)} (--min-processes "
                     f"{self.min_processes}; ranks renumbered from 0)")
         return f"{head}{named} {why}; starting all {_processes(self.num_processes)} again"
+
+    def after_server_failure(self, who: str, why: str) -> str | None:
+        """Like after_failure, for a server-only process (`who` names it): the
+        whole job starts again on the same hosts (servers are never left out)."""
+        if self.restart >= self.max_restarts:
+            return None
+        self.restart += 1
+        return (f"restart {self.restart} of {self.max_restarts} ({RESTART_ENV}={self.restart}): "
+                f"{who} {why}; starting all {_processes(self.num_processes)} again, and the "
+                "servers")

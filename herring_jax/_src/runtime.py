@@ -2,8 +2,8 @@
 
 initialize() joins (or starts) jax.distributed, opens this process's
 libfabric endpoint, exchanges endpoint addresses and the job token through the
-jax.distributed key-value store, and starts the server threads. There is no
-second rendezvous service.
+jax.distributed key-value store, and starts the server threads. Server-only
+processes, which jax.distributed cannot hold, meet rank 0 through servers.py.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from herring_jax._src import jax_compat
 from herring_jax._src import knobs
+from herring_jax._src import servers as servers_lib
 from herring_jax._src import timeline
 from herring_jax._src import topology as topology_lib
 from herring_jax._src import errors
@@ -235,6 +236,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                                                   timeout_ms))
             chunk_bytes, min_chunk_bytes = map(int, client.blocking_key_value_get(
                 f"{prefix}/chunk_bytes", timeout_ms).split())
+            # Server-only processes are ranks size .. size + servers - 1 of
+            # herring's communicator, outside jax.distributed (servers.py).
+            num_servers, server_share = servers_lib.job_servers(client, prefix, rank, timeout_ms)
+            coordinator = coordinator_address or getattr(client, "coordinator_address", None)
+            rendezvous = (servers_lib.open_rendezvous(num_servers, coordinator)
+                          if rank == 0 and num_servers else None)
 
             provider = knobs.get("HERRING_FI_PROVIDER")
             interface = knobs.get("HERRING_FI_IFACE")
@@ -242,7 +249,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 interface = _local_address_towards(
                     coordinator_address or getattr(client, "coordinator_address", None))
             handle = _ext.create_communicator(
-                rank, size, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
+                rank, size + num_servers, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
                 chunk_bytes, knobs.get("HERRING_SERVER_THREADS"),
                 knobs.get("HERRING_TIMEOUT_S"), _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
                 knobs.get("HERRING_PEER_TIMEOUT_S"), knobs.get("HERRING_MAX_POSTED"),
@@ -255,9 +262,20 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_READ_DELAY_MS"),
                 knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
                 _or(knobs.get("HERRING_TEST_FORGE_AS"), -1), host_direct_bytes,
-                min_chunk_bytes)
+                min_chunk_bytes, size if num_servers else 0, server_share)
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
+                if rendezvous is not None:
+                    settings = {
+                        "size": size + num_servers, "workers": size, "token": token,
+                        "provider": provider, "chunk_bytes": chunk_bytes,
+                        "min_chunk_bytes": min_chunk_bytes,
+                        "timeout_s": knobs.get("HERRING_TIMEOUT_S"),
+                        "heartbeat_s": _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
+                        "peer_timeout_s": knobs.get("HERRING_PEER_TIMEOUT_S"),
+                        "server_share": server_share}
+                    servers_lib.publish(client, prefix, size, rendezvous.accept(
+                        settings, size, knobs.get("HERRING_INIT_TIMEOUT_S")))
                 topology = topology_lib.exchange(
                     client, prefix, rank, size, timeout_ms, _ext, host_stage,
                     deny_reads=knobs.get("HERRING_TEST_DENY_MEMORY_READS"),
@@ -265,12 +283,19 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                     deny_boards=knobs.get("HERRING_TEST_DENY_BOARDS"),
                     refuse_reads=not knobs.get("HERRING_ALLOW_MEMORY_READS"))
                 topology = dataclasses.replace(topology, direct_bytes=host_direct_bytes)
+                if num_servers:
+                    topology = servers_lib.with_servers(topology, client, prefix, timeout_ms,
+                                                        size, num_servers)
                 _ext.set_topology(handle, topology.host_of, topology.pid_of,
                                   topology.memory_shared, topology.board_shared)
                 addrs = [client.blocking_key_value_get_bytes(f"{prefix}/addr/{r}", timeout_ms)
-                         for r in range(size)]
+                         for r in range(size + num_servers)]
                 _ext.connect(handle, addrs)
+                if rendezvous is not None:
+                    rendezvous.finish(addrs)
             except BaseException:
+                if rendezvous is not None:
+                    rendezvous.close()
                 _ext.destroy(handle)
                 topology_lib.take_back_ptracer(_ext)
                 raise

@@ -96,7 +96,11 @@ struct Job {
   ReduceRequest req;
   Identity id;              // the request's, with its occurrence
   uint64_t tag_bits = 0;    // IdentityTagBits(id, stream)
-  int n = 0;   // processes in the group
+  // Parts: one per process of the batch's group that serves this buffer,
+  // group[i] owning part i. The first `workers` of them contribute and
+  // receive; the rest are server-only processes (served.cc), which only sum.
+  int n = 0;
+  int workers = 0;
   int me = 0;  // this process's index in the group (= the part it serves)
   size_t elem = 0;
   std::vector<size_t> part_begin;  // [part] first element; n + 1 entries, the last count
@@ -141,9 +145,11 @@ struct Job {
   // from them (not in a reduce-scatter).
   bool Contributes() const { return req.collective != Collective::kAllGather; }
   bool Returns() const { return req.collective != Collective::kReduceScatter; }
-  // Chunks expected from each other process: contributions to this process's
-  // part, results of part p.
-  int ContributionsFrom() const { return Contributes() ? static_cast<int>(Chunks(me)) : 0; }
+  // Chunks expected from process p: contributions to this process's part
+  // (none from a server-only process), results of part p.
+  int ContributionsFrom(int p) const {
+    return Contributes() && p < workers ? static_cast<int>(Chunks(me)) : 0;
+  }
   int ResultsFrom(int p) const { return Returns() ? static_cast<int>(Chunks(p)) : 0; }
   size_t Chunks(int i) const { return (PartLen(i) + chunk_elems - 1) / chunk_elems; }
   size_t ChunkBegin(int i, size_t c) const { return PartBegin(i) + c * chunk_elems; }

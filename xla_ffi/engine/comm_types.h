@@ -49,6 +49,13 @@ struct CommConfig {
   // for its peers once instead of twice. 0: never. Must be the same on every
   // process of a host (herring_jax passes rank 0's value to all).
   size_t host_direct_bytes = 0;
+  // Server-only processes (served.cc): ranks [workers, size) never reduce
+  // buffers of their own, they only sum the parts the workers place on them.
+  // 0: every rank is a worker. An all-reduce over every worker places the
+  // share `server_share` of each buffer on them (< 0: ServerShare's split,
+  // served.h), the rest on the workers' own server shards.
+  int workers = 0;
+  double server_share = -1.0;
   transport::TransportOptions transport;
   // Tests only: before every data message, send one copy with a stale job
   // token, which the receiver must drop (and re-post its receive for).
@@ -138,6 +145,9 @@ struct CommStats {
   uint64_t host_bytes_read = 0;      // bytes read from other processes' memory
   uint64_t host_direct_calls = 0;    // of host_stage_calls, those of the direct path
   uint64_t batches_in_flight = 0;    // batches visible to aborts now (0 between calls)
+  uint64_t served_jobs = 0;          // workers: buffers that placed parts on server processes
+  uint64_t served_chunks = 0;        // server processes: chunks summed and sent back
+  uint64_t served_bytes = 0;         //   their result bytes
   transport::TransportStats transport;
 };
 

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "engine/batch.h"
+#include "engine/served.h"
 #include "engine/reduce_kernels.h"
 
 namespace herring::engine {
@@ -233,6 +234,12 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
       std::adjacent_find(group.begin(), group.end()) != group.end()) {
     return Status::Error("invalid process group for rank " + std::to_string(config_.rank));
   }
+  if (ServerCount() > 0 && group.back() >= config_.workers) {
+    // A server-only process reduces nothing of its own: it would never come.
+    return Status::Error("rank " + std::to_string(config_.rank) + ": process group names " +
+                         RankText(group.back()) + ", a server-only process; groups hold "
+                         "workers only (ranks 0.." + std::to_string(config_.workers - 1) + ")");
+  }
   const int n = static_cast<int>(group.size());
   for (const ReduceRequest& r : requests) {
     const std::string invalid = CheckRequest(r, n);
@@ -268,7 +275,7 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   const std::vector<Identity> ids = TakeIdentities(stream, group, requests);
   const GroupPlan& plan = PlanFor(group);
   if (plan.hierarchical) return ReduceInHosts(stream, plan, requests, ids);
-  return ReduceFlat(stream, group, requests, ids);
+  return ReduceFlat(stream, group, requests, ids, ServersServe(group));
 }
 
 std::string CheckRequest(const ReduceRequest& r, int n) {
@@ -328,10 +335,13 @@ std::vector<Identity> Communicator::TakeIdentities(uint32_t stream,
 
 Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
                                 const std::vector<ReduceRequest>& requests,
-                                const std::vector<Identity>& ids) {
+                                const std::vector<Identity>& ids, bool servers) {
   auto batch = std::make_unique<Batch>();
   batch->stream = stream;
   batch->group = order;
+  // The server-only processes own the parts after the group's (ServedParts).
+  const int num_servers = servers ? ServerCount() : 0;
+  for (int j = 0; j < num_servers; ++j) batch->group.push_back(config_.workers + j);
   batch->started_ns = NowNs();
   for (size_t k = 0; k < requests.size(); ++k) {
     auto job = std::make_unique<Job>();
@@ -352,17 +362,24 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
                   [&](int r) { return topology_.host_of[r] == topology_.host_of[order[0]]; });
   const size_t min_chunk_bytes = one_host ? config_.chunk_bytes : config_.min_chunk_bytes;
   // Geometry first, so that `remaining` is complete before anything is posted.
+  const double share =
+      num_servers > 0 ? ServerShare(n, num_servers, config_.server_share) : 0.0;
   for (auto& job : batch->jobs) {
     Job& j = *job;
-    j.n = n;
+    const bool served = num_servers > 0 && share > 0 && ServedJob(j.req);
+    j.n = served ? n + num_servers : n;
+    j.workers = n;
     j.me = me;
+    if (served) served_jobs_.fetch_add(1);
     j.elem = ElementSize(j.req.dtype);
     // A codec's scale blocks start at multiples of kCodecBlock elements of
     // the buffer, so parts and chunks are cut there.
     const size_t align =
         j.Encoded() ? kCodecBlock : std::max<size_t>(1, 64 / j.elem);
     const size_t count = j.req.count;
-    if (j.req.collective == Collective::kAllReduce) {
+    if (served) {
+      j.part_begin = ServedParts(count, n, num_servers, share, align);
+    } else if (j.req.collective == Collective::kAllReduce) {
       const size_t part_elems = ((count + n - 1) / n + align - 1) / align * align;
       for (int i = 0; i <= n; ++i) j.part_begin.push_back(std::min(count, i * part_elems));
     } else {
@@ -371,13 +388,13 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     if (j.req.collective == Collective::kAllGather) j.in_base = j.PartBegin(me);
     if (j.req.collective == Collective::kReduceScatter) j.out_base = j.PartBegin(me);
     size_t largest = 0;
-    for (int i = 0; i < n; ++i) largest = std::max(largest, j.PartLen(i));
+    for (int i = 0; i < j.n; ++i) largest = std::max(largest, j.PartLen(i));
     j.chunk_elems = ChunkElems(largest, j.elem, align, config_.chunk_bytes, min_chunk_bytes);
     j.wire_stride = j.Encoded() ? EncodedBytes(j.req.codec, j.chunk_elems)
                                 : j.chunk_elems * j.elem;
     j.max_chunks = largest == 0 ? 0 : (largest + j.chunk_elems - 1) / j.chunk_elems;
     const size_t mine = j.Chunks(j.me);
-    const size_t in = j.Contributes() ? n - 1 : 0;
+    const size_t in = j.Contributes() ? n - 1 : 0;  // from the other workers
     const size_t out = j.Returns() ? n - 1 : 0;
     // Server: per chunk, n-1 receives (none in an all-gather), one sum (in an
     // all-gather, its own part taken as the result) and n-1 result sends
@@ -385,7 +402,7 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     batch->remaining += mine * (in + 1 + out);
     // Worker: per chunk of every other part, a send and a result receive
     // (only the send in a reduce-scatter, only the receive in an all-gather).
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < j.n; ++i) {
       if (i != j.me) batch->remaining += (in > 0 ? 1 : 0) * j.Chunks(i) +
                                          (out > 0 ? 1 : 0) * j.Chunks(i);
     }

@@ -40,6 +40,7 @@ using transport::Status;
 struct Job;
 struct Batch;
 struct HostWait;
+struct ServedState;
 
 // Why `r` cannot be reduced in a group of `n` processes ("" if it can).
 std::string CheckRequest(const ReduceRequest& r, int n);
@@ -72,6 +73,12 @@ class Communicator {
   Status AllReduce(uint32_t stream, const std::vector<int>& group,
                    std::vector<ReduceRequest>& requests);
 
+  // A server-only process (rank >= CommConfig::workers; served.cc): sums the
+  // parts that the workers place here and sends the sums back, until every
+  // worker has left (Ok) or the communicator broke (its error). Blocks; after
+  // Connect.
+  Status Serve();
+
   // This process is failing (its program raised): breaks the communicator,
   // fails what is in flight and tells every other rank `why`, waiting up to
   // `wait_s` until each has printed it (kAbortSeen; the process exits next).
@@ -98,10 +105,29 @@ class Communicator {
                                        const std::vector<ReduceRequest>& requests);
   const GroupPlan& PlanFor(const std::vector<int>& group);
   // The sharded parameter-server reduction (data_path.cc) over `order`: the
-  // group's processes in summation order (server i is order[i]).
+  // group's processes in summation order (server i is order[i]). With
+  // `servers` the server-only processes follow them as owners of parts of
+  // the buffers that can use them (ServedJob, served.cc).
   Status ReduceFlat(uint32_t stream, const std::vector<int>& order,
                     const std::vector<ReduceRequest>& requests,
-                    const std::vector<Identity>& ids);
+                    const std::vector<Identity>& ids, bool servers = false);
+  // Server-only processes (served.cc). How many there are; whether a call
+  // over `group` places parts on them (every worker, flat); and whether a
+  // request can (an all-reduce without a codec).
+  int ServerCount() const;
+  bool ServersServe(const std::vector<int>& group) const;
+  static bool ServedJob(const ReduceRequest& r);
+  // Their side: a receive into slot `slot` (any worker, any reduction); its
+  // completion; the contribution it brought, kept until every worker's is
+  // here, then summed and sent back.
+  void PostServedRecv(size_t slot);
+  void OnServed(size_t slot, const transport::Completion& c);
+  void TakeServed(size_t slot, const transport::Completion& c);
+  // Why a message received as kServed is not one ("" if it is).
+  std::string CheckServed(const WireHeader& h, const transport::Completion& c) const;
+  void ServedCounts(uint64_t* chunks, uint64_t* bytes) const;
+  // "rank R", or "server rank R" for a server-only process, for errors.
+  std::string RankText(int rank) const;
   // The hierarchical reduction (host_stage.cc): through memory inside the
   // host, each process's slice across hosts with ReduceFlat, then the slices
   // gathered through memory.
@@ -470,6 +496,11 @@ class Communicator {
   std::atomic<uint64_t> host_bytes_read_{0};
   std::atomic<bool> fault_fired_{false};
   std::atomic<bool> forged_{false};
+  std::atomic<uint64_t> served_jobs_{0};
+  // A server-only process's receives and the chunks it is summing (Serve).
+  // Destroyed after the destructor's body, which shuts the transport down:
+  // the callbacks of its cancelled receives still find it.
+  std::unique_ptr<ServedState> served_;
 };
 
 }  // namespace herring::engine

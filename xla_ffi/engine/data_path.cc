@@ -120,12 +120,12 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
     // complete them at once, and a server task would send this part's
     // results, ahead of the strangers on the same lane, before they left.
     for (int p = 0; p < n; ++p) {
-      if (p != me) SendEarlyStrangers(job, p);
+      if (p != me && p < job->workers) SendEarlyStrangers(job, p);
     }
   }
   // Receives before sends, so that peers' messages find posted buffers.
   if (chunks_me > 0 && job->Contributes()) {
-    for (int p = 0; p < n; ++p) {
+    for (int p = 0; p < job->workers; ++p) {
       if (p == me) continue;
       job->staging[p] = PooledBuffer(&pool_, chunks_me * job->wire_stride);
       if (!job->staging[p].ok()) return Status::Error("out of memory for staging buffers");
@@ -168,7 +168,9 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   }
   if (config_.test_early_strangers) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   // Contributions, chunk-major and starting at the next server, so that the
-  // processes do not all send to the same server at the same moment.
+  // processes do not all send to the same server at the same moment. A
+  // server-only process's part goes as kServed: its receives take any
+  // reduction's (served.cc).
   const uint32_t my_rank = static_cast<uint32_t>(config_.rank);
   // With a codec each chunk is encoded just before it is sent.
   for (size_t c = 0; c < job->max_chunks; ++c) {
@@ -183,12 +185,11 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
         KeepLoss(job, i, c);
         data = job->WireIn(i, c);
       }
+      const MsgKind kind = i < job->workers ? MsgKind::kContribution : MsgKind::kServed;
       WireHeader& h = job->send_hdrs[i * job->max_chunks + c];
-      h = MakeHeader(*job, MsgKind::kContribution, config_.token, my_rank, i, c, len,
-                     job->req.contributors);
+      h = MakeHeader(*job, kind, config_.token, my_rank, i, c, len, job->req.contributors);
       transport::IoVec iov[2] = {{&h, sizeof(h)}, {data, len}};
-      const uint64_t tag =
-          MakeTag(MsgKind::kContribution, my_rank, batch->stream, job->tag_bits, c);
+      const uint64_t tag = MakeTag(kind, my_rank, batch->stream, job->tag_bits, c);
       if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[i], tag, h);
       batch->AddInflight(1);
       Status s = transport_->Send(batch->group[i], tag, iov, len > 0 ? 2 : 1,
@@ -314,7 +315,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
   job->contributors[p].store(h.contributors, std::memory_order_relaxed);
   job->contribs_from[p].fetch_add(1);
   TookFrom(from);
-  if (job->arrivals[c].fetch_add(1) + 1 == job->n - 1) {
+  if (job->arrivals[c].fetch_add(1) + 1 == job->workers - 1) {
     batch->AddTask();
     Enqueue([this, job, c] { ReduceChunk(job, c); });
   }
@@ -323,7 +324,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
 
 void Communicator::ReduceChunk(Job* job, size_t c) {
   Batch* batch = job->batch;
-  const int n = job->n;
+  const int n = job->workers;  // a part's contributors and receivers
   const int me = job->me;
   const size_t sends = job->Returns() ? n - 1 : 0;
   if (batch->Failed()) {
@@ -458,7 +459,7 @@ void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& 
     // A rank that left ran all its reductions before: this is none of them
     // (and it closes its endpoint only once this rank has its kLeave).
     if (!ledger_.Left(to_rank)) {
-      FailOnTransportError(batch, "sending to rank " + std::to_string(to_rank) + " failed for " +
+      FailOnTransportError(batch, "sending to " + RankText(to_rank) + " failed for " +
                                       job->Describe() + ": " + done.error);
       return;
     }

@@ -212,7 +212,7 @@ std::set<int> Communicator::MissingRanks(const Batch& batch) {
   for (const auto& job : batch.jobs) {
     for (int p = 0; p < job->n; ++p) {
       if (p == job->me) continue;
-      if (job->contribs_from[p].load() < job->ContributionsFrom() ||
+      if (job->contribs_from[p].load() < job->ContributionsFrom(p) ||
           job->results_from[p].load() < job->ResultsFrom(p)) {
         missing.insert(batch.group[p]);
       }
@@ -249,7 +249,7 @@ std::string Communicator::MissingReport(const Batch& batch) const {
       const int rank = batch.group[p];
       const int contribs = job->contribs_from[p].load();
       const int results = job->results_from[p].load();
-      const int want_contribs = job->ContributionsFrom();
+      const int want_contribs = job->ContributionsFrom(p);
       const int want_results = job->ResultsFrom(p);
       if (contribs < want_contribs || results < want_results) {
         missing.insert(rank);
@@ -309,6 +309,8 @@ CommStats Communicator::Stats() const {
   stats.host_stage_calls = host_calls_.load();
   stats.host_bytes_read = host_bytes_read_.load();
   stats.host_direct_calls = host_direct_calls_.load();
+  stats.served_jobs = served_jobs_.load();
+  ServedCounts(&stats.served_chunks, &stats.served_bytes);
   {
     std::lock_guard<std::mutex> lock(active_mu_);
     stats.batches_in_flight = active_.size();

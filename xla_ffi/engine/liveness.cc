@@ -210,7 +210,7 @@ void Communicator::WatchPeers() {
     const Job& job = *batch->jobs.front();
     char silent[32];
     std::snprintf(silent, sizeof(silent), "%.1f", silent_s(dead));
-    Fail(batch, "rank " + std::to_string(dead) + " has sent nothing (no data, no " +
+    Fail(batch, RankText(dead) + " has sent nothing (no data, no " +
                     "heartbeat) for " + silent + " s while rank " +
                     std::to_string(config_.rank) + " waits for it in " + DescribeJob(job) +
                     (batch->jobs.size() > 1

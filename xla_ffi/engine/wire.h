@@ -40,6 +40,10 @@ enum class MsgKind : uint8_t {
   // the failing rank exits (and jax.distributed ends the others) only after
   // herring's line naming the failure comes first on every rank.
   kAbortSeen = 11,    // any -> a rank that aborted
+  // kServed: worker -> a server-only process (served.cc): one chunk of a part
+  // that process sums. Its own tag kind, so that the server's receives, posted
+  // for any sender and reduction, match nothing else. Answered by kResult.
+  kServed = 12,
 };
 
 // The `contributors` of a kHostDone that withdraws (host_posting.cc); a
@@ -135,7 +139,7 @@ inline uint32_t LaunchInstruction(int64_t run) {
 std::string DescribeIdentity(const Identity& id);
 
 // Tag layout (matching only; the header is authoritative):
-//   bits 63..62  kind (0 contribution, 1 result, 2 host stage)
+//   bits 63..62  kind (0 contribution, 1 result, 2 host stage, 3 served)
 //   bits 61..49  sender rank (13 bits)
 //   bits 48..43  stream: which group of the call (6 bits)
 //   bits 42..13  a 30-bit hash of the identity and the stream
@@ -158,7 +162,7 @@ constexpr int kIdentityShift = 13;
 uint64_t IdentityTagBits(const Identity& id, uint32_t stream);
 
 inline uint64_t TagKindBits(MsgKind kind) {
-  return kind == MsgKind::kResult ? 1 : IsHostKind(kind) ? 2 : 0;
+  return kind == MsgKind::kResult ? 1 : IsHostKind(kind) ? 2 : kind == MsgKind::kServed ? 3 : 0;
 }
 
 inline uint64_t MakeTag(MsgKind kind, uint32_t src, uint32_t stream, uint64_t identity_bits,
@@ -208,8 +212,8 @@ constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // Version 4: the codec byte (codec.h); payloads of data messages are encoded.
 // Version 5: a kHostDone may withdraw (kHostWithdrawn); at most
 // kMaxContributors devices per message. Version 6: the leave protocol's
-// counts in kLeave, and kReceipt.
-constexpr uint16_t kWireVersion = 6;
+// counts in kLeave, and kReceipt. Version 7: kServed (tag kind 3).
+constexpr uint16_t kWireVersion = 7;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.

@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="each host-to-host flow's cap, e.g. 250mbit")
     net.add_argument("--processes-per-host", type=int, default=1, metavar="P",
                      help="P processes share each simulated host (hosts = n / P)")
+    parser.add_argument("--servers", type=int, default=0, metavar="K",
+                        help="also start K server-only processes (herring-jax launch "
+                             "--servers; with --netns each on a host of its own), which sum "
+                             "part of herring's all-reduces; the peers do not use them")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--link-source", default="--link-gbps", help=argparse.SUPPRESS)
     parser.add_argument("--bound-kind", default="link", help=argparse.SUPPRESS)
@@ -97,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         print("herring-jax bench: --processes-per-host needs --netns and must divide -n",
               file=sys.stderr)
         return 2
+    if args.servers < 0:
+        print(f"herring-jax bench: --servers must be at least 0, got {args.servers}",
+              file=sys.stderr)
+        return 2
     bound_kind = "link"
     if args.link_gbps:
         link_gbps, link_source = args.link_gbps, "--link-gbps"
@@ -127,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
                                  "separate network namespaces (PMIx connects over loopback)")
     present = [p for p in names if p not in missing]
     use_mpi = any(PEERS[p].mpi for p in present)
+    if use_mpi and args.servers:
+        print("herring-jax bench: --servers needs herring-jax launch, not mpirun: leave the "
+              "MPI peers out (--peers)", file=sys.stderr)
+        return 2
     json_path = os.path.abspath(args.json) if args.json else None
     with tempfile.TemporaryDirectory() as scratch:
         if json_path is None and args.plot:
@@ -148,6 +160,11 @@ def run(args: argparse.Namespace) -> int:
                        f"{'es' if per_host > 1 else ''} each) on a bridge, host egress "
                        f"{args.host_rate or 'unlimited'}, each host-to-host flow "
                        f"{args.flow_rate or args.host_rate or 'unlimited'}")
+        if args.servers:
+            network += (f"; {args.servers} server-only process"
+                        f"{'es' if args.servers > 1 else ''}"
+                        f"{' on hosts of their own' if args.netns else ''}"
+                        f" (share {os.environ.get('HERRING_SERVER_SHARE') or 'the split'})")
         if use_mpi:
             network += f"; Open MPI btl {args.mpi_btl or 'default (shared memory here)'}"
         env["HERRING_BENCH_NETWORK"] = network

@@ -21,6 +21,8 @@ def launch(args, worker: list[str], env: dict) -> int:
         for flag, value in (("--host-rate", args.host_rate), ("--flow-rate", args.flow_rate)):
             if value:
                 launcher += [flag, value]
+    if getattr(args, "servers", 0):
+        launcher += ["--servers", str(args.servers)]
     launcher += ["--", *worker]
     return run_workers(launcher, env, None,
                        lambda line: line[len("[rank 0] "):]

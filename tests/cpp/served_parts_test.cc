@@ -1,0 +1,58 @@
+// Unit test of the split between the workers' and the server-only processes'
+// parts (xla_ffi/engine/served.h), run by tests/test_cpp_units.py. The last
+// line on success is
+//   SERVED_PARTS_OK checks=<n>
+#include "check.h"
+#include "engine/served.h"
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+using herring::engine::ServedParts;
+using herring::engine::ServerShare;
+using herring::test::Check;
+
+namespace {
+
+bool Near(double a, double b) { return std::fabs(a - b) < 1e-12; }
+
+// Parts in order, covering the buffer, beginning at multiples of align (or
+// where the region they belong to ends), the servers' region about `share`.
+void CheckLayout(size_t count, int n, int k, double share, size_t align) {
+  const std::vector<size_t> b = ServedParts(count, n, k, share, align);
+  const std::string what = "count=" + std::to_string(count) + " n=" + std::to_string(n) +
+                           " k=" + std::to_string(k) + " share=" + std::to_string(share);
+  Check(b.size() == static_cast<size_t>(n + k + 1), what + ": one part per process");
+  Check(b.front() == 0 && b.back() == count, what + ": parts cover the buffer");
+  for (size_t i = 1; i < b.size(); ++i) Check(b[i - 1] <= b[i], what + ": parts in order");
+  const size_t workers_end = b[n];
+  for (int i = 0; i < n + k; ++i) {
+    Check(b[i] % align == 0 || b[i] == workers_end || b[i] == count, what + ": aligned parts");
+  }
+  const double servers = static_cast<double>(count - workers_end);
+  Check(std::fabs(servers - share * count) <= align, what + ": the servers hold the share");
+}
+
+}  // namespace
+
+int main() {
+  // The split at which workers' and servers' links finish together.
+  Check(Near(ServerShare(4, 2, -1.0), 0.6), "n=4, k=2: 0.6");
+  Check(Near(ServerShare(4, 4, -1.0), 1.0), "n=4, k=4: all");
+  Check(Near(ServerShare(4, 8, -1.0), 1.0), "n=4, k=8: all");
+  Check(Near(ServerShare(2, 1, -1.0), 0.5), "n=2, k=1: half");
+  Check(Near(ServerShare(4, 2, 0.25), 0.25), "a requested share holds");
+  Check(Near(ServerShare(4, 0, -1.0), 0.0), "no servers, no share");
+  for (size_t count : {size_t{1}, size_t{7}, size_t{16}, size_t{4097}, size_t{1} << 20}) {
+    for (int n : {2, 3, 4}) {
+      for (int k : {1, 2, 4}) {
+        for (double share : {0.0, 0.3, ServerShare(n, k, -1.0), 1.0}) {
+          CheckLayout(count, n, k, share, 16);
+        }
+      }
+    }
+  }
+  return herring::test::Finish("SERVED_PARTS");
+}

@@ -1,0 +1,62 @@
+"""Server-only processes (herring-jax launch --servers K): workers place parts
+of each all-reduce on processes that only sum, and get bitwise the sums they
+get without them; a killed server fails every worker fast, naming it."""
+
+from multiproc import launch
+
+# The flat path: with one process per host (a cluster) that is every group's;
+# on this one machine the host stage would sum everything through memory.
+FLAT = {"HERRING_HOST_STAGE": "0"}
+CASES = ["--dtypes", "float32,bfloat16,int32", "--ops", "sum,mean",
+         "--counts", "1,7,4097", "--mib", "1", "--stats"]
+
+
+def _cases(run, rank):
+    return {r["case"]: r for r in run.results[rank] if r["case"] != "stats"}
+
+
+def test_two_workers_and_a_server_sum_bitwise_as_without_it():
+    # Half of each buffer to the server (the split for 2 workers, 1 server),
+    # then all of it: each worker checks its results against the numpy
+    # rank-order sum (float32 accumulation for 16-bit inputs), which is
+    # also what the same job without a server returns (below).
+    without = launch("reduce_worker.py", CASES, nproc=2, env=FLAT)
+    assert without.returncode == 0, without.explain()
+    for share in ("", "1"):
+        run = launch("reduce_worker.py", CASES, nproc=2, servers=1,
+                     env={**FLAT, "HERRING_SERVER_SHARE": share})
+        assert run.returncode == 0, run.explain()
+        for rank in (0, 1):
+            got, want = _cases(run, rank), _cases(without, rank)
+            assert got.keys() == want.keys() and got, (got.keys(), want.keys())
+            for name, case in got.items():
+                assert case["ok"], (name, case)
+                assert case["digest"] == want[name]["digest"], (name, case, want[name])
+            [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
+            assert stats["stats"]["served_jobs"] > 0, stats
+        # jax saw the workers alone; the server summed parts of every buffer.
+        [server] = run.results[2]
+        assert server["ok"] and server["served_chunks"] >= len(_cases(run, 0)), server
+
+
+def test_a_killed_server_fails_every_worker_fast_naming_it():
+    run = launch("servers_worker.py", [], nproc=2, servers=1,
+                 env={**FLAT, "HERRING_TEST_SERVER_EXIT_S": "3", "HERRING_PEER_TIMEOUT_S": "2",
+                      "HERRING_TIMEOUT_S": "120"})
+    assert run.returncode != 0, run.explain()
+    assert "server rank 2" in run.stderr, run.explain()
+    for rank in (0, 1):
+        [result] = run.results[rank]
+        assert result["ok"] and result["steps"] > 0, (result, run.explain())
+        assert "rank 2" in result["message"], result
+        # Long before HERRING_TIMEOUT_S: the peer watch or the transport.
+        assert result["seconds"] < 60, result
+
+
+def test_workers_told_of_servers_that_never_come_say_how_to_start_them():
+    run = launch("reduce_worker.py", ["--counts", "1"], nproc=2,
+                 env={**FLAT, "HERRING_SERVERS": "1", "HERRING_INIT_TIMEOUT_S": "5"},
+                 timeout=120)
+    assert run.returncode != 0, run.explain()
+    assert "1 server-only processes (HERRING_SERVERS)" in run.stderr, run.explain()
+    assert "herring-jax serve --coordinator" in run.stderr, run.explain()

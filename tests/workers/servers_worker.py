@@ -1,0 +1,52 @@
+"""A job whose server-only process is killed while the workers reduce.
+
+Usage (under the launcher, with --servers 1 and HERRING_TEST_SERVER_EXIT_S):
+  python tests/workers/servers_worker.py
+
+Each worker reduces 1 MiB of float32 through herring_jax.allreduce until a
+reduction fails, and reports the error and how long after its last success
+the failure came.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import numpy as np  # noqa: E402
+
+import common  # noqa: E402
+import herring_jax  # noqa: E402
+
+
+def main() -> int:
+    # The launcher sends SIGTERM a moment after the server died; this report
+    # is what is under test, so the worker lets its reduction fail first (a
+    # Python handler runs once the main thread is back in Python).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    herring_jax.initialize()
+    x = np.ones(1 << 18, np.float32)
+    steps = 0
+    last = time.monotonic()
+    deadline = last + 100
+    try:
+        while time.monotonic() < deadline:
+            out = herring_jax.allreduce(x)
+            assert float(np.asarray(out)[0]) == herring_jax.process_count()
+            steps += 1
+            last = time.monotonic()
+    except herring_jax.HerringError as e:
+        common.report("killed-server", True, steps=steps, seconds=time.monotonic() - last,
+                      message=str(e)[:1500])
+        sys.stdout.flush()
+        os._exit(1)
+    common.report("killed-server", False, steps=steps, message="no error")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

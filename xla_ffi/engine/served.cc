@@ -1,0 +1,262 @@
+// Server-only processes: the side of a process that trains nothing (rank >=
+// CommConfig::workers), and the workers' choice of which calls use them.
+// Such a process never knows what the workers reduce: its receives take a
+// kServed message of any reduction from any worker; the headers say which
+// chunk of which reduction each is. Once every worker's message of a chunk is
+// here it sums them in rank order with the kernel the workers' own server
+// shards use (so every element has the same bits whichever process summed
+// it) and sends the sum back to every worker as that part's kResult.
+// Runs on the transport's progress thread (OnServed) and the server threads
+// (TakeServed: receives are re-posted there, never from the progress thread).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/batch.h"
+#include "engine/communicator.h"
+#include "engine/reduce_kernels.h"
+#include "engine/served.h"
+
+namespace herring::engine {
+
+namespace {
+
+// Receives kept posted per worker: the provider buffers what arrives beyond them.
+constexpr size_t kServedRecvsPerWorker = 4;
+constexpr size_t kServedRecvsMin = 16;
+constexpr uint64_t kServedTag = uint64_t{3} << 62;
+constexpr uint64_t kServedIgnore = ~kServedTag;
+
+// What a server's sum is sent with: kept alive until every send of it completed.
+struct ServedResult {
+  WireHeader header{};
+  PooledBuffer data;
+};
+
+std::string Fields(const WireHeader& h) {
+  return std::string(DTypeName(static_cast<DType>(h.dtype))) + "[" +
+         std::to_string(h.total_elems) + "] " + ReduceOpName(static_cast<ReduceOp>(h.op)) +
+         " (key " + std::to_string(h.key) + "; " + DescribeIdentity(HeaderIdentity(h)) +
+         "), part " + std::to_string(h.part) + " chunk " + std::to_string(h.chunk) + " of " +
+         std::to_string(h.payload_bytes) + " bytes";
+}
+
+}  // namespace
+
+int Communicator::ServerCount() const {
+  return config_.workers > 0 ? config_.size - config_.workers : 0;
+}
+
+bool Communicator::ServersServe(const std::vector<int>& group) const {
+  // Only a group of every worker: a server counts on a contribution from
+  // each of them (ranks 0 .. workers - 1; the group is sorted and unique).
+  return ServerCount() > 0 && config_.rank < config_.workers &&
+         static_cast<int>(group.size()) == config_.workers;
+}
+
+bool Communicator::ServedJob(const ReduceRequest& r) {
+  return r.collective == Collective::kAllReduce && r.codec == Codec::kNone && r.count > 0;
+}
+
+std::string Communicator::RankText(int rank) const {
+  return (ServerCount() > 0 && rank >= config_.workers ? "server rank " : "rank ") +
+         std::to_string(rank);
+}
+
+void Communicator::ServedCounts(uint64_t* chunks, uint64_t* bytes) const {
+  *chunks = served_ ? served_->chunks_summed.load() : 0;
+  *bytes = served_ ? served_->bytes_summed.load() : 0;
+}
+
+Status Communicator::Serve() {
+  if (ServerCount() <= 0 || config_.rank < config_.workers) {
+    return Status::Error("rank " + std::to_string(config_.rank) +
+                         " is a worker, not a server-only process (CommConfig::workers " +
+                         std::to_string(config_.workers) + ")");
+  }
+  if (!connected_) return Status::Error("serve before connect");
+  if (served_) return Status::Error("this process serves already");
+  auto state = std::make_unique<ServedState>();
+  state->payload_bytes = config_.chunk_bytes;
+  const size_t slots = std::max(kServedRecvsMin, kServedRecvsPerWorker * config_.workers);
+  for (size_t i = 0; i < slots; ++i) {
+    state->slots.emplace_back(&pool_, kServedPayloadAt + state->payload_bytes);
+    if (!state->slots.back().ok()) return Status::Error("out of memory for served receives");
+  }
+  served_ = std::move(state);
+  for (size_t i = 0; i < slots; ++i) PostServedRecv(i);
+  for (;;) {
+    const std::string broken = Broken();
+    if (!broken.empty()) return Status::Error(broken);
+    bool all_left = true;
+    for (int w = 0; w < config_.workers && all_left; ++w) all_left = ledger_.Left(w);
+    if (all_left) return Status::Ok();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+void Communicator::PostServedRecv(size_t slot) {
+  char* base = served_->slots[slot].data();
+  transport::IoVec iov[2] = {{base, sizeof(WireHeader)},
+                             {base + kServedPayloadAt, served_->payload_bytes}};
+  // Background: a server waits for work without being busy.
+  Status s = transport_->Recv(
+      kServedTag, kServedIgnore, iov, 2,
+      [this, slot](const transport::Completion& c) { OnServed(slot, c); },
+      /*background=*/true);
+  if (!s.ok() && !ShuttingDown()) {
+    FailAll("server rank " + std::to_string(config_.rank) + " cannot post a receive: " +
+                s.message(),
+            /*tell_peers=*/true);
+  }
+}
+
+void Communicator::OnServed(size_t slot, const transport::Completion& c) {
+  if (!c.ok && !c.truncated) return;  // cancelled: shutting down
+  Enqueue([this, slot, c] { TakeServed(slot, c); });
+}
+
+std::string Communicator::CheckServed(const WireHeader& h,
+                                      const transport::Completion& c) const {
+  if (c.truncated) {
+    return "a message longer than a chunk (" + std::to_string(served_->payload_bytes) +
+           " bytes) arrived: the workers cut chunks larger than HERRING_CHUNK_BYTES says";
+  }
+  if (c.len < sizeof(WireHeader)) return "message shorter than a header";
+  if (h.magic != kMagic || h.version != kWireVersion) return "bad magic or version";
+  if (h.checksum != HeaderChecksum(h)) return "header checksum mismatch";
+  if (h.reserved2 != 0) return "reserved header bytes are not zero";
+  if (h.token != config_.token) return "wrong job token (a process of another job or an old run)";
+  if (h.kind != static_cast<uint8_t>(MsgKind::kServed) || !IsValidDType(h.dtype) ||
+      !IsValidOp(h.op) || h.codec != static_cast<uint8_t>(Codec::kNone)) {
+    return "invalid kind, dtype, op or codec";
+  }
+  if (h.payload_bytes != c.len - sizeof(WireHeader) ||
+      h.payload_bytes % ElementSize(static_cast<DType>(h.dtype)) != 0) {
+    return "payload of " + std::to_string(c.len - sizeof(WireHeader)) +
+           " bytes, the header says " + std::to_string(h.payload_bytes);
+  }
+  if (h.contributors == 0 || h.contributors > kMaxContributors) {
+    return "header counts " + std::to_string(h.contributors) + " contributing devices";
+  }
+  if (h.src_rank >= static_cast<uint32_t>(config_.workers) || h.src_rank != TagSender(c.tag) ||
+      (c.source != transport::kSourceUnchecked && c.source != static_cast<int>(h.src_rank))) {
+    return "sender " + std::to_string(h.src_rank) + " is no worker, or not where it came from";
+  }
+  return "";
+}
+
+void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
+  ServedState& st = *served_;
+  PooledBuffer message = std::move(st.slots[slot]);
+  st.slots[slot] = PooledBuffer(&pool_, kServedPayloadAt + st.payload_bytes);
+  if (!st.slots[slot].ok()) {
+    FailAll("server rank " + std::to_string(config_.rank) + " ran out of memory", true);
+    return;
+  }
+  if (!ShuttingDown()) PostServedRecv(slot);
+  WireHeader h;
+  std::memcpy(&h, message.data(), sizeof(h));
+  const std::string why = CheckServed(h, c);
+  if (!why.empty()) {
+    CountDropped("server rank " + std::to_string(config_.rank) + ": " + why);
+    return;
+  }
+  const int from = static_cast<int>(h.src_rank);
+  Heard(h.src_rank);
+  TookFrom(from);
+  const int workers = config_.workers;
+  ServedChunk chunk;
+  {
+    std::lock_guard<std::mutex> lock(st.mu);
+    ServedChunk& entry = st.chunks[KeyOf(h)];
+    if (entry.from.empty()) {
+      entry.first = h;
+      entry.from.resize(workers);
+    }
+    const WireHeader& f = entry.first;
+    std::string mismatch;
+    if (f.key != h.key || f.dtype != h.dtype || f.op != h.op || f.total_elems != h.total_elems ||
+        f.payload_bytes != h.payload_bytes) {
+      mismatch = "mismatched reductions at server rank " + std::to_string(config_.rank) +
+                 ": rank " + std::to_string(f.src_rank) + " sent " + Fields(f) + ", rank " +
+                 std::to_string(h.src_rank) + " " + Fields(h);
+    } else if (entry.from[from].ok()) {
+      mismatch = "server rank " + std::to_string(config_.rank) + " got " + Fields(h) +
+                 " twice from rank " + std::to_string(from);
+    }
+    if (!mismatch.empty()) {
+      st.chunks.erase(KeyOf(h));
+      FailAll(mismatch, /*tell_peers=*/true);
+      return;
+    }
+    entry.from[from] = std::move(message);
+    if (++entry.arrived < workers) return;
+    chunk = std::move(entry);
+    st.chunks.erase(KeyOf(h));
+  }
+
+  // Every worker's contribution is here: the sum in rank order.
+  const WireHeader& f = chunk.first;
+  const DType dtype = static_cast<DType>(f.dtype);
+  const ReduceOp op = static_cast<ReduceOp>(f.op);
+  const size_t count = f.payload_bytes / ElementSize(dtype);
+  std::vector<const void*> srcs(workers);
+  uint64_t contributors = 0;
+  for (int w = 0; w < workers; ++w) {
+    srcs[w] = chunk.from[w].data() + kServedPayloadAt;
+    WireHeader hw;
+    std::memcpy(&hw, chunk.from[w].data(), sizeof(hw));
+    if (!AddContributors(&contributors, hw.contributors)) {
+      FailAll("server rank " + std::to_string(config_.rank) + ": the contributions to " +
+                  Fields(f) + " count more than " + std::to_string(kMaxContributors) +
+                  " devices together; a worker's headers are wrong",
+              true);
+      return;
+    }
+  }
+  auto result = std::make_shared<ServedResult>();
+  result->data = PooledBuffer(&pool_, std::max<size_t>(1, f.payload_bytes));
+  if (!result->data.ok()) {
+    FailAll("server rank " + std::to_string(config_.rank) + " ran out of memory", true);
+    return;
+  }
+  const double divisor = op == ReduceOp::kMean ? static_cast<double>(contributors) : 1.0;
+  ReduceOpInto(op, dtype, result->data.data(), nullptr, srcs.data(), workers, count, divisor);
+  chunk.from.clear();  // the contributions' buffers go back to the pool
+
+  result->header = f;
+  result->header.kind = static_cast<uint8_t>(MsgKind::kResult);
+  result->header.src_rank = static_cast<uint32_t>(config_.rank);
+  result->header.contributors = static_cast<uint32_t>(contributors);
+  SealHeader(&result->header);
+  const uint32_t rank = static_cast<uint32_t>(config_.rank);
+  const uint64_t tag = MakeTag(MsgKind::kResult, rank, f.stream,
+                               IdentityTagBits(HeaderIdentity(f), f.stream), f.chunk);
+  st.chunks_summed.fetch_add(1);
+  st.bytes_summed.fetch_add(f.payload_bytes);
+  // Starting at a different worker for each part, as the workers' shards do.
+  for (int step = 0; step < workers; ++step) {
+    const int to = static_cast<int>((f.part + step) % workers);
+    transport::IoVec iov[2] = {{&result->header, sizeof(WireHeader)},
+                               {result->data.data(), f.payload_bytes}};
+    Status s = transport_->Send(to, tag, iov, f.payload_bytes > 0 ? 2 : 1,
+                                [this, result, to](const transport::Completion& done) {
+                                  // A worker that is gone fails (or has failed) on its own
+                                  // side, and its peers with it.
+                                  if (!done.ok) served_->failed_sends.fetch_add(1);
+                                });
+    if (!s.ok()) {
+      st.failed_sends.fetch_add(1);
+      continue;
+    }
+    ledger_.Sent(to);
+  }
+}
+
+}  // namespace herring::engine

@@ -1,0 +1,93 @@
+// Server-only processes (BytePS's summation service on herring's parameter
+// servers): processes that train nothing and only sum. The workers place a
+// share of each all-reduce's parts on them; the split and the part layout
+// are here, the server's side in served.cc. Internal to the engine.
+#ifndef HERRING_ENGINE_SERVED_H_
+#define HERRING_ENGINE_SERVED_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "engine/buffer_pool.h"
+#include "engine/wire.h"
+
+namespace herring::engine {
+
+// The share of each buffer that `k` server-only processes take in a group of
+// `n` workers: `requested` where it is in [0, 1], else the split at which the
+// workers' and the servers' links finish together (links of one rate). A
+// worker sends and receives x B to the servers and 2 (1 - x) (n - 1) / n B
+// for the workers' own parts; a server moves n x B / k. Equal when
+// x = a / (n / k - 1 + a) with a = 2 (n - 1) / n: n = 4, k = 2 gives 0.6,
+// k >= n gives 1 (every byte through the servers, each worker's traffic B
+// instead of 2 (n - 1) / n B).
+inline double ServerShare(int n, int k, double requested) {
+  if (requested >= 0.0 && requested <= 1.0) return requested;
+  if (k <= 0 || n <= 1) return 0.0;
+  const double a = 2.0 * (n - 1) / n;
+  return std::clamp(a / (static_cast<double>(n) / k - 1.0 + a), 0.0, 1.0);
+}
+
+// Where each part of an all-reduce of `count` elements begins (n + k + 1
+// entries, the last `count`): n workers' parts, then k servers' parts, which
+// together hold about `share` of the buffer. Parts begin at multiples of
+// `align` elements (except the empty ones at the end). Every worker computes
+// the same layout; any layout sums each element in rank order.
+inline std::vector<size_t> ServedParts(size_t count, int n, int k, double share,
+                                       size_t align) {
+  auto up = [align](size_t v) { return (v + align - 1) / align * align; };
+  const size_t to_servers =
+      std::min(count, static_cast<size_t>(std::llround(share * static_cast<double>(count))));
+  // The workers' region ends where the servers' begins, on an alignment
+  // boundary (or at the end, when the servers take nothing).
+  const size_t workers_end = to_servers == 0 ? count : (count - to_servers) / align * align;
+  const size_t per_worker = up((workers_end + n - 1) / n);
+  const size_t per_server = up((count - workers_end + k - 1) / k);
+  std::vector<size_t> begin;
+  for (int i = 0; i < n; ++i) begin.push_back(std::min(workers_end, i * per_worker));
+  for (int j = 0; j < k; ++j) begin.push_back(std::min(count, workers_end + j * per_server));
+  begin.push_back(count);
+  return begin;
+}
+
+// A server-only process's receive buffers hold the header here and the
+// payload (at most CommConfig::chunk_bytes) from kServedPayloadAt on.
+constexpr size_t kServedPayloadAt = 128;
+static_assert(kServedPayloadAt >= sizeof(WireHeader), "served header does not fit");
+
+// Which chunk of which reduction a contribution belongs to.
+using ServedKey = std::tuple<int64_t, uint64_t, uint32_t, uint32_t, uint32_t, uint32_t,
+                             uint32_t, uint32_t>;
+inline ServedKey KeyOf(const WireHeader& h) {
+  return ServedKey{h.run_id, h.occurrence, h.slot, h.instance, h.buffer, h.stream, h.part,
+                   h.chunk};
+}
+
+// One chunk being summed: every worker's message, kept until the last one
+// is here.
+struct ServedChunk {
+  WireHeader first{};              // the first message's header: the others must agree
+  std::vector<PooledBuffer> from;  // [worker] its message
+  int arrived = 0;
+};
+
+struct ServedState {
+  size_t payload_bytes = 0;         // room for a payload in each receive
+  std::vector<PooledBuffer> slots;  // [slot] the buffer its receive is posted into
+  std::mutex mu;
+  std::map<ServedKey, ServedChunk> chunks;
+  std::atomic<uint64_t> chunks_summed{0};
+  std::atomic<uint64_t> bytes_summed{0};
+  std::atomic<uint64_t> failed_sends{0};
+};
+
+}  // namespace herring::engine
+
+#endif  // HERRING_ENGINE_SERVED_H_
