@@ -232,7 +232,7 @@ class _Job:
                 self.preempted.add(what)
             elif code != 0:
                 tail = f"; stopping the other {_processes(len(running))}" if running else ""
-                return _exit_code(code), f"rank {what} {_describe(code)}{tail}", what
+                return _exit_code(code), f"{self.who(what)} {_describe(code)}{tail}", what
         return (PREEMPTED_EXIT_CODE if self.preempted else 0), None, None
 
     def ended_preempted(self) -> bool:
@@ -242,8 +242,6 @@ class _Job:
         codes = [proc.poll() for rank, proc in enumerate(self.procs) if rank not in self.servers]
         return (PREEMPTED_EXIT_CODE in codes
                 and all(code in (0, PREEMPTED_EXIT_CODE) for code in codes))
-                return _exit_code(code), f"{self.who(what)} {_describe(code)}{tail}", what
-        return 0, None, None
 
     def _blame(self, rank: int, message: str | None) -> tuple[int, str | None]:
         """The rank to name for the failure, once the others had their moment
