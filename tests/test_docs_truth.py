@@ -32,6 +32,7 @@ NOT_ENVIRONMENT = {
     "HERRING_WITH_CUDA": "C++ macro (CMakeLists.txt): the XLA:CUDA handlers are built",
     "HERRING_CUDA": "CMake option (-DHERRING_CUDA=OFF): build the CUDA handlers",
     "HERRING_SANITIZE": "CMake option (-DHERRING_SANITIZE=thread ...): .ci/sanitizers.sh",
+    "HERRING_RESULT": "output line prefix (servers.py, tests/workers): a JSON result to parse",
 }
 
 
