@@ -36,8 +36,8 @@ spec = importlib.util.spec_from_file_location("_herring_ffi", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 names = sorted(module.registrations())
-assert names == ["herring_allreduce", "herring_async_done", "herring_async_start", "herring_join",
-                 "herring_simulated_compute"], names
+assert names == ["herring_allreduce", "herring_async_done", "herring_async_known", "herring_async_start",
+                 "herring_join", "herring_simulated_compute"], names
 print("bazel-built _herring_ffi.so imports; handlers:", names)
 PY
 # Do not leave the Bazel server holding memory on a 2-core CI machine.

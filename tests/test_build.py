@@ -11,8 +11,8 @@ from herring_jax._src import runtime
 
 def test_cpu_handler_registered():
     assert sorted(_herring_ffi.registrations()) == [
-        "herring_allreduce", "herring_async_done", "herring_async_start", "herring_join",
-        "herring_simulated_compute"]
+        "herring_allreduce", "herring_async_done", "herring_async_known", "herring_async_start",
+        "herring_join", "herring_simulated_compute"]
 
 
 def test_cuda_handler_built_when_toolkit_present():

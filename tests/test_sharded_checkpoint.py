@@ -113,8 +113,11 @@ def failures(tmp_path_factory):
     """checkpoint_failure_worker's cases on 2 processes: case -> rank -> report."""
     root = tmp_path_factory.mktemp("failures")
     (root / "exists").mkdir()
+    # The codec on the wire (no host stage), so that the state holds a
+    # non-zero error-feedback residual whose save and restore show.
     run = launch("checkpoint_failure_worker.py", ["--dir", str(root)], nproc=2,
-                 env={"HERRING_TIMEOUT_S": str(TIMEOUT_S)}, timeout=300)
+                 env={"HERRING_TIMEOUT_S": str(TIMEOUT_S), "HERRING_HOST_STAGE": "0"},
+                 timeout=300)
     assert_all_ok(run, expected_cases=8)
     cases = defaultdict(dict)
     for rank, results in run.results.items():
