@@ -134,6 +134,15 @@ def is_floating(x) -> bool:
     return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
 
 
+def non_floating_leaves(tree) -> str:
+    """The paths and dtypes of `tree`'s leaves that are not floating point,
+    for an error message ("['a'] (int32), ['b'] (bool)", the first three and
+    a count of the rest); empty if there are none."""
+    bad = [f"{jax.tree_util.keystr(path)} ({np.dtype(x.dtype).name})"
+           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0] if not is_floating(x)]
+    return ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+
+
 def leaf_codec(x, codec: str) -> str:
     """The codec a leaf travels with: `codec` for float32, none for the rest
     (which a compressed reduction reduces exactly)."""

@@ -332,12 +332,8 @@ def _check_floating(params) -> None:
     """Refuses integer and bool leaves at init: value_and_grad differentiates
     every parameter the state holds, and jax gives them no gradient (its
     error would ask for an allow_int the user cannot pass)."""
-    bad = [(jax.tree_util.keystr(path), np.dtype(x.dtype).name)
-           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-           if not _allreduce.is_floating(x)]
-    if bad:
-        shown = ", ".join(f"{p} ({d})" for p, d in bad[:3])
-        shown += f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    shown = _allreduce.non_floating_leaves(params)
+    if shown:
         raise TypeError(
             f"herring_jax.fully_sharded: the parameters {shown} are not floating point, and "
             "fully_sharded differentiates every parameter it holds (integer and bool leaves "

@@ -194,12 +194,8 @@ def check_gradients(tree: Any, axis_name, api: str, *, average: bool = True) -> 
     per device (check_per_device_gradients)."""
     check_axes_bound(axis_name, api)
     if average:
-        paths = [(jax.tree_util.keystr(path), np.dtype(g.dtype).name)
-                 for path, g in jax.tree_util.tree_flatten_with_path(tree)[0]
-                 if not _allreduce.is_floating(g)]
-        if paths:
-            shown = ", ".join(f"{p} ({d})" for p, d in paths[:3])
-            shown += f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        shown = _allreduce.non_floating_leaves(tree)
+        if shown:
             raise TypeError(
                 f"herring_jax.{api}: the gradients {shown} are not floating point, and "
                 "averaging them across workers needs a floating dtype. Integer and bool "

@@ -306,6 +306,10 @@ class Communicator {
   // the batch fails with the first of that abort (within a grace) or `why`;
   // then the operation is counted complete. On a server thread.
   void FailOnTransportError(Batch* batch, std::string why);
+  // A receive of `batch` from `from` failed (`why`): the batch fails naming
+  // the cause (a rank that left, else FailOnTransportError), the receive
+  // counted complete.
+  void FailReceive(Batch* batch, int from, const std::string& why);
   // "float32[1000] sum (key ...; run ...) at train.py:42 (step)".
   std::string DescribeJob(const Job& job) const;
   // Whether a control message whose tag and header name `sender` came from

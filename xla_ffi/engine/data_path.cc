@@ -294,16 +294,7 @@ void Communicator::OnContribution(Job* job, int p, size_t c, const transport::Co
   std::string why;
   const WireHeader& h = job->contrib_hdrs[p * job->max_chunks + c];
   if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
-    // A rank that left with all its data here never sends this one: its
-    // closed connection is only the symptom.
-    if (batch->Failed()) {
-      batch->Complete(1, 1);
-    } else if (ledger_.AllArrived(from)) {
-      Fail(batch, LeftText(*batch, from));
-      batch->Complete(1, 1);
-    } else {
-      FailOnTransportError(batch, why);
-    }
+    FailReceive(batch, from, why);
     return;
   }
   if (!AcceptHeader(batch, h, done.len,
@@ -424,16 +415,7 @@ void Communicator::OnResult(Job* job, int i, size_t c, const transport::Completi
   std::string why;
   const WireHeader& h = job->result_hdrs[i * job->max_chunks + c];
   if (ReceiveFailed(done, *job, from, config_.rank, h, config_.token, &why)) {
-    // A rank that left with all its data here never sends this one: its
-    // closed connection is only the symptom.
-    if (batch->Failed()) {
-      batch->Complete(1, 1);
-    } else if (ledger_.AllArrived(from)) {
-      Fail(batch, LeftText(*batch, from));
-      batch->Complete(1, 1);
-    } else {
-      FailOnTransportError(batch, why);
-    }
+    FailReceive(batch, from, why);
     return;
   }
   if (!AcceptHeader(batch, h, done.len, Expect(*job, MsgKind::kResult, from, i, c),
@@ -466,6 +448,19 @@ void Communicator::SendDone(Job* job, int to_rank, const transport::Completion& 
     Fail(batch, LeftText(*batch, to_rank));
   }
   batch->Complete(1, 1);
+}
+
+void Communicator::FailReceive(Batch* batch, int from, const std::string& why) {
+  if (batch->Failed()) {
+    batch->Complete(1, 1);
+  } else if (ledger_.AllArrived(from)) {
+    // A rank that left with all its data here never sends this one: its
+    // closed connection is only the symptom.
+    Fail(batch, LeftText(*batch, from));
+    batch->Complete(1, 1);
+  } else {
+    FailOnTransportError(batch, why);
+  }
 }
 
 void Communicator::FailOnTransportError(Batch* batch, std::string why) {
