@@ -22,7 +22,9 @@ the JVP passes their values, not their tangents, to the tangent equation,
 so that its transpose finds them among the known operands (zeros of their
 tangents would stand there otherwise, and the residual would be lost).
 Lowering inlines the body; under ``jax.vmap`` the body is batched in place
-(the vmapped program then holds its pieces, each batched as lax's).
+(the vmapped program then holds its pieces, each batched as lax's), each
+result keeping the batch dimension the body's batching gives it (none for a
+gather over the vmapped axis, as lax's).
 
 While split.split_reductions traces (allreduce_gradients' buckets), the
 body is bound in place instead: the split pairs each reduction with its
@@ -149,11 +151,11 @@ def _register(p: _Collective) -> _Collective:
 
     def batch(axis_data, args, dims, *, jaxpr, transpose, jvp, nondiff):
         del transpose, jvp, nondiff
-        fun = jex_core.jaxpr_as_fun(jaxpr)
-        outs = jax.vmap(lambda *xs: fun(*xs), in_axes=tuple(dims), out_axes=0,
-                        axis_name=axis_data.name, axis_size=axis_data.size,
-                        spmd_axis_name=getattr(axis_data, "spmd_name", None))(*args)
-        return list(outs), [0] * len(outs)
+        # Each output keeps the batch dimension the body's own batching gives
+        # it: a gather over the vmapped axis is unbatched (as lax's), so that
+        # vmap(..., out_axes=None) takes it.
+        batched, out_dims = jax_compat.batch_jaxpr(jaxpr, axis_data, dims)
+        return list(jex_core.jaxpr_as_fun(batched)(*args)), list(out_dims)
 
     p.def_abstract_eval(abstract_eval)
     p.def_impl(impl)

@@ -362,6 +362,14 @@ def register_named_batcher(primitive, rule) -> None:
     _batching.fancy_primitive_batchers[primitive] = rule
 
 
+def batch_jaxpr(closed_jaxpr, axis_data, in_dims):
+    """`closed_jaxpr` batched over axis_data's axis with inputs batched at
+    `in_dims` (None: unbatched): (the batched ClosedJaxpr, each output's
+    batch dimension, None where the body's own batching leaves it unbatched,
+    e.g. an all_gather over the vmapped axis)."""
+    return _batching.batch_jaxpr2(closed_jaxpr, axis_data, tuple(in_dims))
+
+
 def pvary(x, axes):
     return _core.pvary(x, axis_name=tuple(axes))
 
@@ -376,6 +384,17 @@ def manual_mesh(ctx):
     if isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
         return axis_ctx.mesh
     return None
+
+
+def auto_axes(ctx) -> tuple:
+    """The enclosing shard_map's mesh axes (of more than one device) that it
+    leaves to the partitioner (not manual: axis_names= naming only some),
+    while lowering."""
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
+        return ()
+    return tuple(a for a in axis_ctx.mesh.axis_names
+                 if a not in axis_ctx.manual_axes and axis_ctx.mesh.shape[a] > 1)
 
 
 # -- where values are produced in the program being traced --------------------

@@ -1,0 +1,115 @@
+"""herring_jax's lax drop-ins under jax.vmap, beside jax.lax's (jax's own
+vmap forms with lax swapped for herring_jax), on 2 processes x 2 devices.
+
+  vmap/<form>/out_axes=<a>: vmap(..., axis_name="i") of an all_gather over
+    "i" (plain, tiled, of a constant): the gathered value is the same on
+    every element of the vmapped axis, and lax's batching leaves it
+    unbatched, so out_axes=None takes it; herring's gives the same values
+    (and out_axes=0 the same as lax's too).
+  vmap-of-shard_map/spmd_axis_name: a psum in a shard_map manual over every
+    mesh axis, vmapped with spmd_axis_name: herring's sums as lax's.
+  partial-manual/error: a psum in a shard_map that leaves a mesh axis to XLA.s
+    partitioner (axis_names=): XLA would refuse to replicate herring's
+    reduction when compiling; herring refuses when jit lowers, naming the
+    axes and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")  # lax across processes
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import common  # noqa: E402
+import herring_jax  # noqa: E402
+
+LIBS = {"lax": jax.lax, "herring": herring_jax}
+
+
+def run_both(fn) -> dict:
+    """lib name -> np result of fn(lib), or the error's text."""
+    out = {}
+    for name, lib in LIBS.items():
+        try:
+            out[name] = np.asarray(jax.device_get(fn(lib)))
+        except Exception as e:  # noqa: BLE001 - reported as the case's failure
+            out[name] = f"{type(e).__name__}: {e}"[:400]
+    return out
+
+
+def same(results: dict) -> bool:
+    a, b = results["lax"], results["herring"]
+    return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape
+            and bool(np.array_equal(a, b)))
+
+
+def vmap_gathers() -> None:
+    x = jnp.arange(12.).reshape(3, 4)
+    forms = {
+        "plain": lambda lib: lambda v: lib.all_gather(v, "i"),
+        "tiled": lambda lib: lambda v: lib.all_gather(v, "i", tiled=True),
+        "constant": lambda lib: lambda v: lib.all_gather(jnp.arange(2.), "i"),
+        # A gathered value beside a batched one: each output keeps its own.
+        "two-outputs": lambda lib: lambda v: (lib.all_gather(v, "i"), 2 * v)[0],
+    }
+    for form, make in forms.items():
+        for out_axes in (None, 0):
+            results = run_both(lambda lib: jax.jit(jax.vmap(
+                make(lib), axis_name="i", out_axes=out_axes))(x))
+            common.report(f"vmap/{form}/out_axes={out_axes}", same(results),
+                          **{k: str(v)[:300] for k, v in results.items()})
+
+
+def vmap_of_shard_map(mesh) -> None:
+    x = jnp.arange(4 * 8.).reshape(4, 8)
+
+    def fn(lib):
+        g = jax.shard_map(lambda v: lib.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=P())
+        y = jax.jit(jax.vmap(g, spmd_axis_name="y"))(x)
+        return np.concatenate([np.asarray(s.data).ravel() for s in y.addressable_shards])
+
+    results = run_both(fn)
+    common.report("vmap-of-shard_map/spmd_axis_name", same(results),
+                  **{k: str(v)[:300] for k, v in results.items()})
+
+
+def partial_manual(mesh) -> None:
+    x = jnp.arange(4 * 8.).reshape(4, 8)
+
+    def fn(lib):
+        g = jax.shard_map(lambda v: lib.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=P(), axis_names={"x"})
+        return jax.jit(g)(x).addressable_shards[0].data
+
+    results = run_both(fn)
+    text = results["herring"]
+    ok = (isinstance(results["lax"], np.ndarray) and isinstance(text, str)
+          and text.startswith("NotImplementedError") and "['y']" in text
+          and "axis_names=" in text and "jax.lax" in text)
+    common.report("partial-manual/error", ok, **{k: str(v)[:400] for k, v in results.items()})
+
+
+def main() -> int:
+    herring_jax.initialize()
+    by_proc = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    assert by_proc.size == 4, "runs on 4 devices in all"
+    mesh = jax.sharding.Mesh(by_proc.reshape(2, 2), ("x", "y"))
+    vmap_gathers()
+    vmap_of_shard_map(mesh)
+    partial_manual(mesh)
+    herring_jax.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
