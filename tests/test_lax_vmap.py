@@ -1,13 +1,15 @@
-"""herring_jax's lax drop-ins under jax.vmap as jax.lax's
+"""herring_jax's lax drop-ins under jax.vmap and with reduced operands as jax.lax's
 (tests/workers/lax_vmap_worker.py): an all_gather over a vmapped axis is
 unbatched (out_axes=None takes it), a psum in a vmapped shard_map sums as
-lax's, and a shard_map not manual over every mesh axis is refused when jit
-lowers, naming what to do."""
+lax's, a psum of a value reduced over another axis differentiates as lax's,
+and a shard_map not manual over every mesh axis is refused when jit lowers,
+naming what to do."""
 
 from multiproc import assert_all_ok, launch
 
-# 4 gather forms x 2 out_axes; the vmapped shard_map; the partial-manual error.
-CASES = 4 * 2 + 1 + 1
+# 4 gather forms x 2 out_axes; the vmapped shard_map; the partial-manual
+# error; 2 psums of reduced values under grad.
+CASES = 4 * 2 + 1 + 1 + 2
 
 
 def test_lax_drop_ins_under_vmap_as_lax():

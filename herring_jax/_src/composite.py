@@ -176,7 +176,22 @@ def _transpose_body(body, nondiff, cts, avals, known):
             operands[i] = x
         return list(body(*operands))
 
-    outs = jax.linear_transpose(of_linear, *[_zeros(avals[i]) for i in linear])(list(cts))
+    in_avals = [avals[i] for i in linear]
+    # The cotangent of a result reduced over an axis the body does not reduce
+    # over comes unreduced over it: each device holds a part of it, and the
+    # operands' cotangents are due unreduced too. jax's linear_transpose takes
+    # only cotangents of the results' own types; the body, linear and blind
+    # to those axes, transposes each device's part alike: so the parts are
+    # transposed as values varying over the axes, and the results marked
+    # unreduced again.
+    axes = tuple(sorted(set().union(*[jax_compat.unreduced_axes(jax.typeof(c)) for c in cts]),
+                        key=str))
+    if axes:
+        cts = [unreduced_as_varying(c, axes) for c in cts]
+        in_avals = [jax_compat.reduced_as_varying(a, axes) for a in in_avals]
+    outs = jax.linear_transpose(of_linear, *[_zeros(a) for a in in_avals])(list(cts))
+    if axes:
+        outs = [jax_compat.varying_as_unreduced(o, axes) for o in outs]
     result = [None] * len(avals)
     for i, o in zip(linear, outs):
         result[i] = o

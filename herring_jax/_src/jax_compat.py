@@ -165,9 +165,13 @@ def is_varying(aval, axes) -> bool:
     return bool(_varying(aval).intersection(axes))
 
 
-def is_reduced(aval, axes) -> bool:
+def _reduced_axes(aval) -> frozenset:
     mat = getattr(aval, "mat", None)
-    return bool(frozenset(getattr(mat, "reduced", ()) or ()).intersection(axes))
+    return frozenset(getattr(mat, "reduced", ()) or ())
+
+
+def is_reduced(aval, axes) -> bool:
+    return bool(_reduced_axes(aval).intersection(axes))
 
 
 def is_unreduced(aval, axes) -> bool:
@@ -355,6 +359,27 @@ def zeros_of(aval):
     """Zeros of type `aval` (its varying axes and sharding too), as jax
     instantiates a symbolic zero tangent."""
     return _ad.instantiate_zeros(_ad.Zero(aval))
+
+
+def unreduced_axes(aval) -> frozenset:
+    return _unreduced(aval)
+
+
+def reduced_as_varying(aval, axes):
+    """`aval` with its reduced axes among `axes` taken as varying (the type a
+    transpose sees each device's part of an unreduced cotangent as)."""
+    reduced = _reduced_axes(aval).intersection(axes)
+    if not reduced:
+        return aval
+    return aval.update(manual_axis_type=aval.mat.update(
+        reduced=_reduced_axes(aval) - reduced, varying=_varying(aval) | reduced))
+
+
+def varying_as_unreduced(x, axes):
+    """`x` (a cotangent's parts, one per device) marked unreduced over those of
+    `axes` it varies over: lax.pcast(..., to='unreduced'), no data moves."""
+    axes = tuple(a for a in axes if a in _varying(jax.typeof(x)))
+    return jax.lax.pcast(x, axes, to="unreduced") if axes else x
 
 
 def register_named_batcher(primitive, rule) -> None:

@@ -8,6 +8,8 @@ vmap forms with lax swapped for herring_jax), on 2 processes x 2 devices.
     (and out_axes=0 the same as lax's too).
   vmap-of-shard_map/spmd_axis_name: a psum in a shard_map manual over every
     mesh axis, vmapped with spmd_axis_name: herring's sums as lax's.
+  reduced/<form>: grad of a psum over "x" of a value reduced over "y" (the
+    cotangent comes unreduced over "y"): value and gradient as lax's.
   partial-manual/error: a psum in a shard_map that leaves a mesh axis to XLA.s
     partitioner (axis_names=): XLA would refuse to replicate herring's
     reduction when compiling; herring refuses when jit lowers, naming the
@@ -27,7 +29,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")  # lax across pr
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
@@ -99,6 +101,31 @@ def partial_manual(mesh) -> None:
     common.report("partial-manual/error", ok, **{k: str(v)[:400] for k, v in results.items()})
 
 
+def reduced_psum_grads(devices) -> None:
+    mesh = jax.make_mesh((2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=list(devices))
+    forms = {"vector": (np.arange(4.), P("x"), P("x", reduced={"y"})),
+             "scalar": (np.float32(2.), P(), P(reduced={"y"}))}
+    for form, (value, spec, reduced) in forms.items():
+        def fn(lib):
+            with jax.set_mesh(mesh):
+                x = jax.device_put(value, spec)
+
+                @jax.shard_map(in_specs=reduced, out_specs=P(reduced={"y"}))
+                def f(a):
+                    return lib.psum(a, "x")
+
+                def loss(a):
+                    return f(jax.reshard(a, reduced)).sum()
+                value_, grad = jax.jit(jax.value_and_grad(loss))(x)
+                return np.concatenate([np.ravel(np.asarray(s.data)) for v in (value_, grad)
+                                       for s in v.addressable_shards])
+
+        results = run_both(fn)
+        common.report(f"reduced/{form}", same(results),
+                      **{k: str(v)[:300] for k, v in results.items()})
+
+
 def main() -> int:
     herring_jax.initialize()
     by_proc = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
@@ -107,6 +134,7 @@ def main() -> int:
     vmap_gathers()
     vmap_of_shard_map(mesh)
     partial_manual(mesh)
+    reduced_psum_grads(by_proc)
     herring_jax.shutdown()
     return 0
 
