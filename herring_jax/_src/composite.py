@@ -33,7 +33,6 @@ start as it is bound, which it cannot do inside a nested trace.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -88,8 +87,6 @@ def bind(label: str, body: Callable, operands, transpose: Callable | None = None
                          f"{len(operands)} operands")
     if _allreduce._receiver.current is not None:
         return list(body(*operands))
-    if transpose is None:
-        transpose = functools.partial(_transpose_body, body, nondiff)
     closed = jax.make_jaxpr(lambda *xs: list(body(*xs)))(*operands)
     return _primitive(label, name).bind(*operands, jaxpr=closed, transpose=transpose, jvp=jvp,
                                         nondiff=nondiff)
@@ -143,9 +140,17 @@ def _register(p: _Collective) -> _Collective:
         avals = list(jaxpr.in_avals)
         if all(type(c) is ad.Zero for c in cts) and not nondiff:
             return [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None for x in args]
-        cts = [_zeros(c.aval) if type(c) is ad.Zero else c for c in cts]
         known = [None if ad.is_undefined_primal(a) else a for a in args]
-        outs = transpose(cts, avals, known)
+        if transpose is None:
+            # The traced body's equations transposed in place: the transposed
+            # program holds only their transposes (what lax's would hold), and
+            # jax checks each cotangent against the type of the value it
+            # belongs to (a result reduced over another axis gets one unreduced
+            # over it).
+            outs = jax_compat.transpose_jaxpr(jaxpr, known, cts)
+        else:
+            cts = [_zeros(c.aval) if type(c) is ad.Zero else c for c in cts]
+            outs = transpose(cts, avals, known)
         return [None if not ad.is_undefined_primal(x) else
                 (ad.Zero(x.aval) if o is None else o) for x, o in zip(args, outs)]
 
@@ -165,37 +170,6 @@ def _register(p: _Collective) -> _Collective:
     ad.primitive_transposes[p] = transpose_rule
     jax_compat.register_named_batcher(p, batch)
     return p
-
-
-def _transpose_body(body, nondiff, cts, avals, known):
-    linear = [i for i in range(len(avals)) if i not in nondiff]
-
-    def of_linear(*xs):
-        operands = list(known)
-        for i, x in zip(linear, xs):
-            operands[i] = x
-        return list(body(*operands))
-
-    in_avals = [avals[i] for i in linear]
-    # The cotangent of a result reduced over an axis the body does not reduce
-    # over comes unreduced over it: each device holds a part of it, and the
-    # operands' cotangents are due unreduced too. jax's linear_transpose takes
-    # only cotangents of the results' own types; the body, linear and blind
-    # to those axes, transposes each device's part alike: so the parts are
-    # transposed as values varying over the axes, and the results marked
-    # unreduced again.
-    axes = tuple(sorted(set().union(*[jax_compat.unreduced_axes(jax.typeof(c)) for c in cts]),
-                        key=str))
-    if axes:
-        cts = [unreduced_as_varying(c, axes) for c in cts]
-        in_avals = [jax_compat.reduced_as_varying(a, axes) for a in in_avals]
-    outs = jax.linear_transpose(of_linear, *[_zeros(a) for a in in_avals])(list(cts))
-    if axes:
-        outs = [jax_compat.varying_as_unreduced(o, axes) for o in outs]
-    result = [None] * len(avals)
-    for i, o in zip(linear, outs):
-        result[i] = o
-    return result
 
 
 def inexact(aval) -> bool:

@@ -361,25 +361,16 @@ def zeros_of(aval):
     return _ad.instantiate_zeros(_ad.Zero(aval))
 
 
-def unreduced_axes(aval) -> frozenset:
-    return _unreduced(aval)
-
-
-def reduced_as_varying(aval, axes):
-    """`aval` with its reduced axes among `axes` taken as varying (the type a
-    transpose sees each device's part of an unreduced cotangent as)."""
-    reduced = _reduced_axes(aval).intersection(axes)
-    if not reduced:
-        return aval
-    return aval.update(manual_axis_type=aval.mat.update(
-        reduced=_reduced_axes(aval) - reduced, varying=_varying(aval) | reduced))
-
-
-def varying_as_unreduced(x, axes):
-    """`x` (a cotangent's parts, one per device) marked unreduced over those of
-    `axes` it varies over: lax.pcast(..., to='unreduced'), no data moves."""
-    axes = tuple(a for a in axes if a in _varying(jax.typeof(x)))
-    return jax.lax.pcast(x, axes, to="unreduced") if axes else x
+def transpose_jaxpr(closed_jaxpr, known, cts) -> list:
+    """The cotangents of a linear ClosedJaxpr's inputs (None: zero) from its
+    outputs' (arrays or symbolic zeros); `known`: the values of the inputs
+    that are not transposed, None for those that are (jax.linear_transpose's
+    own backward pass, without its check that each cotangent has its
+    output's own type, which a reduced output's unreduced cotangent fails)."""
+    primals = [_ad.UndefinedPrimal(a.to_ct_aval()) if k is None else k
+               for a, k in zip(closed_jaxpr.in_avals, known)]
+    outs = _ad.backward_pass(closed_jaxpr.jaxpr, True, closed_jaxpr.consts, primals, list(cts))
+    return [None if k is not None or type(o) is _ad.Zero else o for o, k in zip(outs, known)]
 
 
 def register_named_batcher(primitive, rule) -> None:

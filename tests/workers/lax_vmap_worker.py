@@ -10,6 +10,10 @@ vmap forms with lax swapped for herring_jax), on 2 processes x 2 devices.
     mesh axis, vmapped with spmd_axis_name: herring's sums as lax's.
   reduced/<form>: grad of a psum over "x" of a value reduced over "y" (the
     cotangent comes unreduced over "y"): value and gradient as lax's.
+  jaxpr/<form>: jax's own jaxpr-level tests of psum's transposes (a fan-in
+    psum transposes to one pvary; a psum with implicit fan-out to a
+    psum_invariant and a pvary) and of a scan of a psum: the same equations,
+    by str(primitive) (their .name is herring's: herring_psum_invariant).
   partial-manual/error: a psum in a shard_map that leaves a mesh axis to XLA.s
     partitioner (axis_names=): XLA would refuse to replicate herring's
     reduction when compiling; herring refuses when jit lowers, naming the
@@ -126,6 +130,48 @@ def reduced_psum_grads(devices) -> None:
                       **{k: str(v)[:300] for k, v in results.items()})
 
 
+def jaxpr_forms(devices) -> None:
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    x4, x1 = jnp.arange(4.), jnp.array([1.])
+
+    def body_names(jaxpr, depth=1):
+        e, = jaxpr.jaxpr.eqns
+        eqns = e.params["jaxpr"].eqns
+        for _ in range(depth - 1):
+            e, = eqns
+            eqns = e.params["jaxpr"].eqns
+        return [str(q.primitive) for q in eqns]
+
+    def fan_in(lib):
+        f = jax.shard_map(lambda v: lib.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=P())
+        return body_names(jax.make_jaxpr(jax.vjp(f, x4)[1])(x1))
+
+    def fan_out(lib):
+        f = jax.shard_map(lambda v: lib.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                          out_specs=P("x"))
+        return body_names(jax.make_jaxpr(jax.vjp(f, x4)[1])(x4))
+
+    def scan(lib):
+        def f(v):
+            def g(c, _):
+                return jax.lax.pcast(lib.psum(c, "x"), "x", to="varying"), None
+            return jax.lax.scan(g, v, None, length=2)[0]
+        f = jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        return body_names(jax.make_jaxpr(f)(x4), depth=2)
+
+    for form, fn in {"fan-in-transpose": fan_in, "implicit-fan-out-transpose": fan_out,
+                     "scan": scan}.items():
+        names = {}
+        for lib_name, lib in LIBS.items():
+            try:
+                names[lib_name] = fn(lib)
+            except Exception as e:  # noqa: BLE001 - reported as the case's failure
+                names[lib_name] = f"{type(e).__name__}: {e}"[:300]
+        common.report(f"jaxpr/{form}", names["herring"] == names["lax"]
+                      and isinstance(names["lax"], list) and names["lax"], **names)
+
+
 def main() -> int:
     herring_jax.initialize()
     by_proc = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
@@ -135,6 +181,7 @@ def main() -> int:
     vmap_of_shard_map(mesh)
     partial_manual(mesh)
     reduced_psum_grads(by_proc)
+    jaxpr_forms(by_proc)
     herring_jax.shutdown()
     return 0
 
