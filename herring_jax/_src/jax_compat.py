@@ -165,13 +165,9 @@ def is_varying(aval, axes) -> bool:
     return bool(_varying(aval).intersection(axes))
 
 
-def _reduced_axes(aval) -> frozenset:
-    mat = getattr(aval, "mat", None)
-    return frozenset(getattr(mat, "reduced", ()) or ())
-
-
 def is_reduced(aval, axes) -> bool:
-    return bool(_reduced_axes(aval).intersection(axes))
+    mat = getattr(aval, "mat", None)
+    return bool(frozenset(getattr(mat, "reduced", ()) or ()).intersection(axes))
 
 
 def is_unreduced(aval, axes) -> bool:
