@@ -22,7 +22,9 @@ the JVP passes their values, not their tangents, to the tangent equation,
 so that its transpose finds them among the known operands (zeros of their
 tangents would stand there otherwise, and the residual would be lost).
 Lowering inlines the body; under ``jax.vmap`` the body is batched in place
-(the vmapped program then holds its pieces, each batched as lax's).
+(the vmapped program then holds its pieces, each batched as lax's), each
+result keeping the batch dimension the body's batching gives it (none for a
+gather over the vmapped axis, as lax's).
 
 While split.split_reductions traces (allreduce_gradients' buckets), the
 body is bound in place instead: the split pairs each reduction with its
@@ -31,7 +33,6 @@ start as it is bound, which it cannot do inside a nested trace.
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax
@@ -86,8 +87,6 @@ def bind(label: str, body: Callable, operands, transpose: Callable | None = None
                          f"{len(operands)} operands")
     if _allreduce._receiver.current is not None:
         return list(body(*operands))
-    if transpose is None:
-        transpose = functools.partial(_transpose_body, body, nondiff)
     closed = jax.make_jaxpr(lambda *xs: list(body(*xs)))(*operands)
     return _primitive(label, name).bind(*operands, jaxpr=closed, transpose=transpose, jvp=jvp,
                                         nondiff=nondiff)
@@ -141,19 +140,27 @@ def _register(p: _Collective) -> _Collective:
         avals = list(jaxpr.in_avals)
         if all(type(c) is ad.Zero for c in cts) and not nondiff:
             return [ad.Zero(x.aval) if ad.is_undefined_primal(x) else None for x in args]
-        cts = [_zeros(c.aval) if type(c) is ad.Zero else c for c in cts]
         known = [None if ad.is_undefined_primal(a) else a for a in args]
-        outs = transpose(cts, avals, known)
+        if transpose is None:
+            # The traced body's equations transposed in place: the transposed
+            # program holds only their transposes (what lax's would hold), and
+            # jax checks each cotangent against the type of the value it
+            # belongs to (a result reduced over another axis gets one unreduced
+            # over it).
+            outs = jax_compat.transpose_jaxpr(jaxpr, known, cts)
+        else:
+            cts = [_zeros(c.aval) if type(c) is ad.Zero else c for c in cts]
+            outs = transpose(cts, avals, known)
         return [None if not ad.is_undefined_primal(x) else
                 (ad.Zero(x.aval) if o is None else o) for x, o in zip(args, outs)]
 
     def batch(axis_data, args, dims, *, jaxpr, transpose, jvp, nondiff):
         del transpose, jvp, nondiff
-        fun = jex_core.jaxpr_as_fun(jaxpr)
-        outs = jax.vmap(lambda *xs: fun(*xs), in_axes=tuple(dims), out_axes=0,
-                        axis_name=axis_data.name, axis_size=axis_data.size,
-                        spmd_axis_name=getattr(axis_data, "spmd_name", None))(*args)
-        return list(outs), [0] * len(outs)
+        # Each output keeps the batch dimension the body's own batching gives
+        # it: a gather over the vmapped axis is unbatched (as lax's), so that
+        # vmap(..., out_axes=None) takes it.
+        batched, out_dims = jax_compat.batch_jaxpr(jaxpr, axis_data, dims)
+        return list(jex_core.jaxpr_as_fun(batched)(*args)), list(out_dims)
 
     p.def_abstract_eval(abstract_eval)
     p.def_impl(impl)
@@ -163,22 +170,6 @@ def _register(p: _Collective) -> _Collective:
     ad.primitive_transposes[p] = transpose_rule
     jax_compat.register_named_batcher(p, batch)
     return p
-
-
-def _transpose_body(body, nondiff, cts, avals, known):
-    linear = [i for i in range(len(avals)) if i not in nondiff]
-
-    def of_linear(*xs):
-        operands = list(known)
-        for i, x in zip(linear, xs):
-            operands[i] = x
-        return list(body(*operands))
-
-    outs = jax.linear_transpose(of_linear, *[_zeros(avals[i]) for i in linear])(list(cts))
-    result = [None] * len(avals)
-    for i, o in zip(linear, outs):
-        result[i] = o
-    return result
 
 
 def inexact(aval) -> bool:

@@ -357,9 +357,29 @@ def zeros_of(aval):
     return _ad.instantiate_zeros(_ad.Zero(aval))
 
 
+def transpose_jaxpr(closed_jaxpr, known, cts) -> list:
+    """The cotangents of a linear ClosedJaxpr's inputs (None: zero) from its
+    outputs' (arrays or symbolic zeros); `known`: the values of the inputs
+    that are not transposed, None for those that are (jax.linear_transpose's
+    own backward pass, without its check that each cotangent has its
+    output's own type, which a reduced output's unreduced cotangent fails)."""
+    primals = [_ad.UndefinedPrimal(a.to_ct_aval()) if k is None else k
+               for a, k in zip(closed_jaxpr.in_avals, known)]
+    outs = _ad.backward_pass(closed_jaxpr.jaxpr, True, closed_jaxpr.consts, primals, list(cts))
+    return [None if k is not None or type(o) is _ad.Zero else o for o, k in zip(outs, known)]
+
+
 def register_named_batcher(primitive, rule) -> None:
     """rule(axis_data, vals, dims, **params); axis_data has .name and .size."""
     _batching.fancy_primitive_batchers[primitive] = rule
+
+
+def batch_jaxpr(closed_jaxpr, axis_data, in_dims):
+    """`closed_jaxpr` batched over axis_data's axis with inputs batched at
+    `in_dims` (None: unbatched): (the batched ClosedJaxpr, each output's
+    batch dimension, None where the body's own batching leaves it unbatched,
+    e.g. an all_gather over the vmapped axis)."""
+    return _batching.batch_jaxpr2(closed_jaxpr, axis_data, tuple(in_dims))
 
 
 def pvary(x, axes):
@@ -376,6 +396,17 @@ def manual_mesh(ctx):
     if isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
         return axis_ctx.mesh
     return None
+
+
+def auto_axes(ctx) -> tuple:
+    """The enclosing shard_map's mesh axes (of more than one device) that it
+    leaves to the partitioner (not manual: axis_names= naming only some),
+    while lowering."""
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, _sharding_impls.SPMDAxisContext):
+        return ()
+    return tuple(a for a in axis_ctx.mesh.axis_names
+                 if a not in axis_ctx.manual_axes and axis_ctx.mesh.shape[a] > 1)
 
 
 # -- where values are produced in the program being traced --------------------

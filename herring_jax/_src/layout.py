@@ -64,6 +64,17 @@ def plan(ctx, axes, groups, one_per_process: bool, platform: str = "cpu") -> Pla
     if mesh is None:
         raise NameError(f"herring_jax.psum over axes {axes} must be called inside "
                         "jax.shard_map (or jax.pmap); outside, use herring_jax.allreduce")
+    auto = jax_compat.auto_axes(ctx)
+    if auto:
+        # XLA's partitioner would replicate the reduction over those axes,
+        # and a custom call with side effects cannot be replicated (XLA
+        # refuses it when compiling, naming only herring_allreduce).
+        raise NotImplementedError(
+            f"herring_jax: a collective over axes {tuple(axes)} inside a jax.shard_map that "
+            f"leaves mesh axes {list(auto)} to XLA's partitioner (shard_map's axis_names= "
+            "names only some mesh axes): herring's collectives run only where the shard_map "
+            "is manual over every mesh axis of more than one device. Leave out axis_names= "
+            "(or name every mesh axis), or use the jax.lax collective here.")
     return _across_axes(mesh, tuple(axes), groups, platform)
 
 
