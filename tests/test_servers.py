@@ -4,6 +4,8 @@ get without them; a killed server fails every worker fast, naming it."""
 
 from multiproc import launch
 
+from herring_jax._src import knobs
+
 # The flat path: with one process per host (a cluster) that is every group's;
 # on this one machine the host stage would sum everything through memory.
 FLAT = {"HERRING_HOST_STAGE": "0"}
@@ -23,8 +25,10 @@ def test_two_workers_and_a_server_sum_bitwise_as_without_it():
     without = launch("reduce_worker.py", CASES, nproc=2, env=FLAT)
     assert without.returncode == 0, without.explain()
     for share in ("", "1"):
+        # Every buffer, however small, on the servers' path here.
         run = launch("reduce_worker.py", CASES, nproc=2, servers=1,
-                     env={**FLAT, "HERRING_SERVER_SHARE": share})
+                     env={**FLAT, "HERRING_SERVER_SHARE": share,
+                          "HERRING_SERVER_MIN_BYTES": "0"})
         assert run.returncode == 0, run.explain()
         for rank in (0, 1):
             got, want = _cases(run, rank), _cases(without, rank)
@@ -37,6 +41,24 @@ def test_two_workers_and_a_server_sum_bitwise_as_without_it():
         # jax saw the workers alone; the server summed parts of every buffer.
         [server] = run.results[2]
         assert server["ok"] and server["served_chunks"] >= len(_cases(run, 0)), server
+
+
+def test_only_buffers_of_at_least_server_min_bytes_use_the_servers():
+    # Default knobs: a 28-byte all-reduce stays on the workers' shards, one
+    # of twice HERRING_SERVER_MIN_BYTES goes through the server; both sum
+    # right (checked against numpy on rank 0, digests alike on rank 1).
+    big_mib = 2 * knobs.KNOBS["HERRING_SERVER_MIN_BYTES"].default / 2**20
+    run = launch("reduce_worker.py", ["--dtypes", "float32", "--ops", "sum", "--counts", "7",
+                                      "--mib", str(big_mib), "--stats"],
+                 nproc=2, servers=1, env=FLAT)
+    assert run.returncode == 0, run.explain()
+    for rank in (0, 1):
+        cases = _cases(run, rank)
+        assert len(cases) == 2 and all(c["ok"] for c in cases.values()), cases
+        [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
+        assert stats["stats"]["served_jobs"] == 1, stats
+    [server] = run.results[2]
+    assert server["ok"] and server["served_chunks"] >= 1, server
 
 
 def test_a_killed_server_fails_every_worker_fast_naming_it():

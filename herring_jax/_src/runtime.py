@@ -238,7 +238,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 f"{prefix}/chunk_bytes", timeout_ms).split())
             # Server-only processes are ranks size .. size + servers - 1 of
             # herring's communicator, outside jax.distributed (servers.py).
-            num_servers, server_share = servers_lib.job_servers(client, prefix, rank, timeout_ms)
+            num_servers, server_share, server_min_bytes = servers_lib.job_servers(
+                client, prefix, rank, timeout_ms)
             coordinator = coordinator_address or getattr(client, "coordinator_address", None)
             rendezvous = (servers_lib.open_rendezvous(num_servers, coordinator)
                           if rank == 0 and num_servers else None)
@@ -262,7 +263,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_READ_DELAY_MS"),
                 knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
                 _or(knobs.get("HERRING_TEST_FORGE_AS"), -1), host_direct_bytes,
-                min_chunk_bytes, size if num_servers else 0, server_share)
+                min_chunk_bytes, size if num_servers else 0, server_share, server_min_bytes)
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 if rendezvous is not None:

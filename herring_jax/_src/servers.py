@@ -228,16 +228,19 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-def job_servers(client, prefix: str, rank: int, timeout_ms: int) -> tuple[int, float]:
-    """(server-only processes, share placed on them; -1: the engine's split)
-    as rank 0 holds them (HERRING_SERVERS, HERRING_SERVER_SHARE): every worker
-    must lay parts out alike."""
+def job_servers(client, prefix: str, rank: int, timeout_ms: int) -> tuple[int, float, int]:
+    """(server-only processes, share placed on them (-1: the engine's split),
+    the smallest buffer placed on them in bytes) as rank 0 holds them
+    (HERRING_SERVERS, HERRING_SERVER_SHARE, HERRING_SERVER_MIN_BYTES): every
+    worker must lay parts out alike."""
     if rank == 0:
         share = knobs.get("HERRING_SERVER_SHARE")
         client.key_value_set(f"{prefix}/servers",
-                             f'{knobs.get("HERRING_SERVERS")} {-1.0 if share is None else share}')
-    count, share = client.blocking_key_value_get(f"{prefix}/servers", timeout_ms).split()
-    return int(count), float(share)
+                             f'{knobs.get("HERRING_SERVERS")} {-1.0 if share is None else share} '
+                             f'{knobs.get("HERRING_SERVER_MIN_BYTES")}')
+    count, share, min_bytes = client.blocking_key_value_get(f"{prefix}/servers",
+                                                            timeout_ms).split()
+    return int(count), float(share), int(min_bytes)
 
 
 def open_rendezvous(servers: int, coordinator: str | None) -> Rendezvous:

@@ -113,10 +113,11 @@ class Communicator {
                     const std::vector<Identity>& ids, bool servers = false);
   // Server-only processes (served.cc). How many there are; whether a call
   // over `group` places parts on them (every worker, flat); and whether a
-  // request can (an all-reduce without a codec).
+  // request does (an all-reduce without a codec, of at least
+  // CommConfig::server_min_bytes).
   int ServerCount() const;
   bool ServersServe(const std::vector<int>& group) const;
-  static bool ServedJob(const ReduceRequest& r);
+  bool ServedJob(const ReduceRequest& r) const;
   // Their side: a receive into slot `slot` (any worker, any reduction); its
   // completion; the contribution it brought, kept until every worker's is
   // here, then summed and sent back.

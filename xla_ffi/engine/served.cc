@@ -59,8 +59,9 @@ bool Communicator::ServersServe(const std::vector<int>& group) const {
          static_cast<int>(group.size()) == config_.workers;
 }
 
-bool Communicator::ServedJob(const ReduceRequest& r) {
-  return r.collective == Collective::kAllReduce && r.codec == Codec::kNone && r.count > 0;
+bool Communicator::ServedJob(const ReduceRequest& r) const {
+  return r.collective == Collective::kAllReduce && r.codec == Codec::kNone && r.count > 0 &&
+         r.count * ElementSize(r.dtype) >= config_.server_min_bytes;
 }
 
 std::string Communicator::RankText(int rank) const {
