@@ -322,6 +322,16 @@ NB_MODULE(_herring_ffi, m) {
       "A server-only process: sums the workers' parts until every worker has left "
       "(returns '') or the job failed (returns why).");
 
+  m.def(
+      "server_gone",
+      [](int64_t handle, int rank, const std::string& how) {
+        auto comm = Find(handle);
+        nb::gil_scoped_release release;
+        comm->ServerGone(rank, how);
+      },
+      nb::arg("handle"), nb::arg("rank"), nb::arg("how"),
+      "Fails the job at once: server-only process `rank` is gone.");
+
   m.def("destroy", [](int64_t handle) {
     nb::gil_scoped_release release;
     // A step that started an async reduction and ended before its done: its

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import secrets
 import signal
@@ -48,6 +49,8 @@ class _State:
 
 _lock = threading.Lock()
 _state: _State | None = None
+# Rank 0's watch on the server-only processes' connections (servers.py).
+_server_watch = None
 _generation = 0
 _targets_registered = False
 _exit_registered = False
@@ -188,7 +191,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       >>> import herring_jax
       >>> herring_jax.initialize()  # doctest: +SKIP
     """
-    global _state, _generation
+    global _state, _generation, _server_watch
     args = (coordinator_address, num_processes, process_id)
     with _lock:
         if _state is not None:
@@ -294,6 +297,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 _ext.connect(handle, addrs)
                 if rendezvous is not None:
                     rendezvous.finish(addrs)
+                    # A server's end closes its rendezvous connection: the
+                    # job fails at once, not after HERRING_PEER_TIMEOUT_S.
+                    rendezvous.watch(size, functools.partial(_server_gone, handle))
+                    _server_watch = rendezvous
             except BaseException:
                 if rendezvous is not None:
                     rendezvous.close()
@@ -455,6 +462,20 @@ def _or(value, default):
     return default if value is None else value
 
 
+def _server_gone(handle: int, rank: int, how: str) -> None:
+    """Rank 0: server-only process `rank` is gone (servers.Rendezvous.watch)."""
+    with _lock:
+        if _state is not None and _state.handle == handle:
+            _ext.server_gone(handle, rank, how)
+
+
+def _stop_server_watch() -> None:
+    global _server_watch
+    if _server_watch is not None:
+        _server_watch.close()
+        _server_watch = None
+
+
 def shutdown() -> None:
     """Waits for this process's work in flight, then stops herring_jax here.
 
@@ -486,6 +507,7 @@ def shutdown() -> None:
     with _lock:
         if _state is None:
             return
+        _stop_server_watch()  # the servers end once the workers have left
         _ext.destroy(_state.handle)
         # Nobody reads this process's memory any more (the communicator's
         # destructor waited for the last readers of its slices).

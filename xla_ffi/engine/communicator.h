@@ -78,6 +78,11 @@ class Communicator {
   // worker has left (Ok) or the communicator broke (its error). Blocks; after
   // Connect.
   Status Serve();
+  // A server-only process whose process is gone (its rendezvous connection
+  // to rank 0 closed: killed or exited): its sums will never come, so every
+  // reduction fails now, naming it, and the other ranks are told. Ignored
+  // once this process leaves (a server also ends when every worker has).
+  void ServerGone(int rank, const std::string& how);
 
   // This process is failing (its program raised): breaks the communicator,
   // fails what is in flight and tells every other rank `why`, waiting up to
