@@ -126,7 +126,7 @@ NB_MODULE(_herring_ffi, m) {
          int progress_slice_us, double stall_s, double done_grace_s,
          const std::string& test_fault, int test_read_delay_ms, int test_activate_delay_ms,
          int test_forge_as, size_t host_direct_bytes, size_t min_chunk_bytes, int workers,
-         double server_share) {
+         double server_share, size_t server_min_bytes) {
         engine::CommConfig config;
         config.rank = rank;
         config.size = size;
@@ -154,6 +154,7 @@ NB_MODULE(_herring_ffi, m) {
         config.host_direct_bytes = host_direct_bytes;
         config.workers = workers;
         config.server_share = server_share;
+        config.server_min_bytes = server_min_bytes;
         engine::Status status;
         std::unique_ptr<engine::Communicator> comm;
         {
@@ -174,6 +175,7 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("test_activate_delay_ms") = 0, nb::arg("test_forge_as") = -1,
       nb::arg("host_direct_bytes") = 0, nb::arg("min_chunk_bytes") = 16 << 10,
       nb::arg("workers") = 0, nb::arg("server_share") = -1.0,
+      nb::arg("server_min_bytes") = 0,
       "Opens the transport and starts the server threads; returns a handle.");
 
   m.def("address", [](int64_t handle) {
@@ -319,6 +321,16 @@ NB_MODULE(_herring_ffi, m) {
       nb::arg("handle"),
       "A server-only process: sums the workers' parts until every worker has left "
       "(returns '') or the job failed (returns why).");
+
+  m.def(
+      "server_gone",
+      [](int64_t handle, int rank, const std::string& how) {
+        auto comm = Find(handle);
+        nb::gil_scoped_release release;
+        comm->ServerGone(rank, how);
+      },
+      nb::arg("handle"), nb::arg("rank"), nb::arg("how"),
+      "Fails the job at once: server-only process `rank` is gone.");
 
   m.def("destroy", [](int64_t handle) {
     nb::gil_scoped_release release;

@@ -176,6 +176,12 @@ KNOBS: dict[str, Knob] = {
              "at which the workers' and the servers' links finish together (n workers, k "
              "servers: a / (n/k - 1 + a) with a = 2(n-1)/n; 0.6 for n = 4, k = 2; 1 for "
              "k >= n). Rank 0's value holds for the whole job."),
+        Knob("HERRING_SERVER_MIN_BYTES", 4 << 20, _non_negative_int,
+             "The smallest all-reduce buffer, in bytes, that places parts on the server-only "
+             "processes; smaller ones stay on the workers' own shards, where the servers' "
+             "extra messages and processes cost more than the bytes they save (on 4 hosts of "
+             "1 Gbit/s, servers paid from 4 MiB on; docs/guides/servers.md, \"When they "
+             "pay\"). 0: every buffer. Rank 0's value holds for the whole job."),
         Knob("HERRING_SERVER_PORT", 0, _non_negative_int,
              "The TCP port on which rank 0 waits for the server-only processes (`herring-jax "
              "serve --coordinator HOST:PORT` connects there). 0: the jax.distributed "

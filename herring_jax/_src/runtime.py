@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import os
 import secrets
 import signal
@@ -48,6 +49,8 @@ class _State:
 
 _lock = threading.Lock()
 _state: _State | None = None
+# Rank 0's watch on the server-only processes' connections (servers.py).
+_server_watch = None
 _generation = 0
 _targets_registered = False
 _exit_registered = False
@@ -188,7 +191,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       >>> import herring_jax
       >>> herring_jax.initialize()  # doctest: +SKIP
     """
-    global _state, _generation
+    global _state, _generation, _server_watch
     args = (coordinator_address, num_processes, process_id)
     with _lock:
         if _state is not None:
@@ -238,7 +241,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 f"{prefix}/chunk_bytes", timeout_ms).split())
             # Server-only processes are ranks size .. size + servers - 1 of
             # herring's communicator, outside jax.distributed (servers.py).
-            num_servers, server_share = servers_lib.job_servers(client, prefix, rank, timeout_ms)
+            num_servers, server_share, server_min_bytes = servers_lib.job_servers(
+                client, prefix, rank, timeout_ms)
             coordinator = coordinator_address or getattr(client, "coordinator_address", None)
             rendezvous = (servers_lib.open_rendezvous(num_servers, coordinator)
                           if rank == 0 and num_servers else None)
@@ -262,7 +266,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_READ_DELAY_MS"),
                 knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
                 _or(knobs.get("HERRING_TEST_FORGE_AS"), -1), host_direct_bytes,
-                min_chunk_bytes, size if num_servers else 0, server_share)
+                min_chunk_bytes, size if num_servers else 0, server_share, server_min_bytes)
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
                 if rendezvous is not None:
@@ -293,6 +297,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 _ext.connect(handle, addrs)
                 if rendezvous is not None:
                     rendezvous.finish(addrs)
+                    # A server's end closes its rendezvous connection: the
+                    # job fails at once, not after HERRING_PEER_TIMEOUT_S.
+                    rendezvous.watch(size, functools.partial(_server_gone, handle))
+                    _server_watch = rendezvous
             except BaseException:
                 if rendezvous is not None:
                     rendezvous.close()
@@ -454,6 +462,20 @@ def _or(value, default):
     return default if value is None else value
 
 
+def _server_gone(handle: int, rank: int, how: str) -> None:
+    """Rank 0: server-only process `rank` is gone (servers.Rendezvous.watch)."""
+    with _lock:
+        if _state is not None and _state.handle == handle:
+            _ext.server_gone(handle, rank, how)
+
+
+def _stop_server_watch() -> None:
+    global _server_watch
+    if _server_watch is not None:
+        _server_watch.close()
+        _server_watch = None
+
+
 def shutdown() -> None:
     """Waits for this process's work in flight, then stops herring_jax here.
 
@@ -485,6 +507,7 @@ def shutdown() -> None:
     with _lock:
         if _state is None:
             return
+        _stop_server_watch()  # the servers end once the workers have left
         _ext.destroy(_state.handle)
         # Nobody reads this process's memory any more (the communicator's
         # destructor waited for the last readers of its slices).

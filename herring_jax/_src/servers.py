@@ -116,14 +116,57 @@ class Rendezvous:
         return addresses
 
     def finish(self, addresses: list[bytes]) -> None:
-        """Sends every server all ranks' addresses and closes the rendezvous."""
+        """Sends every server all ranks' addresses and stops listening; the
+        connections stay open for watch()."""
         try:
             for _, f in self._conns:
                 _send(f, {"addresses": [a.hex() for a in addresses]})
-        finally:
+        except BaseException:
             self.close()
+            raise
+        self._sock.close()
+
+    def watch(self, workers: int, on_gone) -> None:
+        """Calls on_gone(rank, how) once for the first server whose
+        connection closes: a server keeps it open while it serves, so that
+        means its process is gone (the kernel closes a killed process's
+        sockets at once). A slow server is never taken for a dead one; a
+        server whose host vanishes (no close) is left to the peer watch
+        (HERRING_PEER_TIMEOUT_S). Ends at close()."""
+        self._stop = threading.Event()
+        conns = {conn.fileno(): (workers + j, conn) for j, (conn, _) in enumerate(self._conns)}
+        for _, conn in conns.values():
+            conn.setblocking(False)
+
+        def loop():
+            import select
+            while not self._stop.is_set() and conns:
+                try:
+                    ready, _, _ = select.select(list(conns), [], [], 0.5)
+                except (OSError, ValueError):
+                    return  # closed under us: close() ran
+                for fd in ready:
+                    rank, conn = conns[fd]
+                    try:
+                        data = conn.recv(1)
+                        how = "its process exited or was killed" if not data else None
+                    except BlockingIOError:
+                        continue
+                    except OSError as e:
+                        how = f"its connection failed: {e.strerror or e}"
+                    if how is None:
+                        continue  # a server sends nothing more; ignore stray bytes
+                    if not self._stop.is_set():
+                        on_gone(rank, how)
+                    return
+
+        self._watcher = threading.Thread(target=loop, name="herring-server-watch", daemon=True)
+        self._watcher.start()
 
     def close(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
         for conn, f in self._conns:
             try:
                 f.close()
@@ -152,7 +195,9 @@ def serve(coordinator: str, index: int | None = None) -> int:
                       f"(HERRING_INIT_TIMEOUT_S): {e}", file=sys.stderr, flush=True)
                 return 1
             time.sleep(_RETRY_S)
-    with conn, conn.makefile("rwb") as f:
+    # The connection stays open while this process serves: rank 0 takes its
+    # close for this process's end (Rendezvous.watch).
+    with conn.makefile("rwb") as f:
         _send(f, {"index": index, "pid": os.getpid(), "host": socket.gethostname()})
         s = _receive(f, "the job's settings")
         provider = s["provider"]
@@ -171,6 +216,7 @@ def serve(coordinator: str, index: int | None = None) -> int:
             ext.connect(handle, addresses)
         except BaseException:
             ext.destroy(handle)
+            conn.close()
             raise
     rank = s["rank"]
     print(f"{PROG}: rank {rank} of {s['size']} serves {s['workers']} workers "
@@ -183,6 +229,7 @@ def serve(coordinator: str, index: int | None = None) -> int:
     why = ext.serve(handle)
     stats = ext.stats(handle)
     ext.destroy(handle)
+    conn.close()
     print("HERRING_RESULT " + json.dumps({
         "server": rank, "ok": not why, "served_chunks": stats["served_chunks"],
         "served_bytes": stats["served_bytes"], "messages_dropped": stats["messages_dropped"]}),
@@ -228,16 +275,19 @@ def main(argv: list[str] | None = None) -> int:
     return run(parser.parse_args(argv))
 
 
-def job_servers(client, prefix: str, rank: int, timeout_ms: int) -> tuple[int, float]:
-    """(server-only processes, share placed on them; -1: the engine's split)
-    as rank 0 holds them (HERRING_SERVERS, HERRING_SERVER_SHARE): every worker
-    must lay parts out alike."""
+def job_servers(client, prefix: str, rank: int, timeout_ms: int) -> tuple[int, float, int]:
+    """(server-only processes, share placed on them (-1: the engine's split),
+    the smallest buffer placed on them in bytes) as rank 0 holds them
+    (HERRING_SERVERS, HERRING_SERVER_SHARE, HERRING_SERVER_MIN_BYTES): every
+    worker must lay parts out alike."""
     if rank == 0:
         share = knobs.get("HERRING_SERVER_SHARE")
         client.key_value_set(f"{prefix}/servers",
-                             f'{knobs.get("HERRING_SERVERS")} {-1.0 if share is None else share}')
-    count, share = client.blocking_key_value_get(f"{prefix}/servers", timeout_ms).split()
-    return int(count), float(share)
+                             f'{knobs.get("HERRING_SERVERS")} {-1.0 if share is None else share} '
+                             f'{knobs.get("HERRING_SERVER_MIN_BYTES")}')
+    count, share, min_bytes = client.blocking_key_value_get(f"{prefix}/servers",
+                                                            timeout_ms).split()
+    return int(count), float(share), int(min_bytes)
 
 
 def open_rendezvous(servers: int, coordinator: str | None) -> Rendezvous:

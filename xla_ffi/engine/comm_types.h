@@ -53,9 +53,13 @@ struct CommConfig {
   // buffers of their own, they only sum the parts the workers place on them.
   // 0: every rank is a worker. An all-reduce over every worker places the
   // share `server_share` of each buffer on them (< 0: ServerShare's split,
-  // served.h), the rest on the workers' own server shards.
+  // served.h), the rest on the workers' own server shards. A buffer of fewer
+  // than `server_min_bytes` bytes stays on the workers' shards: there the
+  // servers' messages cost more than the bytes they save. Both must be the
+  // same on every worker (every worker lays parts out alike).
   int workers = 0;
   double server_share = -1.0;
+  size_t server_min_bytes = 0;
   transport::TransportOptions transport;
   // Tests only: before every data message, send one copy with a stale job
   // token, which the receiver must drop (and re-post its receive for).

@@ -78,6 +78,11 @@ class Communicator {
   // worker has left (Ok) or the communicator broke (its error). Blocks; after
   // Connect.
   Status Serve();
+  // A server-only process whose process is gone (its rendezvous connection
+  // to rank 0 closed: killed or exited): its sums will never come, so every
+  // reduction fails now, naming it, and the other ranks are told. Ignored
+  // once this process leaves (a server also ends when every worker has).
+  void ServerGone(int rank, const std::string& how);
 
   // This process is failing (its program raised): breaks the communicator,
   // fails what is in flight and tells every other rank `why`, waiting up to
@@ -113,10 +118,11 @@ class Communicator {
                     const std::vector<Identity>& ids, bool servers = false);
   // Server-only processes (served.cc). How many there are; whether a call
   // over `group` places parts on them (every worker, flat); and whether a
-  // request can (an all-reduce without a codec).
+  // request does (an all-reduce without a codec, of at least
+  // CommConfig::server_min_bytes).
   int ServerCount() const;
   bool ServersServe(const std::vector<int>& group) const;
-  static bool ServedJob(const ReduceRequest& r);
+  bool ServedJob(const ReduceRequest& r) const;
   // Their side: a receive into slot `slot` (any worker, any reduction); its
   // completion; the contribution it brought, kept until every worker's is
   // here, then summed and sent back.

@@ -59,8 +59,19 @@ bool Communicator::ServersServe(const std::vector<int>& group) const {
          static_cast<int>(group.size()) == config_.workers;
 }
 
-bool Communicator::ServedJob(const ReduceRequest& r) {
-  return r.collective == Collective::kAllReduce && r.codec == Codec::kNone && r.count > 0;
+bool Communicator::ServedJob(const ReduceRequest& r) const {
+  return r.collective == Collective::kAllReduce && r.codec == Codec::kNone && r.count > 0 &&
+         r.count * ElementSize(r.dtype) >= config_.server_min_bytes;
+}
+
+void Communicator::ServerGone(int rank, const std::string& how) {
+  if (leaving_ || rank < config_.workers || rank >= config_.size) return;
+  declared_dead_.fetch_add(1);
+  FailAll(RankText(rank) + " is gone (" + how + "): the parts of every all-reduce that it "
+              "sums will never come, so the job fails; rank " + std::to_string(config_.rank) +
+              " saw its connection close",
+          /*tell_peers=*/true);
+  transport_->SetPeerUnreachable(rank);
 }
 
 std::string Communicator::RankText(int rank) const {
