@@ -94,6 +94,10 @@ tests=(
   # All-gathers on one host's boards, which read only the peers' result
   # slices (a posting never found must never be read).
   "tests/test_collectives.py::test_process_collectives_on_one_host_through_the_boards"
+  # Server-only processes: the workers' parts summed on a server (served.cc),
+  # bitwise against the same job without it; a killed server.
+  "tests/test_servers.py::test_two_workers_and_a_server_sum_bitwise_as_without_it"
+  "tests/test_servers.py::test_a_killed_server_fails_every_worker_fast_naming_it"
 )
 if ((${#only[@]})); then
   tests=("${only[@]}")
