@@ -567,11 +567,15 @@ void FuzzTags(FuzzedDataProvider& in) {
   const uint64_t chunk = in.ConsumeIntegral<uint64_t>();
   const uint64_t tag = MakeTag(kind, src, stream, bits, chunk);
   // Each field lands in its own bits, truncated to their width (wire.h):
-  // kind 63..62, sender 61..49, stream 48..43, identity 42..13, chunk 12..0;
+  // kind 63..62 (0 contribution, 1 result, 2 host stage, 3 served),
+  // sender 61..49, stream 48..43, identity 42..13, chunk 12..0;
   // a host-stage message carries its step where a chunk index would be.
   const bool host = kind == MsgKind::kHostArrive || kind == MsgKind::kHostReady ||
                     kind == MsgKind::kHostDone;
-  FUZZ_CHECK((tag >> 62) == (kind == MsgKind::kResult ? 1u : host ? 2u : 0u));
+  FUZZ_CHECK((tag >> 62) == (kind == MsgKind::kResult ? 1u
+                             : host                     ? 2u
+                             : kind == MsgKind::kServed ? 3u
+                                                        : 0u));
   FUZZ_CHECK(TagSender(tag) == (src & 0x1fff));
   FUZZ_CHECK(((tag >> 43) & 0x3f) == (stream & 0x3f));
   FUZZ_CHECK(((tag >> 13) & 0x3fffffff) == (bits & 0x3fffffff));
