@@ -177,8 +177,7 @@ void Communicator::AwaitOwnAbortTold() {
       std::chrono::duration_cast<std::chrono::steady_clock::duration>(
           std::chrono::duration<double>(std::min(config_.timeout_s, kAbortToldWaitS)));
   // Blocks while a server thread sends it; sends it here if none has yet.
-  const std::string why = Broken();
-  std::call_once(abort_once_, [&] { TellPeers(MsgKind::kAbort, why, AllPeers(), 0.0, true); });
+  BroadcastAbort(Broken());
   AwaitAbortSeen(deadline);
 }
 
