@@ -118,7 +118,11 @@ def main() -> int:
 
     @jax.jit
     def checked_step(p, x, y):
-        grads = jax.grad(loss_fn)(p, x, y)
+        # One value for both uses: without the barrier XLA may compute a
+        # gradient twice, in two fusions that sum the batch in another order
+        # (on an H200 it did so for the last layer's scalar bias: the step
+        # returned one gradient and reduced another, 6 ulp apart).
+        grads = jax.lax.optimization_barrier(jax.grad(loss_fn)(p, x, y))
         reduced, _ = reducer.update(grads, reducer.init(grads))
         updates, _ = sgd.update(reduced, sgd.init(p), p)
         return optax.apply_updates(p, updates), grads, reduced
@@ -146,11 +150,22 @@ def main() -> int:
                                 common.hosts_from_env(nproc))
         got = flat(reduced)
         want_params = flat(params) - np.float32(LR) * got
-        ok = (common.bitwise_equal(got, want)
-              and common.bitwise_equal(flat(new), want_params.astype(np.float32)))
+        reduced_ok = common.bitwise_equal(got, want)
+        params_ok = common.bitwise_equal(flat(new), want_params.astype(np.float32))
+        # Where the reduction differs from numpy's: each element's index, the
+        # leaf it lies in, and the bits of every operand, to tell a rounding
+        # mode (a flushed subnormal, a fused multiply-add) from a wrong sum.
+        bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+        offsets = np.cumsum([0] + [int(np.size(v)) for v in jax.tree_util.tree_leaves(grads)])
+        paths = [jax.tree_util.keystr(k) for k, _ in
+                 jax.tree_util.tree_flatten_with_path(grads)[0]]
+        where = [{"index": int(j), "leaf": paths[int(np.searchsorted(offsets, j, "right")) - 1],
+                  "got": float(got[j]).hex(), "want": float(want[j]).hex(),
+                  "locals": [float(g[j]).hex() for g in local]} for j in bad[:4]]
         params = new
-        common.report(f"checked-step-{i}", ok, digest=common.digest(flat(params)),
-                      mismatched=int(np.sum(got != want)))
+        common.report(f"checked-step-{i}", reduced_ok and params_ok,
+                      digest=common.digest(flat(params)), reduced_ok=reduced_ok,
+                      params_ok=params_ok, mismatched=int(bad.size), first_mismatches=where)
 
     s = tx.init(params)
     # Every rank traces the step here first: XLA's fingerprint, hence the run
