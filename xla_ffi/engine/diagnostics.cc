@@ -121,6 +121,13 @@ std::string Communicator::PeerReport(const std::set<int>& ranks) const {
                         ProcessExited(topology_.pid_of[rank]);
     if (exited) {
       line += "'s process has exited";
+      // What it last said it waited in still tells which call it ran (two
+      // ranks timing out together: the first exits before the second reports).
+      const PeerWait& wait = peer_wait_[rank];
+      if (!wait.what.empty()) {
+        line += "; it last waited " + std::to_string(static_cast<int64_t>(wait.seconds)) +
+                " s in " + (SiteMatches(wait) ? wait.site : wait.what);
+      }
     } else if (silent > 3 * config_.heartbeat_s + 1) {
       line += " has sent nothing for " + std::to_string(static_cast<int64_t>(silent)) + " s";
     } else if (peer_wait_[rank].what.empty()) {
