@@ -89,13 +89,13 @@ deps=("jax$jax_spec" "jaxlib$jax_spec" "nanobind>=2" "scikit-build-core>=0.10" s
       flax optax ml_dtypes scikit-learn matplotlib)
 what="the library and the demo"
 if ((level >= 2)); then
-  # The tests: pytest, orbax-checkpoint (examples/train_lm.py's checkpoints),
+  # The tests: pytest (pytest-xdist runs two tests at a time), orbax-checkpoint (examples/train_lm.py's checkpoints),
   # and sphinx, myst-parser and sphinx-book-theme, which build docs/ (bash
   # docs/build.sh, tests/test_docs.py); docutils stays at 0.19 or older
   # because this machine's awscli (from pip) requires it and pip would
   # upgrade it from under awscli; Sphinx 7.3 and myst-parser 4 are the newest
   # that work with it.
-  deps+=(pytest pytest-timeout orbax-checkpoint sphinx myst-parser sphinx-book-theme
+  deps+=(pytest pytest-timeout pytest-xdist orbax-checkpoint sphinx myst-parser sphinx-book-theme
          "docutils<=0.19")
   what="the library, the demo and the tests"
 fi

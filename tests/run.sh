@@ -15,4 +15,10 @@ done
 bash .ci/install.sh "$purpose"
 # -P: the source tree's herring_jax (no compiled extension) must not shadow
 # the installed package.
-exec python3 -P -m pytest tests -q -rfEs --durations=30 -m "not extended" "$@"
+# Two tests at a time (pytest-xdist): most of a multi-process test's time is
+# its processes starting, compiling and waiting on each other, and one test
+# at a time left a third of the 2 cores idle (18.6 min serial on a quiet
+# machine, 2026-11-28). Each test must pass beside another anyway (the suite
+# runs beside a CPU hog); `-n 0` after the command runs one at a time.
+exec python3 -P -m pytest tests -q -rfEs --durations=30 -n 2 \
+  -m "not extended" "$@"
