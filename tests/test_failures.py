@@ -118,6 +118,22 @@ def test_uncaught_failure_inside_jit_prints_herring_error_and_fails_the_job():
     assert "rank 1 has sent nothing" in run.stderr + run.stdout, run.explain()
 
 
+def test_every_way_a_failure_reaches_the_program_raises_herring_error():
+    # Without herring_errors(), a failed reduction in a jitted program came
+    # as ValueError from some calls and JaxRuntimeError from others.
+    run = launch("failure_worker.py", ["error-types"], nproc=2, env={"HERRING_TIMEOUT_S": "3"})
+    assert run.returncode == 0, run.explain()
+    [result] = run.results[0]
+    got = result["got"]
+    assert len(got) == 2 * 10, got
+    # The one path herring cannot reach (docs/guides/failures.md, "Which
+    # exception"): jax's C++ dispatch of a small program, run and failed on
+    # the calling thread, raises a plain ValueError (jaxlib/pjit.cc).
+    want = {path: "builtins.ValueError" if path == "dispatch" else "HerringError"
+            for path in got}
+    assert got == want, got
+
+
 def _fault_run(args, nproc, env=None):
     """tests/workers/fault_worker.py's results: rank -> its `reduce` results,
     and rank -> its stats after them."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -14,6 +15,10 @@ import jax
 # Every error the FFI handlers return starts with this (handler_common.h);
 # jax raises it as JaxRuntimeError("INTERNAL: herring allreduce on rank R: ...").
 _MARKER = "herring allreduce on rank "
+# What XLA puts before it: the status code's name, and "Error dispatching
+# computation: " once for every computation the failure passed through (each
+# queued step that depended on the failed one).
+_XLA_PREFIX = re.compile(r"^(?:[A-Z_]+: |Error dispatching computation: )*(?=" + _MARKER + ")")
 
 
 class HerringError(jax.errors.JaxRuntimeError):
@@ -25,15 +30,59 @@ class HerringError(jax.errors.JaxRuntimeError):
     (shapes, dtypes, ops or order), or when the transport could not be
     opened. The message names the ranks, the reduction and what to do.
 
-    It subclasses ``jax.errors.JaxRuntimeError`` (and so ``RuntimeError``):
-    a reduction that fails inside a user's jitted function surfaces from jax
-    as a JaxRuntimeError, which :func:`herring_errors` and the handler
-    :func:`herring_jax.initialize` installs for uncaught exceptions turn into
-    this class.
+    It subclasses ``jax.errors.JaxRuntimeError`` (and so ``RuntimeError``).
+    A reduction that fails inside a user's jitted function reaches Python
+    through jaxlib: from :func:`herring_jax.initialize` on, every
+    JaxRuntimeError jaxlib makes of a herring failure is made a HerringError
+    (see :func:`install_error_translation`), whichever call awaited it. One
+    path jaxlib raises as ``ValueError`` instead, the C++ dispatch of a
+    compiled function whose program fails while it is dispatched;
+    :func:`herring_errors` and the handler for uncaught exceptions turn those
+    into this class too (docs/guides/failures.md, "Which exception").
     """
+
+    def __init__(self, message="", *args, **kwargs):
+        # Made by jaxlib (install_error_translation), the message carries
+        # XLA's prefixes: herring's own text says it all.
+        if isinstance(message, str):
+            message = _XLA_PREFIX.sub("", message, count=1)
+        super().__init__(message, *args, **kwargs)
 
 
 HerringError.__module__ = "herring_jax"  # tracebacks name the public class
+
+_translation_lock = threading.Lock()
+_translation_installed = False
+
+
+def install_error_translation() -> None:
+    """Makes jaxlib raise every failed herring reduction as HerringError
+    (idempotent).
+
+    jaxlib makes a JaxRuntimeError of a failed computation's status (by
+    calling the class) wherever a result is awaited: block_until_ready, a
+    pytree's, float(), numpy.asarray(), jax.device_get(), and the dispatch
+    that runs through jax's Python path. Those whose message is a herring
+    handler's are made HerringError instead, a subclass: code that catches
+    JaxRuntimeError or RuntimeError catches them as before. The one other
+    way a failure reaches Python, the C++ dispatch's ValueError, is set by
+    jaxlib without making an object of any class herring_jax can change;
+    herring_errors() converts it.
+    """
+    global _translation_installed
+    with _translation_lock:
+        if _translation_installed:
+            return
+        base = jax.errors.JaxRuntimeError
+        make = base.__new__  # BaseException's: jaxlib's class defines none
+
+        def new(cls, *args, **kwargs):
+            if cls is base and args and isinstance(args[0], str) and _MARKER in args[0]:
+                cls = HerringError
+            return make(cls, *args, **kwargs)
+
+        base.__new__ = staticmethod(new)
+        _translation_installed = True
 
 
 def as_herring_error(exc: BaseException) -> BaseException:
@@ -63,9 +112,12 @@ class herring_errors(contextlib.ContextDecorator):
     """Context manager and decorator: failed reductions raise HerringError.
 
     Inside a user's ``jax.jit`` function, a failed reduction reaches Python as
-    jax's ``JaxRuntimeError`` when the step runs or its result is read. Code
-    run under ``with herring_jax.herring_errors():`` (or a function decorated
-    with ``@herring_jax.herring_errors()``) sees those as ``HerringError``;
+    ``HerringError`` wherever jax awaits a result, but as ``ValueError`` from
+    jax's C++ dispatch of a jitted function whose program fails while it is
+    dispatched (on XLA:CPU a program of under 1000 flops whose inputs are
+    ready). Code run under
+    ``with herring_jax.herring_errors():`` (or a function decorated with
+    ``@herring_jax.herring_errors()``) sees those as ``HerringError`` too;
     other exceptions pass unchanged.
 
     Example:
