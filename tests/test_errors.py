@@ -68,6 +68,29 @@ def test_jaxlib_makes_herring_failures_herring_errors_once_translation_is_instal
         raise made
 
 
+def test_an_uncaught_herring_error_prints_its_message_first_and_the_libraries_frames_on_request():
+    import jax
+    import jax.numpy as jnp
+
+    import herring_jax
+    from herring_jax._src.errors import format_uncaught, install_error_translation
+
+    install_error_translation()
+
+    def fail():  # a frame of the program, under frames of jax's own code
+        jax.tree_util.tree_map(lambda x: (_ for _ in ()).throw(jax.errors.JaxRuntimeError(
+            "INTERNAL: herring allreduce on rank 0: rank 1 has sent nothing")), [jnp.ones(1)])
+
+    with pytest.raises(herring_jax.HerringError) as info:
+        fail()
+    short = format_uncaught(info.value, verbose=False)
+    assert short.startswith("herring_jax.HerringError: herring allreduce on rank 0: "), short
+    assert "in fail" in short and "/jax/" not in short, short
+    assert "frame(s) in herring_jax, jax and jaxlib left out" in short, short
+    verbose = format_uncaught(info.value, verbose=True)
+    assert verbose.startswith("Traceback") and "/jax/" in verbose, verbose
+
+
 @pytest.mark.parametrize("provider", ["efa", "tpc;ofi_rxm"])
 def test_an_unavailable_or_misspelt_provider_is_a_herring_error_naming_the_others(provider):
     # As a new user tries it: `herring-jax launch -n 1` with HERRING_FI_PROVIDER

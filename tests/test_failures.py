@@ -81,6 +81,28 @@ def test_a_killed_peer_is_never_called_alive():
         assert run.results.get(rank, [{}])[0].get("ok"), run.explain()
 
 
+def test_a_killed_peers_survivors_say_what_failed_first_without_the_libraries_frames():
+    # Rank 2 is SIGKILLed; ranks 0 and 1 die of their HerringError. Each
+    # survivor's output starts with what failed and who, says nothing that
+    # another line contradicts (rank 2 alive, or no process missing, beside
+    # rank 2 exited), and leaves out the frames of herring_jax, jax and jaxlib
+    # (HERRING_VERBOSE_ERRORS=1 prints them).
+    run = launch("failure_worker.py", ["killed-peer", "uncaught"], nproc=3, timeout=180)
+    assert run.returncode != 0, run.explain()
+    for rank in (0, 1):
+        said = [line.split("] ", 1)[1] for line in run.stderr.splitlines()
+                if line.startswith(f"[rank {rank}] ")]
+        text = "\n".join(said)
+        assert said and said[0].startswith(("herring_jax rank", "herring_jax.HerringError: ")), \
+            run.explain()
+        assert re.search(r"processes of this host that have exited: (rank \d, )*rank 2|"
+                         r"rank 2's process has exited", said[0]), run.explain()
+        assert "rank 2 is alive" not in text and "no process of this host is missing" not in text
+        assert "frame(s) in herring_jax, jax and jaxlib left out" in text, run.explain()
+        assert not re.search(r"site-packages/(jax|jaxlib|herring_jax)/", text), run.explain()
+        assert len(said) <= 12, run.explain()
+
+
 def test_slow_but_alive_peer_is_not_declared_dead():
     # Rank 1 arrives 8 s late; its heartbeats keep rank 0 (peer timeout 2 s) waiting.
     run = launch("failure_worker.py", ["slow-peer", "8"], nproc=2,

@@ -9,8 +9,10 @@ import re
 import signal
 import sys
 import threading
+import traceback
 
 import jax
+import jaxlib
 
 # Every error the FFI handlers return starts with this (handler_common.h);
 # jax raises it as JaxRuntimeError("INTERNAL: herring allreduce on rank R: ...").
@@ -197,13 +199,48 @@ def failure_reason(exc: BaseException) -> str:
     return text + " (uncaught; its traceback is in that rank's output)"
 
 
+# Where the code of herring_jax, jax and jaxlib lives: their frames say nothing
+# a HerringError's message does not (the examples shipped inside are a
+# program's own code).
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (jax, jaxlib)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+_EXAMPLES_DIR = os.path.join(_LIBRARY_DIRS[-1], "examples") + os.sep
+
+
+def _in_library(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_LIBRARY_DIRS) and not path.startswith(_EXAMPLES_DIR)
+
+
+def format_uncaught(herring: HerringError, verbose: bool) -> str:
+    """An uncaught HerringError as printed. First what the error says (what
+    failed, which rank, where the ranks were), then where the program raised
+    it: its own frames, without those of herring_jax, jax and jaxlib, which
+    say nothing more. `verbose` (HERRING_VERBOSE_ERRORS): Python's whole
+    traceback instead."""
+    if verbose:
+        return "".join(traceback.format_exception(HerringError, herring, herring.__traceback__))
+    frames = traceback.extract_tb(herring.__traceback__)
+    own = [f for f in frames if not _in_library(f.filename)]
+    left = len(frames) - len(own)
+    head = "Raised in (most recent call last"
+    if left:
+        head += (f"; {left} frame(s) in herring_jax, jax and jaxlib left out, "
+                 "HERRING_VERBOSE_ERRORS=1 prints them")
+    return "".join([*traceback.format_exception_only(HerringError, herring), head + "):\n",
+                    *traceback.format_list(own)])
+
+
 def install_excepthook(fast_exit: bool = True) -> None:
     """Makes an uncaught exception end the whole job quickly (idempotent).
 
     For any exception that reaches the top of the main thread (not
     SystemExit), the other ranks are told first, each naming this one and the
     exception ("rank 1 failed: RuntimeError: ..."), so that none waits for
-    this rank until a timeout; a failed reduction prints as HerringError.
+    this rank until a timeout; a failed reduction prints as HerringError,
+    its traceback without the frames of herring_jax, jax and jaxlib unless
+    HERRING_VERBOSE_ERRORS=1 (format_uncaught).
     With `fast_exit` (HERRING_FAST_EXIT) the process then ends at once with
     status 1 (by SIGINT for a KeyboardInterrupt, as Python's own exit; see
     exit_now) instead of running its exit handlers, having written the
@@ -225,7 +262,12 @@ def install_excepthook(fast_exit: bool = True) -> None:
                     told = _abort_peers(failure_reason(herring))
                 except Exception as e:  # noqa: BLE001 - the report below must still happen
                     sys.stderr.write(f"herring_jax: could not tell the other ranks: {e}\n")
-            if isinstance(herring, HerringError):
+            if isinstance(herring, HerringError) and previous is sys.__excepthook__:
+                # Python's own printing, less the frames of the libraries.
+                from herring_jax._src import knobs
+                sys.stderr.write(format_uncaught(herring, knobs.get("HERRING_VERBOSE_ERRORS")))
+                sys.stderr.flush()
+            elif isinstance(herring, HerringError):
                 previous(HerringError, herring, herring.__traceback__)
             else:
                 previous(exc_type, exc, tb)

@@ -50,9 +50,14 @@ import herring_jax  # noqa: E402
 def killed_peer(rank: int, caught: bool = True) -> None:
     import signal
     reduce = jax.jit(lambda x: herring_jax.allreduce(x * 2))
-    if not caught:  # the survivors die of the HerringError, printing what they print
+    if not caught:
+        # The survivors die of the HerringError, printing what they print; a
+        # step large enough that XLA runs it on its own threads, so that the
+        # failure comes through jax's code, as a training step's does.
+        w = jnp.full((32, 32), 0.01)
+        step_fn = jax.jit(lambda x: jnp.tanh(herring_jax.allreduce(x * 2)) @ w)
         for step in range(200):
-            jax.block_until_ready(reduce(jnp.ones(1000)))
+            jax.block_until_ready(step_fn(jnp.ones((32, 32))))
             if step == 3 and rank == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.02)
