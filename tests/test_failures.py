@@ -149,11 +149,15 @@ def test_every_way_a_failure_reaches_the_program_raises_herring_error():
     got = result["got"]
     assert len(got) == 2 * 10, got
     # The one path herring cannot reach (docs/guides/failures.md, "Which
-    # exception"): jax's C++ dispatch of a small program, run and failed on
-    # the calling thread, raises a plain ValueError (jaxlib/pjit.cc).
-    want = {path: "builtins.ValueError" if path == "dispatch" else "HerringError"
-            for path in got}
-    assert got == want, got
+    # exception"): jax 0.10's C++ dispatch of a small program, run and failed
+    # on the calling thread, raises a plain ValueError (jaxlib/pjit.cc); jax
+    # 0.12's a JaxRuntimeError, so a HerringError (0.11 was not measured).
+    import jax
+    version = tuple(int(v) for v in jax.__version__.split(".")[:2])
+    dispatch = {"builtins.ValueError"} if version < (0, 11) else \
+        {"HerringError"} if version >= (0, 12) else {"builtins.ValueError", "HerringError"}
+    assert got.pop("dispatch") in dispatch, got
+    assert got == {path: "HerringError" for path in got}, got
 
 
 def _fault_run(args, nproc, env=None):

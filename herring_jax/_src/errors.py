@@ -37,8 +37,9 @@ class HerringError(jax.errors.JaxRuntimeError):
     through jaxlib: from :func:`herring_jax.initialize` on, every
     JaxRuntimeError jaxlib makes of a herring failure is made a HerringError
     (see :func:`install_error_translation`), whichever call awaited it. One
-    path jaxlib raises as ``ValueError`` instead, the C++ dispatch of a
-    compiled function whose program fails while it is dispatched;
+    path jaxlib 0.10 raises as ``ValueError`` instead (0.12 does not), the
+    C++ dispatch of a compiled function whose program fails while it is
+    dispatched;
     :func:`herring_errors` and the handler for uncaught exceptions turn those
     into this class too (docs/guides/failures.md, "Which exception").
     """
@@ -67,9 +68,9 @@ def install_error_translation() -> None:
     that runs through jax's Python path. Those whose message is a herring
     handler's are made HerringError instead, a subclass: code that catches
     JaxRuntimeError or RuntimeError catches them as before. The one other
-    way a failure reaches Python, the C++ dispatch's ValueError, is set by
-    jaxlib without making an object of any class herring_jax can change;
-    herring_errors() converts it.
+    way a failure reaches Python, jaxlib 0.10's C++ dispatch's ValueError, is
+    set by jaxlib without making an object of any class herring_jax can
+    change; herring_errors() converts it.
     """
     global _translation_installed
     with _translation_lock:
@@ -114,10 +115,10 @@ class herring_errors(contextlib.ContextDecorator):
     """Context manager and decorator: failed reductions raise HerringError.
 
     Inside a user's ``jax.jit`` function, a failed reduction reaches Python as
-    ``HerringError`` wherever jax awaits a result, but as ``ValueError`` from
-    jax's C++ dispatch of a jitted function whose program fails while it is
-    dispatched (on XLA:CPU a program of under 1000 flops whose inputs are
-    ready). Code run under
+    ``HerringError`` wherever jax awaits a result, but (jax 0.10) as
+    ``ValueError`` from jax's C++ dispatch of a jitted function whose program
+    fails while it is dispatched (on XLA:CPU a program of under 1000 flops
+    whose inputs are ready). Code run under
     ``with herring_jax.herring_errors():`` (or a function decorated with
     ``@herring_jax.herring_errors()``) sees those as ``HerringError`` too;
     other exceptions pass unchanged.
