@@ -198,10 +198,10 @@ def _differs(a, b) -> float:
 # The checks that passed, by the inner transformation (the object itself, held
 # here so that its id is never another's), the stand-ins' shapes and dtypes
 # and the number of workers. The check is most of init's time (clip + adamw
-# on a 4-layer MLP, 2 processes sharing 2 busy cores: 14-35 s of 19-38 s);
+# on a 4-layer MLP, 2 processes sharing 2 busy cores: 8-35 s of 13-38 s);
 # an init traced again (inside another jitted function, by a restore, after
-# a restart in the same process) needs no second verdict: 3.8 s there
-# against 16.8 s.
+# a restart in the same process) needs no second verdict: 1.4-3.8 s there
+# against 9.8-16.8 s.
 _passed: dict = {}
 _passed_lock = threading.Lock()
 _PASSED_MAX = 64
