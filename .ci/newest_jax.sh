@@ -81,6 +81,7 @@ tests=(
   tests/test_streaming.py      # the async pair's jax effect (jax_compat), across executions
   "tests/test_identity.py::test_concurrent_and_inlined_reductions_are_exact[2-2]"
   tests/test_errors.py         # HerringError through jaxlib's runtime errors
+  "tests/test_failures.py::test_every_way_a_failure_reaches_the_program_raises_herring_error"
   tests/test_cuda_lowering.py  # jax lowers the CUDA handlers on this CPU machine
   tests/test_build.py
   tests/test_install_script.py

@@ -65,7 +65,7 @@ class TransformerLM(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     data_parallel.add_arguments(parser)
     parser.add_argument("--text-bytes", type=int, default=4 << 20)
     parser.add_argument("--dim", type=int, default=128)

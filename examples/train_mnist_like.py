@@ -27,7 +27,7 @@ class MLP(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     data_parallel.add_arguments(parser)
     args = parser.parse_args()
     mesh = data_parallel.setup(args)

@@ -70,7 +70,7 @@ def train(args, tx, nproc: int, mine: slice):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=32, help="examples per process per step")
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -45,6 +45,52 @@ def test_herring_errors_translates_only_herring_failures():
     assert type(info.value) is ValueError
 
 
+def test_jaxlib_makes_herring_failures_herring_errors_once_translation_is_installed():
+    # What initialize() installs: jaxlib makes a JaxRuntimeError of a failed
+    # computation by calling the class, wherever a result is awaited.
+    import jax
+
+    import herring_jax
+    from herring_jax._src.errors import install_error_translation
+
+    herring = "herring allreduce on rank 0: rank 1 has sent nothing"
+    msg = "INTERNAL: " + "Error dispatching computation: INTERNAL: " * 2 + herring
+    install_error_translation()
+    install_error_translation()  # twice is once
+    made = jax.errors.JaxRuntimeError(msg)
+    assert type(made) is herring_jax.HerringError and str(made) == herring, repr(made)
+    # Anything else, and a HerringError made by name, as before.
+    other = jax.errors.JaxRuntimeError("INTERNAL: something else")
+    assert type(other) is jax.errors.JaxRuntimeError and str(other) == "INTERNAL: something else"
+    named = herring_jax.HerringError("herring_jax.initialize() failed on rank 0 of 2: " + msg)
+    assert str(named) == "herring_jax.initialize() failed on rank 0 of 2: " + msg
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        raise made
+
+
+def test_an_uncaught_herring_error_prints_its_message_first_and_the_libraries_frames_on_request():
+    import jax
+    import jax.numpy as jnp
+
+    import herring_jax
+    from herring_jax._src.errors import format_uncaught, install_error_translation
+
+    install_error_translation()
+
+    def fail():  # a frame of the program, under frames of jax's own code
+        jax.tree_util.tree_map(lambda x: (_ for _ in ()).throw(jax.errors.JaxRuntimeError(
+            "INTERNAL: herring allreduce on rank 0: rank 1 has sent nothing")), [jnp.ones(1)])
+
+    with pytest.raises(herring_jax.HerringError) as info:
+        fail()
+    short = format_uncaught(info.value, verbose=False)
+    assert short.startswith("herring_jax.HerringError: herring allreduce on rank 0: "), short
+    assert "in fail" in short and "/jax/" not in short, short
+    assert "frame(s) in herring_jax, jax and jaxlib left out" in short, short
+    verbose = format_uncaught(info.value, verbose=True)
+    assert verbose.startswith("Traceback") and "/jax/" in verbose, verbose
+
+
 @pytest.mark.parametrize("provider", ["efa", "tpc;ofi_rxm"])
 def test_an_unavailable_or_misspelt_provider_is_a_herring_error_naming_the_others(provider):
     # As a new user tries it: `herring-jax launch -n 1` with HERRING_FI_PROVIDER

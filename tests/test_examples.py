@@ -133,3 +133,30 @@ def test_every_training_mode_reports_and_finishes(name):
     assert len(reports) == 3, proc.stdout[-4000:]
     done = [l for l in proc.stdout.splitlines() if "done:" in l]
     assert len(done) == 1 and what in done[0], proc.stdout[-4000:]
+
+
+def _parsers_without_allow_abbrev_false(folder: Path) -> list[str]:
+    """Every argparse.ArgumentParser(...) call under `folder` that leaves
+    prefix matching on (allow_abbrev is not False)."""
+    import ast
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "ArgumentParser"
+                    and not any(k.arg == "allow_abbrev" and isinstance(k.value, ast.Constant)
+                                and k.value.value is False for k in node.keywords)):
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_no_command_takes_a_prefix_of_a_flag_for_the_flag():
+    # `--step 3` was taken as --steps, `--max-restart` as --max-restarts.
+    root = EXAMPLES.parent
+    assert not _parsers_without_allow_abbrev_false(EXAMPLES)
+    assert not _parsers_without_allow_abbrev_false(root / "herring_jax")
+    proc = subprocess.run([sys.executable, "train_mnist_like.py", "--step", "1"], cwd=EXAMPLES,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "unrecognized arguments: --step 1" in proc.stderr, proc.stderr[-2000:]

@@ -65,3 +65,32 @@ def test_a_jitted_init_compiles_one_program_on_every_process():
                  timeout=120)
     assert_all_ok(run, expected_cases=3)
     assert [r["shard"] for r in _cases(run).values()] == [0, 0, 0]
+
+
+def test_the_inner_check_runs_once_for_one_transformation_and_shapes(monkeypatch):
+    # Compiling the check is most of init's time: an init traced again (in
+    # another jitted function, by a restore) reuses the verdict. Another
+    # worker count is checked anew, and a transformation that fails is
+    # refused every time.
+    import numpy as np
+    import optax
+
+    from herring_jax._src import sharded_checks
+
+    runs = []
+    real = sharded_checks._run_check
+    monkeypatch.setattr(sharded_checks, "_run_check",
+                        lambda *a: (runs.append(a[2]), real(*a))[1])
+    monkeypatch.setattr(sharded_checks, "_passed", {})
+    inner = optax.sgd(0.1, momentum=0.9)
+    params = {"w": np.ones((5, 3), np.float32), "b": np.ones(3, np.float32)}
+    for _ in range(2):
+        sharded_checks.check_elementwise(inner, params, 2)
+    assert runs == [2], runs
+    sharded_checks.check_elementwise(inner, params, 3)
+    assert runs == [2, 3], runs
+    whole = optax.scale_by_trust_ratio()  # looks at whole leaves
+    for _ in range(2):
+        with pytest.raises(ValueError, match="element by element"):
+            sharded_checks.check_elementwise(whole, params, 2)
+    assert runs == [2, 3, 2, 2], runs

@@ -118,7 +118,7 @@ def failures(tmp_path_factory):
     run = launch("checkpoint_failure_worker.py", ["--dir", str(root)], nproc=2,
                  env={"HERRING_TIMEOUT_S": str(TIMEOUT_S), "HERRING_HOST_STAGE": "0"},
                  timeout=300)
-    assert_all_ok(run, expected_cases=8)
+    assert_all_ok(run, expected_cases=9)
     cases = defaultdict(dict)
     for rank, results in run.results.items():
         for r in results:
@@ -179,3 +179,12 @@ def test_restoring_into_other_dtypes_is_refused_unless_cast(failures):
         assert "params['dense']['bias'] as float32" in got["text"], got
         assert "make it bfloat16" in got["text"] and "cast=True" in got["text"], got
         assert cases["dtype-cast"][rank]["ok"], cases["dtype-cast"][rank]
+
+
+def test_restoring_another_model_names_the_leaf_and_both_shapes(failures):
+    _, cases = failures
+    for rank in range(2):
+        got = cases["other-model"][rank]
+        assert got["type"] == "ValueError", got
+        assert "params['dense']['kernel'] has shape (40, 23) here, (37, 23) in the checkpoint" \
+            in got["text"], got

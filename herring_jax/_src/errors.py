@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
+import traceback
 
 import jax
+import jaxlib
 
 # Every error the FFI handlers return starts with this (handler_common.h);
 # jax raises it as JaxRuntimeError("INTERNAL: herring allreduce on rank R: ...").
 _MARKER = "herring allreduce on rank "
+# What XLA puts before it: the status code's name, and "Error dispatching
+# computation: " once for every computation the failure passed through (each
+# queued step that depended on the failed one).
+_XLA_PREFIX = re.compile(r"^(?:[A-Z_]+: |Error dispatching computation: )*(?=" + _MARKER + ")")
 
 
 class HerringError(jax.errors.JaxRuntimeError):
@@ -25,15 +32,60 @@ class HerringError(jax.errors.JaxRuntimeError):
     (shapes, dtypes, ops or order), or when the transport could not be
     opened. The message names the ranks, the reduction and what to do.
 
-    It subclasses ``jax.errors.JaxRuntimeError`` (and so ``RuntimeError``):
-    a reduction that fails inside a user's jitted function surfaces from jax
-    as a JaxRuntimeError, which :func:`herring_errors` and the handler
-    :func:`herring_jax.initialize` installs for uncaught exceptions turn into
-    this class.
+    It subclasses ``jax.errors.JaxRuntimeError`` (and so ``RuntimeError``).
+    A reduction that fails inside a user's jitted function reaches Python
+    through jaxlib: from :func:`herring_jax.initialize` on, every
+    JaxRuntimeError jaxlib makes of a herring failure is made a HerringError
+    (see :func:`install_error_translation`), whichever call awaited it. One
+    path jaxlib 0.10 raises as ``ValueError`` instead (0.12 does not), the
+    C++ dispatch of a compiled function whose program fails while it is
+    dispatched;
+    :func:`herring_errors` and the handler for uncaught exceptions turn those
+    into this class too (docs/guides/failures.md, "Which exception").
     """
+
+    def __init__(self, message="", *args, **kwargs):
+        # Made by jaxlib (install_error_translation), the message carries
+        # XLA's prefixes: herring's own text says it all.
+        if isinstance(message, str):
+            message = _XLA_PREFIX.sub("", message, count=1)
+        super().__init__(message, *args, **kwargs)
 
 
 HerringError.__module__ = "herring_jax"  # tracebacks name the public class
+
+_translation_lock = threading.Lock()
+_translation_installed = False
+
+
+def install_error_translation() -> None:
+    """Makes jaxlib raise every failed herring reduction as HerringError
+    (idempotent).
+
+    jaxlib makes a JaxRuntimeError of a failed computation's status (by
+    calling the class) wherever a result is awaited: block_until_ready, a
+    pytree's, float(), numpy.asarray(), jax.device_get(), and the dispatch
+    that runs through jax's Python path. Those whose message is a herring
+    handler's are made HerringError instead, a subclass: code that catches
+    JaxRuntimeError or RuntimeError catches them as before. The one other
+    way a failure reaches Python, jaxlib 0.10's C++ dispatch's ValueError, is
+    set by jaxlib without making an object of any class herring_jax can
+    change; herring_errors() converts it.
+    """
+    global _translation_installed
+    with _translation_lock:
+        if _translation_installed:
+            return
+        base = jax.errors.JaxRuntimeError
+        make = base.__new__  # BaseException's: jaxlib's class defines none
+
+        def new(cls, *args, **kwargs):
+            if cls is base and args and isinstance(args[0], str) and _MARKER in args[0]:
+                cls = HerringError
+            return make(cls, *args, **kwargs)
+
+        base.__new__ = staticmethod(new)
+        _translation_installed = True
 
 
 def as_herring_error(exc: BaseException) -> BaseException:
@@ -63,9 +115,12 @@ class herring_errors(contextlib.ContextDecorator):
     """Context manager and decorator: failed reductions raise HerringError.
 
     Inside a user's ``jax.jit`` function, a failed reduction reaches Python as
-    jax's ``JaxRuntimeError`` when the step runs or its result is read. Code
-    run under ``with herring_jax.herring_errors():`` (or a function decorated
-    with ``@herring_jax.herring_errors()``) sees those as ``HerringError``;
+    ``HerringError`` wherever jax awaits a result, but (jax 0.10) as
+    ``ValueError`` from jax's C++ dispatch of a jitted function whose program
+    fails while it is dispatched (on XLA:CPU a program of under 1000 flops
+    whose inputs are ready). Code run under
+    ``with herring_jax.herring_errors():`` (or a function decorated with
+    ``@herring_jax.herring_errors()``) sees those as ``HerringError`` too;
     other exceptions pass unchanged.
 
     Example:
@@ -145,13 +200,48 @@ def failure_reason(exc: BaseException) -> str:
     return text + " (uncaught; its traceback is in that rank's output)"
 
 
+# Where the code of herring_jax, jax and jaxlib lives: their frames say nothing
+# a HerringError's message does not (the examples shipped inside are a
+# program's own code).
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (jax, jaxlib)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+_EXAMPLES_DIR = os.path.join(_LIBRARY_DIRS[-1], "examples") + os.sep
+
+
+def _in_library(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_LIBRARY_DIRS) and not path.startswith(_EXAMPLES_DIR)
+
+
+def format_uncaught(herring: HerringError, verbose: bool) -> str:
+    """An uncaught HerringError as printed. First what the error says (what
+    failed, which rank, where the ranks were), then where the program raised
+    it: its own frames, without those of herring_jax, jax and jaxlib, which
+    say nothing more. `verbose` (HERRING_VERBOSE_ERRORS): Python's whole
+    traceback instead."""
+    if verbose:
+        return "".join(traceback.format_exception(HerringError, herring, herring.__traceback__))
+    frames = traceback.extract_tb(herring.__traceback__)
+    own = [f for f in frames if not _in_library(f.filename)]
+    left = len(frames) - len(own)
+    head = "Raised in (most recent call last"
+    if left:
+        head += (f"; {left} frame(s) in herring_jax, jax and jaxlib left out, "
+                 "HERRING_VERBOSE_ERRORS=1 prints them")
+    return "".join([*traceback.format_exception_only(HerringError, herring), head + "):\n",
+                    *traceback.format_list(own)])
+
+
 def install_excepthook(fast_exit: bool = True) -> None:
     """Makes an uncaught exception end the whole job quickly (idempotent).
 
     For any exception that reaches the top of the main thread (not
     SystemExit), the other ranks are told first, each naming this one and the
     exception ("rank 1 failed: RuntimeError: ..."), so that none waits for
-    this rank until a timeout; a failed reduction prints as HerringError.
+    this rank until a timeout; a failed reduction prints as HerringError,
+    its traceback without the frames of herring_jax, jax and jaxlib unless
+    HERRING_VERBOSE_ERRORS=1 (format_uncaught).
     With `fast_exit` (HERRING_FAST_EXIT) the process then ends at once with
     status 1 (by SIGINT for a KeyboardInterrupt, as Python's own exit; see
     exit_now) instead of running its exit handlers, having written the
@@ -173,7 +263,12 @@ def install_excepthook(fast_exit: bool = True) -> None:
                     told = _abort_peers(failure_reason(herring))
                 except Exception as e:  # noqa: BLE001 - the report below must still happen
                     sys.stderr.write(f"herring_jax: could not tell the other ranks: {e}\n")
-            if isinstance(herring, HerringError):
+            if isinstance(herring, HerringError) and previous is sys.__excepthook__:
+                # Python's own printing, less the frames of the libraries.
+                from herring_jax._src import knobs
+                sys.stderr.write(format_uncaught(herring, knobs.get("HERRING_VERBOSE_ERRORS")))
+                sys.stderr.flush()
+            elif isinstance(herring, HerringError):
                 previous(HerringError, herring, herring.__traceback__)
             else:
                 previous(exc_type, exc, tb)

@@ -244,6 +244,11 @@ KNOBS: dict[str, Knob] = {
              "1; by SIGINT, status 130, for a KeyboardInterrupt, as Python) instead of running "
              "exit handlers, which would wait up to 5 minutes in jax.distributed's shutdown "
              "for the other processes. The HERRING_TIMELINE trace is written first."),
+        Knob("HERRING_VERBOSE_ERRORS", False, _bool,
+             "1: an uncaught HerringError prints its whole Python traceback, through "
+             "herring_jax's, jax's and jaxlib's own code. 0: only the program's own frames "
+             "(the error's message says what failed, which rank and where the ranks were; "
+             "herring's first stderr line on each rank says it too)."),
         Knob("HERRING_LAUNCH_GRACE_S", 10.0, _non_negative_float,
              "herring-jax launch: seconds between SIGTERM and SIGKILL when it stops a job "
              "after a rank failed (first giving the others up to 3 s to end by themselves) "

@@ -28,7 +28,8 @@ from herring_jax._src import servers as servers_lib
 from herring_jax._src import timeline
 from herring_jax._src import topology as topology_lib
 from herring_jax._src import errors
-from herring_jax._src.errors import HerringError, as_herring_error, install_excepthook
+from herring_jax._src.errors import (HerringError, as_herring_error, install_error_translation,
+                                      install_excepthook)
 
 # fabric_env.py, imported with the package, has said what to do if it is missing.
 from herring_jax import _herring_ffi as _ext
@@ -323,6 +324,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _state = _State(handle, rank, size, provider, _generation, args, topology)
         errors.set_abort_peers(_abort_peers)
         errors.set_before_exit(_before_fast_exit)
+        install_error_translation()
         install_excepthook(knobs.get("HERRING_FAST_EXIT"))
         _shutdown_at_exit()
         timeline.start(rank, size, f"{_ext.describe(handle)}; {topology.describe(rank)}",

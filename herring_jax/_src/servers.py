@@ -269,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python -m herring_jax.serve`."""
-    parser = argparse.ArgumentParser(prog="python -m herring_jax.serve",
+    parser = argparse.ArgumentParser(prog="python -m herring_jax.serve", allow_abbrev=False,
                                      description="A server-only process of a herring_jax job.")
     add_arguments(parser)
     return run(parser.parse_args(argv))

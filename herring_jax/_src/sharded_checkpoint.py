@@ -134,8 +134,11 @@ def _members(tx, state, params, rank: int, n: int) -> tuple[list, list, dict]:
         members[f"state_{k}"] = part(leaf, 0, hi - lo)
     p_entries = []
     chunks = jax.tree_util.tree_leaves(state.chunks) if _fully(tx) else None
+    # Each parameter's name, so that a restore of another model can say which.
+    p_paths = [f"params{jax.tree_util.keystr(path)}" for path, _ in
+               jax.tree_util.tree_flatten_with_path(state.chunks if _fully(tx) else params)[0]]
     for i, p in enumerate(p_leaves):
-        p_entries.append({"chunked": True, "shape": list(np.shape(p)),
+        p_entries.append({"path": p_paths[i], "chunked": True, "shape": list(np.shape(p)),
                           "dtype": np.dtype(p.dtype).name, "member": f"params_{i}"})
         lo, hi = chunk_range(int(np.prod(np.shape(p), dtype=np.int64)), n, rank)
         # fully_sharded holds the chunk only (padded past hi - lo).
@@ -312,14 +315,44 @@ def _residual(values: np.ndarray, like, cast: bool) -> np.ndarray:
     return np.zeros(like.shape, wanted)
 
 
+def _other_parameters(directory: str, saved: list, p_leaves: list, p_names: list) -> str:
+    """The refusal of a checkpoint of another model: the first parameter
+    whose shape differs, by name, with both shapes (checkpoints written
+    before names were saved are named by this job's parameters)."""
+    def shape(s):
+        return "(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
+
+    differ = [i for i in range(max(len(saved), len(p_leaves)))
+              if i >= len(saved) or i >= len(p_leaves)
+              or list(np.shape(p_leaves[i])) != saved[i]["shape"]]
+    i = differ[0]
+    if i >= len(p_leaves):
+        what = (f"it holds {saved[i].get('path', f'parameter leaf {i}')} "
+                f"{shape(saved[i]['shape'])}, which this job's parameters lack")
+    elif i >= len(saved):
+        what = f"{p_names[i]} {shape(np.shape(p_leaves[i]))} was not saved"
+    else:
+        name = saved[i].get("path", p_names[i])
+        what = (f"{p_names[i]} has shape {shape(np.shape(p_leaves[i]))} here, "
+                f"{shape(saved[i]['shape'])} in the checkpoint"
+                + (f" (saved as {name})" if name != p_names[i] else ""))
+    counts = ("" if len(saved) == len(p_leaves) else
+              f"; it holds {len(saved)} parameters, this job {len(p_leaves)}")
+    more = f"; {len(differ) - 1} more differ" if len(differ) > 1 else ""
+    return (f"{directory} holds the parameters of another model: {what}{counts}{more}. "
+            "Restore it with the model (parameter shapes) it was saved with")
+
+
 def _restore(directory, tx, params, manifest, reader, rank: int, n: int, cast: bool):
     inner = _inner(tx)
     p_leaves, p_def = jax.tree_util.tree_flatten(params)
     p_leaves = [jax.ShapeDtypeStruct(tuple(np.shape(p)) if not hasattr(p, "shape") else
                                      tuple(p.shape), p.dtype) for p in p_leaves]
+    p_names = [f"params{jax.tree_util.keystr(path)}"
+               for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     if len(manifest["params"]) != len(p_leaves) or any(
             list(np.shape(p)) != m["shape"] for p, m in zip(p_leaves, manifest["params"])):
-        raise ValueError(f"{directory} holds other parameters (shapes) than these")
+        raise ValueError(_other_parameters(directory, manifest["params"], p_leaves, p_names))
     fully = _fully(tx)
     template = jax.eval_shape(tx.init, params)
     like, s_def = jax.tree_util.tree_flatten(template.inner)
@@ -327,9 +360,6 @@ def _restore(directory, tx, params, manifest, reader, rank: int, n: int, cast: b
     entries = manifest["state"]
     if len(entries) != len(like) or any(e["param"] != o for e, o in zip(entries, owners)):
         raise ValueError(f"{directory} holds the state of another inner transformation")
-
-    p_names = [f"params{jax.tree_util.keystr(path)}"
-               for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
     def typed(flat, entry, like_dtype, name):
         saved = np.dtype(jnp.dtype(entry["dtype"]))

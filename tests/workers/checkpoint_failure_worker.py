@@ -14,7 +14,8 @@ Cases, in one job of 2 processes, under --dir:
   dtype   restoring it with bfloat16 parameters is refused, naming the leaf
           and both dtypes; with cast=True it gives the saved values in
           bfloat16 (dtype-cast);
-then restores that must fail, with the error each gives: from a directory
+then restores that must fail, with the error each gives: with the parameters
+of another model, one leaf of another shape (other-model), from a directory
 without a manifest (missing), from one whose shard file of process 1 lost a
 byte (truncated), and from one of an unknown format (format).
 Each failing case reports the exception's type and text and the seconds
@@ -134,6 +135,10 @@ def main() -> None:
         a.dtype == jnp.bfloat16 and common.bitwise_equal(np.asarray(a), np.asarray(b))
         for a, b in zip(jax.tree_util.tree_leaves(got_params),
                         jax.tree_util.tree_leaves(half))))
+
+    # Another model: one leaf of another shape, named with both shapes.
+    other = dict(params, dense=dict(params["dense"], kernel=jnp.zeros((40, 23))))
+    failing_restore("other-model", ok, tx, other)
 
     failing_restore("missing", full, tx, params)
     damaged = os.path.join(args.dir, "damaged")

@@ -18,8 +18,13 @@ return a wrong sum.
     rank 1 uncompressed: as mismatch, naming the codec.
   absent-peer: rank 1 is alive but never reduces; rank 0's timeout must say
     that rank 1 is alive and in no reduction.
-  killed-peer: rank 2 of 3 (one host) is SIGKILLed between reductions; what
-    the others print of it must never call it alive.
+  killed-peer [uncaught]: rank 2 of 3 (one host) is SIGKILLed between
+    reductions; what the others print of it must never call it alive.
+    uncaught: the others die of their HerringError.
+  error-types: rank 1 is alive but reduces no more; rank 0's reduction fails
+    (HERRING_TIMEOUT_S), then every later one at once: reports, for each way
+    a failure reaches a program, without and with herring_errors(), the
+    exception's class.
   slow-peer: rank 1 starts its reduction long after rank 0 (more than
     HERRING_PEER_TIMEOUT_S later) but is alive: its heartbeats must keep
     rank 0 waiting, and the sum must be right.
@@ -27,6 +32,7 @@ return a wrong sum.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -41,9 +47,20 @@ import common  # noqa: E402
 import herring_jax  # noqa: E402
 
 
-def killed_peer(rank: int) -> None:
+def killed_peer(rank: int, caught: bool = True) -> None:
     import signal
     reduce = jax.jit(lambda x: herring_jax.allreduce(x * 2))
+    if not caught:
+        # The survivors die of the HerringError, printing what they print; a
+        # step large enough that XLA runs it on its own threads, so that the
+        # failure comes through jax's code, as a training step's does.
+        w = jnp.full((32, 32), 0.01)
+        step_fn = jax.jit(lambda x: jnp.tanh(herring_jax.allreduce(x * 2)) @ w)
+        for step in range(200):
+            jax.block_until_ready(step_fn(jnp.ones((32, 32))))
+            if step == 3 and rank == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.02)
     try:
         with herring_jax.herring_errors():
             for step in range(200):
@@ -169,11 +186,76 @@ def absent_peer(rank: int) -> None:
     time.sleep(2)
 
 
+def failed(y):
+    """`y` once its computation has failed."""
+    try:
+        jax.block_until_ready(y)
+    except Exception:  # noqa: BLE001 - the failure is what is wanted
+        return y
+    raise AssertionError("the computation did not fail")
+
+
+def error_types(rank: int) -> None:
+    from herring_jax._src import jax_compat
+
+    client = jax_compat.distributed_client()
+    # XLA:CPU runs a program of under 1000 flops whose inputs are ready as it
+    # is dispatched; a larger one on its own threads.
+    cheap = jax.jit(lambda x: herring_jax.allreduce(x * 2))
+    costly = jax.jit(lambda x, w: jnp.tanh(herring_jax.allreduce(x) @ w) @ w)
+    total = jax.jit(lambda x, w: jnp.sum(herring_jax.allreduce(x) @ w))
+    x, w, v = jnp.ones((64, 64)), jnp.full((64, 64), 0.01), jnp.ones(64)
+    jax.block_until_ready((cheap(v), costly(x, w), total(x, w)))  # compiled, and run once
+    if rank == 1:
+        # Alive (heartbeats go on) until rank 0 is done; rank 1 leaves first,
+        # since rank 0 hosts jax.distributed's coordinator.
+        client.blocking_key_value_get("error-types/done", 120_000)
+        return
+    paths = {
+        # The first failure: rank 1 never joins (HERRING_TIMEOUT_S).
+        "block_until_ready": lambda: jax.block_until_ready(costly(x, w)),
+        # From here on the communicator refuses every reduction at once.
+        "method block_until_ready": lambda: costly(x, w).block_until_ready(),
+        "pytree": lambda: jax.block_until_ready({"a": costly(x, w), "b": [total(x, w)]}),
+        "float": lambda: float(total(x, w)),
+        "numpy.asarray": lambda: np.asarray(costly(x, w)),
+        "device_get": lambda: jax.device_get({"a": costly(x, w)}),
+        # Each blocks too: a program that does not fail as it is dispatched
+        # fails when it is awaited.
+        "dispatch, first call": lambda: jax.block_until_ready(
+            jax.jit(lambda u: herring_jax.allreduce(u + 1))(v)),
+        "dispatch": lambda: jax.block_until_ready(cheap(v)),
+        # jax operations on a result that failed: their programs fail too.
+        "indexing a failed result": lambda: float(failed(costly(x, w))[0, 0]),
+        "adding to a failed result": lambda: jax.block_until_ready(failed(total(x, w)) + 1),
+    }
+    got = {}
+    for name, path in paths.items():
+        for managed in (False, True):
+            key = name + (" under herring_errors" if managed else "")
+            try:
+                with herring_jax.herring_errors() if managed else contextlib.nullcontext():
+                    path()
+            except Exception as e:  # noqa: BLE001 - what arrives is what is reported
+                kind = ("HerringError" if isinstance(e, herring_jax.HerringError) else
+                        f"{type(e).__module__}.{type(e).__qualname__}")
+                # A HerringError says herring's own text, without XLA's
+                # prefixes; the ValueError says XLA's status text.
+                prefix = "INTERNAL: " if kind == "builtins.ValueError" else ""
+                own = str(e).startswith(prefix + "herring allreduce on rank 0: ")
+                got[key] = kind if own else f"{kind}: {str(e)[:300]}"
+            else:
+                got[key] = "no error"
+    common.report("error-types", True, got=got)
+    client.key_value_set("error-types/done", "1")
+    time.sleep(2)
+
+
 def main() -> int:
     herring_jax.initialize()
     rank = herring_jax.process_index()
-    if sys.argv[1:] == ["killed-peer"]:
-        killed_peer(rank)
+    if sys.argv[1:2] == ["killed-peer"]:
+        killed_peer(rank, caught=sys.argv[2:] != ["uncaught"])
         sys.stdout.flush()
         os._exit(0)
     if sys.argv[1:] == ["dead-peer"]:
@@ -184,8 +266,9 @@ def main() -> int:
         jit_dead_peer(rank, sys.argv[2])
         sys.stdout.flush()
         os._exit(0)
-    if sys.argv[1:] in (["order"], ["absent-peer"]):
-        {"order": order, "absent-peer": absent_peer}[sys.argv[1]](rank)
+    if sys.argv[1:] in (["order"], ["absent-peer"], ["error-types"]):
+        {"order": order, "absent-peer": absent_peer,
+         "error-types": error_types}[sys.argv[1]](rank)
         sys.stdout.flush()
         os._exit(0)
     if sys.argv[1:2] == ["slow-peer"]:

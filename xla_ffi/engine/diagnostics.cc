@@ -238,6 +238,14 @@ std::string Communicator::MissingReport(const Batch& batch) const {
     const int step = w.waiting.load();
     missing = MissingRanks(batch);
     if (missing.empty()) {
+      // Every step was posted, yet reading a peer's slice can fail: once
+      // that peer's process has exited (SIGKILL), "none is missing" would
+      // contradict the error that names it.
+      const std::string exited = ExitedHostPeers(w);
+      if (!exited.empty()) {
+        return "in the host stage of " + DescribeJob(*batch.jobs.front()) + ": " +
+               exited.substr(2) + ".";
+      }
       return "no process of this host is missing in the host stage of " +
              batch.jobs.front()->Describe() + ".";
     }

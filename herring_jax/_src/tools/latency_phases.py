@@ -26,7 +26,7 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=16384, help="float32 elements")
     parser.add_argument("--iters", type=int, default=200, help="timed runs")

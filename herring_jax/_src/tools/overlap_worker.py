@@ -41,7 +41,7 @@ import time
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--layers", type=int, default=8, help="Dense layers of the MLP")
     p.add_argument("--width", type=int, default=512, help="width of every layer")
     p.add_argument("--batch", type=int, default=1024, help="examples per process per step")

@@ -22,7 +22,7 @@ import time
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=384, help="BERT-base: 768")
     p.add_argument("--ff", type=int, default=1536, help="feed-forward width (BERT-base: 3072)")

@@ -21,7 +21,7 @@ from herring_jax._src.tools.bench.report import PROCESS_RECORD, cases
 
 
 def worker_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="herring-jax bench --worker")
+    p = argparse.ArgumentParser(prog="herring-jax bench --worker", allow_abbrev=False)
     p.add_argument("--worker", action="store_true")
     p.add_argument("--sizes-mib", default="1,16,64")
     p.add_argument("--collective", default="allreduce", help="comma list, see collectives.py")
