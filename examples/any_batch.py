@@ -8,6 +8,8 @@ slow process takes fewer examples instead of making every other one wait.
       --slow-rank 3 --slowdown 2            # any-batch, process 3 twice as slow
   herring-jax launch -n 4 -- python examples/train_lm.py --micro-batches 4 \\
       --slow-rank 3 --slowdown 2            # the synchronous job: 4 each, all wait
+  herring-jax launch -n 4 -- python examples/train_lm.py --micro-batches 4 --any-batch \\
+      --slow-rank 3 --slowdown 2            # any-batch, the budget: the fastest's 4
 
 One device per process (the processes are the workers, Horovod style).
 """
@@ -31,12 +33,18 @@ STRIDE = 1 << 16
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget-ms", type=float, default=0.0,
                         help="any-batch: each process takes micro-batches of --batch examples "
-                             "until the next would not fit in this many ms (at least one), and "
+                             "while at least half of the next one fits in this many ms (at "
+                             "least one), and "
                              "the step weights its mean gradient by its examples (0: off)")
     parser.add_argument("--micro-batches", type=int, default=0,
                         help="the synchronous job of the same loop: every process takes this "
                              "many micro-batches a step, and the step (a plain mean) waits "
                              "for the slowest")
+    parser.add_argument("--any-batch", action="store_true",
+                        help="with --micro-batches K: any-batch, the budget of each step the "
+                             "time the fastest process took for K micro-batches at the step "
+                             "before (the first two steps take K everywhere), so that it follows "
+                             "the machine's load")
     parser.add_argument("--slow-rank", type=int, default=-1,
                         help="with --time-budget-ms or --micro-batches: this process is slow")
     parser.add_argument("--slowdown", type=float, default=1.0,
@@ -47,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def enabled(args) -> bool:
     if args.time_budget_ms and args.micro_batches:
         raise SystemExit("--time-budget-ms and --micro-batches are two modes: give one")
+    if args.any_batch and not args.micro_batches:
+        raise SystemExit("--any-batch takes --micro-batches K (the fastest process's count)")
     if (args.time_budget_ms < 0 or args.micro_batches < 0 or args.slowdown < 1):
         raise SystemExit("--time-budget-ms, --micro-batches >= 0 and --slowdown >= 1")
     return bool(args.time_budget_ms or args.micro_batches)
@@ -61,7 +71,7 @@ def train(args, loss_fn, init_fn, next_local_batch, held_out_loss) -> None:
         raise SystemExit("--time-budget-ms / --micro-batches take --reduce herring and no "
                          "--checkpoint-dir")
     rank = jax.process_index()
-    weighted = args.time_budget_ms > 0
+    weighted = args.time_budget_ms > 0 or args.any_batch
     optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
                  else optax.adamw(args.lr))
     tx = optax.chain(herring_jax.allreduce_gradients(weight=weighted), optimizer)
@@ -81,6 +91,7 @@ def train(args, loss_fn, init_fn, next_local_batch, held_out_loss) -> None:
     update = jax.jit(apply, donate_argnums=(0, 1))
     slow = rank == args.slow_rank and args.slowdown > 1
     budget = args.time_budget_ms / 1e3
+    fixed = args.micro_batches if not args.time_budget_ms else 0
     times, computes, seen, mine = [], [], 0, []
     for i in range(args.steps):
         start = time.perf_counter()
@@ -94,10 +105,18 @@ def train(args, loss_fn, init_fn, next_local_batch, held_out_loss) -> None:
             total = g if total is None else add(total, g)
             k += 1
             elapsed = time.perf_counter() - start
-            if (k >= args.micro_batches if not weighted
-                    else elapsed + elapsed / k > budget):
+            # Another micro-batch while at least half of it (at this step's
+            # mean) still fits: the budget's count, rounded to the nearest.
+            if (k >= fixed if fixed else elapsed + 0.5 * elapsed / k > budget):
                 break
         computes.append(time.perf_counter() - start)
+        if args.any_batch and i >= 1:
+            # The next step's budget: K micro-batches of the fastest process
+            # (its mean micro-batch time this step), the same on every one.
+            # Steps 0 and 1 take K everywhere: step 0 compiles.
+            fixed = 0
+            per_micro = herring_jax.allreduce(np.float32(computes[-1] / k), op="min")
+            budget = args.micro_batches * float(per_micro)
         params, opt_state = update(params, opt_state, total, jnp.float32(k),
                                    jnp.float32(k * args.batch))
         jax.block_until_ready(params)

@@ -257,32 +257,13 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none", weight=None) -
                     f"{name} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
                     "floating dtype (use op='sum' and divide, or cast to float first)")
     if weight is not None:
-        return jax.tree_util.tree_unflatten(treedef, weighted_mean(leaves, weight, codec))
+        return jax.tree_util.tree_unflatten(treedef, weighted.mean(
+            leaves, weight, codec, "herring_jax.allreduce",
+            lambda xs, c: bind_grouped(xs, ops=["sum"] * len(xs), codec=c, axes=None)))
     outs = bind_grouped(leaves, ops=[op] * len(leaves), codec=codec, axes=None)
     if extreme:
         outs = [o.astype(np.bool_) if b else o for o, b in zip(outs, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, outs)
-
-
-def weighted_mean(leaves, weight, codec, axes=None, groups=None, binder=None,
-                  api="herring_jax.allreduce"):
-    """The weighted mean of `leaves` (floating, checked) across processes
-    (axes None) or mesh axes: their products with the float32 `weight` and
-    the weight operand summed in one reduction (the operand in a reduction
-    of its own under a lossy codec, which would bend it), then divided
-    (weighted.py). `binder(leaves, codec)`: how to sum (default bind_grouped)."""
-    if binder is None:
-        def binder(xs, c):
-            return bind_grouped(xs, ops=["sum"] * len(xs), codec=c, axes=axes, groups=groups)
-    products = [weighted.scaled(x, weight) for x in leaves]
-    operand = weighted.weight_operand(weight)
-    if codec == "none":
-        *sums, total = binder(products + [operand], codec)
-    else:
-        sums = binder(products, codec)
-        [total] = binder([operand], "none")
-    weighted.check_total_eagerly(total, api)
-    return [weighted.divided(s, total) for s in sums]
 
 
 def bind(leaves, *, op, axes, groups=None, root=None, codec="none", collective="allreduce",

@@ -105,20 +105,18 @@ def _weighted(leaves, weight, axes, groups, codec, api):
     """pmean(weight=): weighted.py's arithmetic over the mesh axes."""
     if not axes:
         # Nothing to reduce over: this device's own weighted mean.
-        return _allreduce.weighted_mean(leaves, weight, codec, binder=lambda xs, c: xs, api=api)
+        return weighted.mean(leaves, weight, codec, api, lambda xs, c: xs)
     if not any(isinstance(v, jax.core.Tracer) for v in [*leaves, weight]):
         # Constants, the same on every device: each device's product and
         # weight counted once per device (as psum of a constant).
         n = layout.group_size(axes, groups)
-        return _allreduce.weighted_mean(
-            leaves, weight, codec, api=api,
-            binder=lambda xs, c: [v * np.asarray(n, v.dtype) for v in xs])
+        return weighted.mean(leaves, weight, codec, api,
+                             lambda xs, c: [v * np.asarray(n, v.dtype) for v in xs])
     # A weight that is the same on every device (a constant, or a value
     # invariant over the axes) is every device's: vary it as lax's psum would.
     weight = jax_compat.vary_over(weight, axes)
-    return _allreduce.weighted_mean(
-        leaves, weight, codec, axes=axes,
-        binder=lambda xs, c: _bind(xs, axes, groups, "sum", c, api), api=api)
+    return weighted.mean(leaves, weight, codec, api,
+                         lambda xs, c: _bind(xs, axes, groups, "sum", c, api))
 
 
 def _vary(v, axes, op: str, api: str):

@@ -120,3 +120,19 @@ def check_total_eagerly(total, api: str) -> None:
             f"{api}: {bad} weight(s) across the processes were negative, NaN or infinite; "
             "weights must be finite and >= 0 (e.g. the examples each process used). Inside "
             "jax.jit such a step gives NaN in every leaf instead")
+
+
+def mean(leaves, weight, codec: str, api: str, binder) -> list:
+    """The weighted mean of `leaves` (floating, checked) with the float32
+    `weight`: their products and the weight operand summed by
+    `binder(arrays, codec)` in one reduction (the operand in a reduction of
+    its own under a lossy codec, which would bend it), then divided."""
+    products = [scaled(x, weight) for x in leaves]
+    operand = weight_operand(weight)
+    if codec == "none":
+        *sums, total = binder(products + [operand], codec)
+    else:
+        sums = binder(products, codec)
+        [total] = binder([operand], "none")
+    check_total_eagerly(total, api)
+    return [divided(s, total) for s in sums]
