@@ -3,6 +3,7 @@ download: the Python standard library's own source files, as bytes.
 
   herring-jax launch -n 4 -- python examples/train_lm.py [--reduce native]
       [--checkpoint-dir /tmp/lm_ckpt]   # saves with orbax; resumes after a crash
+      [--time-budget-ms 400 --slow-rank 3 --slowdown 2]   # any-batch (any_batch.py)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import any_batch
 import data_parallel
 
 VOCAB = 256  # bytes
@@ -67,6 +69,7 @@ class TransformerLM(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     data_parallel.add_arguments(parser)
+    any_batch.add_arguments(parser)
     parser.add_argument("--text-bytes", type=int, default=4 << 20)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -100,6 +103,12 @@ def main() -> None:
 
     eval_batch = windows(held_out, np.arange(0, 64 * 512, 512))
     eval_loss = jax.jit(lambda p: loss_fn(p, (eval_batch[:, :-1], eval_batch[:, 1:])))
+
+    if any_batch.enabled(args):
+        any_batch.train(args, loss_fn, lambda: model.init(
+            jax.random.key(args.seed), jnp.zeros((1, args.context), jnp.int32)),
+            next_local_batch, eval_loss)
+        return
 
     def report(params):
         local = data_parallel.local_params(params, args)

@@ -121,6 +121,8 @@ SMOKE = {
     "lm-fully-sharded-reshard": ("train_lm.py", [*_LM_SMALL, "--fully-sharded",
                                                  "--reshard-after-forward", "--prefetch", "0"]),
     "lm-native": ("train_lm.py", [*_LM_SMALL, "--reduce", "native"]),
+    "lm-any-batch": ("train_lm.py", [*_LM_SMALL, "--micro-batches", "2", "--any-batch",
+                                     "--slow-rank", "1", "--slowdown", "2"]),
 }
 
 

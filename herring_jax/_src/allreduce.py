@@ -69,6 +69,7 @@ from herring_jax._src import jax_compat
 from herring_jax._src import layout
 from herring_jax._src import lowering
 from herring_jax._src import runtime
+from herring_jax._src import weighted
 from herring_jax._src.errors import herring_errors
 
 # What the engine reduces natively; complex numbers travel as pairs of their
@@ -162,7 +163,7 @@ def bind_grouped(leaves, *, ops, codec, axes, groups=None, collective="allreduce
     return outs
 
 
-def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
+def allreduce(tree: Any, op: str = "sum", *, codec: str = "none", weight=None) -> Any:
     """Reduces a pytree of process-local arrays across all processes.
 
     Every process must call it with the same tree structure, shapes and dtypes,
@@ -202,12 +203,24 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
         in float32 in rank order, and the result is encoded once more, so every
         process gets the same bits. Other dtypes are reduced exactly. Every
         process must pass the same codec (a mismatch is a named error).
+      weight: with ``op="mean"`` only: this process's weight, a real scalar
+        (e.g. the examples or tokens it used; a traced value under jit is
+        fine). The result is ``sum_i(w_i x_i) / sum_i(w_i)``, bitwise the
+        same on every process: ``w_i x_i`` is rounded once to the leaf's
+        dtype on each process, both sums are herring's, then one scalar
+        division 1 / W and the sum times it (herring_jax/_src/weighted.py
+        has the exact rounding). A weight of
+        0 contributes zeros whatever the data; a total weight of 0 gives
+        zeros; a negative or non-finite weight anywhere gives NaN in every
+        leaf (and raises ValueError on every process outside ``jax.jit``).
+        The weight crosses exactly, whatever the codec.
 
     Returns:
       A pytree of the same structure with the reduced arrays.
 
     Raises:
-      ValueError: unknown op, or a codec with max/min. TypeError: unsupported
+      ValueError: unknown op, a codec with max/min, a weight with an op other
+        than mean or a weight that is not a scalar. TypeError: unsupported
         dtype, mean of integers, or max/min of complex numbers.
       HerringError: not initialized, a peer failed or timed out, or processes
         issued mismatched reductions.
@@ -220,6 +233,9 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
     """
     check_op(op)
     codecs.check_codec(codec)
+    if weight is not None:
+        weighted.check_op(op, "herring_jax.allreduce")
+        weight = weighted.check_weight(weight, "herring_jax.allreduce")
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if not leaves:
         return tree
@@ -240,6 +256,10 @@ def allreduce(tree: Any, op: str = "sum", *, codec: str = "none") -> Any:
                 raise TypeError(
                     f"{name} has integer dtype {np.dtype(x.dtype).name}; op='mean' needs a "
                     "floating dtype (use op='sum' and divide, or cast to float first)")
+    if weight is not None:
+        return jax.tree_util.tree_unflatten(treedef, weighted.mean(
+            leaves, weight, codec, "herring_jax.allreduce",
+            lambda xs, c: bind_grouped(xs, ops=["sum"] * len(xs), codec=c, axes=None)))
     outs = bind_grouped(leaves, ops=[op] * len(leaves), codec=codec, axes=None)
     if extreme:
         outs = [o.astype(np.bool_) if b else o for o, b in zip(outs, was_bool)]

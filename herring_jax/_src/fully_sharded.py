@@ -376,7 +376,7 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
                   reshard_after_forward: bool = False, fusion_bytes: int | None = None,
                   first_bucket_bytes: int | None = None, compression: str = "none",
                   error_feedback: bool = True, average: bool = True,
-                  check_inner: bool = True) -> FullySharded:
+                  check_inner: bool = True, weight=None) -> FullySharded:
     """Trains with parameters, gradients and `inner`'s state sharded over the
     processes (ZeRO-3 / FSDP on herring's parameter servers).
 
@@ -425,11 +425,23 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
         ``value_and_grad``'s `accumulate`.
       average: mean (True) or sum (False) of the processes' gradients.
       check_inner: run the element-wise check at init.
+      weight: not supported: a weighted mean of the gradients (as
+        ``allreduce_gradients(weight=True)``) is not built into
+        ``fully_sharded`` yet, and any value but None raises ValueError
+        saying how to get one (docs/guides/weighted.md).
 
     Returns:
       A ``FullySharded`` with ``init``, ``value_and_grad``,
       ``apply_gradients`` and ``gather``.
     """
+    if weight is not None:
+        raise ValueError(
+            "herring_jax.fully_sharded does not take weight= (a weighted mean of the "
+            "gradients) yet. Either use herring_jax.sharded_optimizer(inner, weight=True) or "
+            "allreduce_gradients(weight=True), which do; or, with fully_sharded(..., "
+            "average=False), differentiate w * loss (w: this process's weight) and divide "
+            "the gradients' chunks by herring_jax.allreduce(w) before apply_gradients (the "
+            "same mean, rounded differently)")
     return FullySharded(inner, fusion_bytes=fusion_bytes, first_bucket_bytes=first_bucket_bytes,
                         prefetch=prefetch, reshard_after_forward=reshard_after_forward,
                         compression=compression, error_feedback=error_feedback, average=average,

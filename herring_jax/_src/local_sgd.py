@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from herring_jax._src import streaming
-from herring_jax._src.optax_transform import allreduce_gradients
+from herring_jax._src.optax_transform import allreduce_gradients, step_weight
 from herring_jax._src.psum import check_gradients
 
 
@@ -198,7 +198,10 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         del params
         return u, synced, outer_state, reduce_state
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        # A weighted mean is not built in here: refuse the weight that
+        # optax.chain would otherwise hand on to be dropped.
+        step_weight(None, extra_args, "local_sgd", supported=False)
         if params is None:
             raise ValueError("herring_jax.local_sgd needs the parameters: call "
                              "tx.update(grads, state, params)")
@@ -224,7 +227,7 @@ def local_sgd(inner: optax.GradientTransformation, every: int,
         update, synced, outer_state, reduce_state = out
         return update, LocalSGDState(count, synced, inner_state, outer_state, reduce_state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class SlowMomentumState(NamedTuple):

@@ -14,6 +14,7 @@ from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
 from herring_jax._src import fusion
 from herring_jax._src import jax_compat
+from herring_jax._src import weighted
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.split import split_reductions
 from herring_jax._src.psum import check_gradients, pmean, psum
@@ -78,8 +79,9 @@ class CompressedGradientsState(NamedTuple):
 def allreduce_gradients(axis_name=None, *, average: bool = True,
                         fusion_bytes: int | None = None,
                         first_bucket_bytes: int | None = None,
-                        compression: str = "none", error_feedback: bool = True
-                        ) -> optax.GradientTransformation:
+                        compression: str = "none", error_feedback: bool = True,
+                        weight: bool | str = False
+                        ) -> optax.GradientTransformationExtraArgs:
     """Reduces gradients across data-parallel workers with Herring.
 
     Put it first in an ``optax.chain``. Gradients are packed into fusion
@@ -117,21 +119,43 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         the host stage sums a host's processes first, each keeps the loss of
         the slice of the host's sum it encodes; on one host nothing is
         encoded and the residual stays zero (the reduction is exact).
+      weight: True: a weighted mean, each worker's gradients counted in
+        proportion to a scalar it passes at every step, e.g. the examples or
+        tokens it used: ``tx.update(grads, state, params, weight=w)`` (optax's
+        extra arguments, which ``optax.chain`` hands on; a traced scalar in
+        the jitted step). The result is ``sum_i(w_i g_i) / sum_i(w_i)``,
+        with the arithmetic and the rules of
+        ``herring_jax.allreduce(..., op="mean", weight=w)`` (a total weight
+        of 0 gives zero gradients; a negative or non-finite weight NaN
+        everywhere); the weight rides in the first float32 buffer (a buffer
+        of its own, sent exactly, with a codec). A string names the
+        keyword instead of ``weight``. With error feedback the residual is
+        kept in the weighted terms (added to the next ``w * g``). Needs
+        ``average=True``.
 
     Returns:
-      An ``optax.GradientTransformation``.
+      An ``optax.GradientTransformationExtraArgs``.
 
     Examples:
       >>> tx = optax.chain(herring_jax.allreduce_gradients(), optax.adamw(1e-3))
       >>> opt_state = tx.init(params)                                 # doctest: +SKIP
       >>> updates, opt_state = tx.update(grads, opt_state, params)    # doctest: +SKIP
+      >>> tx = optax.chain(herring_jax.allreduce_gradients(weight=True), optax.adamw(1e-3))
+      >>> updates, opt_state = tx.update(grads, opt_state, params,
+      ...                                weight=examples_used)        # doctest: +SKIP
     """
     check_bucket_sizes(fusion_bytes, first_bucket_bytes)
-    op = "mean" if average else "sum"
     codecs.check_codec(compression)
     feedback = error_feedback and compression != "none"
+    weight_key = weight_keyword(weight, average, "allreduce_gradients")
+    # A weighted mean sums the products w * g and divides after (weighted.py).
+    op = "mean" if average and not weight_key else "sum"
+    exact = set()  # ids of the buffers that must cross without a codec
 
     def reduce(buffer):
+        if id(buffer) in exact:
+            return (allreduce(buffer, op="sum") if axis_name is None
+                    else psum(buffer, axis_name))
         if feedback and is_f32(buffer):
             # The reduced buffer and what this process's encoding lost.
             axes = None if axis_name is None else _psum_axes(axis_name)
@@ -140,7 +164,7 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
             return out, lost
         if axis_name is None:
             return allreduce(buffer, op=op, codec=compression)
-        return (pmean if average else psum)(buffer, axis_name, codec=compression)
+        return (pmean if op == "mean" else psum)(buffer, axis_name, codec=compression)
 
     def is_f32(x) -> bool:
         return np.dtype(x.dtype) == np.float32
@@ -151,21 +175,38 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         return CompressedGradientsState(residual=jax.tree_util.tree_map(
             lambda p: jnp.zeros(p.shape if is_f32(p) else (), jnp.float32), params))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
         del params
+        w = step_weight(weight_key, extra_args, "allreduce_gradients")
         check_gradients(updates, axis_name, "allreduce_gradients", average=average)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         ready = jax_compat.production_order(leaves)
+        if w is not None:
+            leaves = [weighted.scaled(g, w) for g in leaves]
         if feedback:
             residual = treedef.flatten_up_to(state.residual)
             leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
+        grads = leaves
+        if w is not None and compression == "none":
+            # The weight operand rides in a float32 buffer: ready before any
+            # gradient (-1), it joins the first one.
+            leaves = leaves + [weighted.weight_operand(w)]
+            ready = None if ready is None else ready + [-1]
         buckets = plan_buckets(leaves, fusion_bytes, first_bucket_bytes, ready)
         buffers = fusion.pack(leaves, buckets)
+        if w is not None and compression != "none":
+            # A codec would bend the weight: a reduction of its own, exact.
+            buffers.append(weighted.weight_operand(w))
+            exact.clear()
+            exact.add(id(buffers[-1]))
         # On XLA:CUDA every bucket's start comes before any bucket's done (the
         # host wait), so the whole backward pass is enqueued first; on XLA:CPU
         # this is one asynchronous call per bucket, in place, and one join
         # before the update (lowering.join_cpu).
         reduced = split_reductions(reduce, buffers)
+        if w is not None and compression != "none":
+            total = reduced[-1]
+            reduced, buffers = reduced[:-1], buffers[:-1]
         if feedback:
             # What the engine's encoding of each float32 buffer lost, where
             # this process encoded it (engine::ReduceRequest::lost); a
@@ -173,14 +214,59 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
             # not poison the steps after it.
             lost = [r[1] if is_f32(b) else b for r, b in zip(reduced, buffers)]
             reduced = [r[0] if is_f32(b) else r for r, b in zip(reduced, buffers)]
-        out = jax.tree_util.tree_unflatten(treedef, fusion.unpack(reduced, buckets, leaves))
+        sums = fusion.unpack(reduced, buckets, leaves)
+        if w is not None:
+            if compression == "none":
+                total, sums = sums[-1], sums[:-1]
+            weighted.check_total_eagerly(total, "allreduce_gradients")
+            sums = [weighted.divided(s, total) for s in sums]
+        out = jax.tree_util.tree_unflatten(treedef, sums)
         if not feedback:
             return out, state
-        kept = fusion.unpack(lost, buckets, leaves)
-        residual = [k if is_f32(g) else e for k, g, e in zip(kept, leaves, residual)]
+        kept = fusion.unpack(lost, buckets, grads)
+        residual = [k if is_f32(g) else e for k, g, e in zip(kept, grads, residual)]
         return out, CompressedGradientsState(jax.tree_util.tree_unflatten(treedef, residual))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def weight_keyword(weight, average: bool, api: str) -> str | None:
+    """The update's keyword that carries the weight (None: unweighted), from
+    a transformation's `weight` argument (False, True or a keyword name)."""
+    if weight is False or weight is None:
+        return None
+    if weight is not True and not (isinstance(weight, str) and weight.isidentifier()):
+        raise TypeError(f"herring_jax.{api}: weight must be True (the update takes weight=w), "
+                        f"False, or the name of the update's keyword that carries it; got "
+                        f"{weight!r}. The weight itself is passed at every step: "
+                        "tx.update(grads, state, params, weight=w)")
+    if not average:
+        raise ValueError(f"herring_jax.{api}: weight= needs average=True (the weighted mean "
+                         "sum(w_i g_i) / sum(w_i)); for a weighted sum multiply the gradients "
+                         "by the weight before the transformation")
+    return "weight" if weight is True else weight
+
+
+def step_weight(key: str | None, extra_args: dict, api: str, supported: bool = True):
+    """This step's weight from the update's extra arguments, checked; None
+    for an unweighted transformation (which refuses a weight= it would
+    otherwise drop without a word; `supported`: whether `api` has weight=)."""
+    if key is None:
+        if "weight" in extra_args and supported:
+            raise TypeError(f"herring_jax.{api}: the update got weight= but the transformation "
+                            f"was built unweighted, and would ignore it: build it with "
+                            f"herring_jax.{api}(..., weight=True)")
+        if "weight" in extra_args:
+            raise TypeError(f"herring_jax.{api} does not take a weight (a weighted mean of the "
+                            "gradients), and would ignore the update's weight=: weight "
+                            "with herring_jax.allreduce_gradients(weight=True) or "
+                            "sharded_optimizer(..., weight=True), or leave weight= out")
+        return None
+    if key not in extra_args:
+        raise TypeError(f"herring_jax.{api}(weight=...) needs this step's weight: "
+                        f"tx.update(grads, state, params, {key}=w), w a scalar such as the "
+                        "examples this process used (optax.chain hands it on)")
+    return weighted.check_weight(extra_args[key], f"herring_jax.{api}")
 
 
 def _psum_axes(axis_name) -> tuple:

@@ -33,6 +33,7 @@ import optax
 
 from herring_jax._src import codecs
 from herring_jax._src.allreduce import allreduce
+from herring_jax._src.optax_transform import step_weight
 from herring_jax._src.psum import check_gradients, pmean
 
 
@@ -139,7 +140,10 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
                              jax.tree_util.tree_unflatten(treedef, residuals),
                              jnp.zeros((), jnp.int32))
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        # A weighted mean is not built in here: refuse the weight that
+        # optax.chain would otherwise hand on to be dropped.
+        step_weight(None, extra_args, "powersgd", supported=False)
         del params
         check_gradients(updates, axis_name, "powersgd")
         if state.count is None:
@@ -188,4 +192,4 @@ def powersgd(rank: int = 4, axis_name=None, *, min_compression: float = 2.0,
                               jax.tree_util.tree_unflatten(treedef, new_residual),
                               state.count))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -31,6 +31,7 @@ from herring_jax._src import codecs
 from herring_jax._src import composite
 from herring_jax._src import jax_compat
 from herring_jax._src import layout
+from herring_jax._src import weighted
 
 
 def _axes(axis_name) -> tuple:
@@ -48,9 +49,12 @@ def _groups(axis_index_groups):
     return groups
 
 
-def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none") -> Any:
+def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none",
+            weight=None) -> Any:
     codecs.check_codec(codec)
     api = f"herring_jax.p{op}"
+    if weight is not None:
+        weight = weighted.check_weight(weight, api)
     axes = jax_compat.skip_one_sized_axes(_axes(axis_name))
     groups = _groups(axis_index_groups)
     leaves, treedef = jax.tree_util.tree_flatten(x)
@@ -70,6 +74,10 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none") 
     if axes:
         # lax's NameError, while tracing, for an axis nothing binds.
         jax_compat.check_axis_names(axes, api)
+    if weight is not None:
+        weighted.check_floating(names, leaves, api)
+        return jax.tree_util.tree_unflatten(
+            treedef, _weighted(leaves, weight, axes, groups, codec, api))
     # lax.pmean is psum / n. The engine averages floating values of a real
     # reduction on the server; everything else is divided here, which gives
     # integers a floating mean, as in lax.
@@ -91,6 +99,24 @@ def _reduce(x: Any, axis_name, op: str, axis_index_groups, codec: str = "none") 
     if extreme:
         outs = [o.astype(np.bool_) if b else o for o, b in zip(outs, was_bool)]
     return jax.tree_util.tree_unflatten(treedef, outs)
+
+
+def _weighted(leaves, weight, axes, groups, codec, api):
+    """pmean(weight=): weighted.py's arithmetic over the mesh axes."""
+    if not axes:
+        # Nothing to reduce over: this device's own weighted mean.
+        return weighted.mean(leaves, weight, codec, api, lambda xs, c: xs)
+    if not any(isinstance(v, jax.core.Tracer) for v in [*leaves, weight]):
+        # Constants, the same on every device: each device's product and
+        # weight counted once per device (as psum of a constant).
+        n = layout.group_size(axes, groups)
+        return weighted.mean(leaves, weight, codec, api,
+                             lambda xs, c: [v * np.asarray(n, v.dtype) for v in xs])
+    # A weight that is the same on every device (a constant, or a value
+    # invariant over the axes) is every device's: vary it as lax's psum would.
+    weight = jax_compat.vary_over(weight, axes)
+    return weighted.mean(leaves, weight, codec, api,
+                         lambda xs, c: _bind(xs, axes, groups, "sum", c, api))
 
 
 def _vary(v, axes, op: str, api: str):
@@ -276,13 +302,25 @@ def psum(x: Any, axis_name, *, axis_index_groups=None, codec: str = "none") -> A
     return _reduce(x, axis_name, "sum", axis_index_groups, codec)
 
 
-def pmean(x: Any, axis_name, *, axis_index_groups=None, codec: str = "none") -> Any:
+def pmean(x: Any, axis_name, *, axis_index_groups=None, codec: str = "none",
+          weight=None) -> Any:
     """Averages a pytree over the named axes, like ``jax.lax.pmean``.
 
     Floating values are divided on the server, off the accelerator; integers
     give a floating mean, as ``jax.lax.pmean`` does.
+
+    ``weight`` (herring_jax only): this device's weight, a real scalar (e.g.
+    the tokens of its batch): the result is ``sum_i(w_i x_i) / sum_i(w_i)``
+    over the devices of the axes, with the arithmetic and the rules for zero
+    and bad weights of ``herring_jax.allreduce(..., op="mean", weight=w)``;
+    floating leaves only. A weight that is the same on every device counts
+    once per device.
+
+    Examples:
+      >>> f = jax.shard_map(lambda g, n: herring_jax.pmean(g, "i", weight=n[0]),
+      ...                   mesh=mesh, in_specs=(P("i"), P("i")), out_specs=P())  # doctest: +SKIP
     """
-    return _reduce(x, axis_name, "mean", axis_index_groups, codec)
+    return _reduce(x, axis_name, "mean", axis_index_groups, codec, weight)
 
 
 def pmax(x: Any, axis_name, *, axis_index_groups=None) -> Any:

@@ -36,10 +36,12 @@ from herring_jax._src import jax_compat
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
+from herring_jax._src import weighted
 from herring_jax._src.sharded_checks import global_sum
 from herring_jax._src.chunks import BucketLayout, chunk_of, chunk_shape
-from herring_jax._src.optax_transform import check_bucket_sizes, plan_buckets
-from herring_jax._src.psum import check_axes_bound, check_gradients
+from herring_jax._src.optax_transform import (check_bucket_sizes, plan_buckets, step_weight,
+                                              weight_keyword)
+from herring_jax._src.psum import check_axes_bound, check_gradients, psum
 from herring_jax._src.split import split_reductions
 
 
@@ -65,8 +67,9 @@ class ShardedOptimizerState(NamedTuple):
 def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
                       average: bool = True, fusion_bytes: int | None = None,
                       first_bucket_bytes: int | None = None, compression: str = "none",
-                      error_feedback: bool = True, check_inner: bool = True
-                      ) -> optax.GradientTransformation:
+                      error_feedback: bool = True, check_inner: bool = True,
+                      weight: bool | str = False
+                      ) -> optax.GradientTransformationExtraArgs:
     """Runs `inner` on the part of every parameter this worker serves.
 
     Use it in place of ``optax.chain(herring_jax.allreduce_gradients(), inner)``:
@@ -103,9 +106,15 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         gradients, as ``allreduce_gradients`` does (the engine reports what
         this worker encoded; the residual is whole-sized).
       check_inner: run the element-wise check at init (see above).
+      weight: True: a weighted mean of the gradients, as
+        ``allreduce_gradients(weight=True)``: every step passes this worker's
+        weight, ``tx.update(grads, state, params, weight=w)``; the chunks are
+        bitwise those of the weighted unsharded chain. The total weight is
+        one more small exact reduction per step. A string names the keyword.
 
     Returns:
-      An ``optax.GradientTransformation`` with ``ShardedOptimizerState``.
+      An ``optax.GradientTransformationExtraArgs`` with
+      ``ShardedOptimizerState``.
 
     Examples:
       >>> tx = herring_jax.sharded_optimizer(
@@ -116,7 +125,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
     check_bucket_sizes(fusion_bytes, first_bucket_bytes)
     codecs.check_codec(compression)
     feedback = error_feedback and compression != "none"
-    op = "mean" if average else "sum"
+    weight_key = weight_keyword(weight, average, "sharded_optimizer")
+    # A weighted mean sums the products w * g and divides after (weighted.py).
+    op = "mean" if average and not weight_key else "sum"
     # With a codec each worker's part of a buffer starts at a block boundary.
     align = codecs.BLOCK if compression != "none" else 1
 
@@ -153,12 +164,15 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
                 lambda p: jnp.zeros(p.shape if is_f32(p) else (), jnp.float32), params)
         return per_device(ShardedOptimizerState(inner_state, shard, residual), add=True)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        w = step_weight(weight_key, extra_args, "sharded_optimizer")
         check_gradients(updates, axis_name, "sharded_optimizer", average=average)
         state = per_device(state, add=False)
         n = workers()
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         ready = jax_compat.production_order(leaves)
+        if w is not None:
+            leaves = [weighted.scaled(g, w) for g in leaves]
         if feedback:
             residual = treedef.flatten_up_to(state.residual)
             leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
@@ -168,9 +182,19 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         # Every bucket's reduce-scatter is issued as soon as its gradients
         # exist (on XLA:CUDA every start before any done), as
         # allreduce_gradients issues its reductions.
-        parts = split_reductions(
-            lambda b: _reduce_scatter(b, axis_name, op, compression,
-                                      feedback and b.dtype == np.float32), buffers)
+        # The total weight: every worker needs all of it, so it is a small
+        # exact all-reduce of its own, not a reduce-scatter, issued with them.
+        operand = [] if w is None else [weighted.weight_operand(w)]
+
+        def reduce(b):
+            if operand and b is operand[0]:
+                return _total(b, axis_name)
+            return _reduce_scatter(b, axis_name, op, compression,
+                                   feedback and b.dtype == np.float32)
+
+        parts = split_reductions(reduce, buffers + operand)
+        if operand:
+            total, parts = parts[-1], parts[:-1]
         if feedback:
             # What the engine's encoding of each float32 buffer lost, where
             # this worker encoded it (see allreduce_gradients).
@@ -181,6 +205,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         for lay, part in zip(layouts, parts):
             for i, chunk in zip(lay.leaves, lay.split(part)):
                 grad_chunks[i] = chunk.reshape(chunk_shape(np.shape(leaves[i]), n))
+        if w is not None:
+            weighted.check_total_eagerly(total, "sharded_optimizer")
+            grad_chunks = [weighted.divided(c, total) for c in grad_chunks]
         param_chunks = None
         if params is not None:
             param_chunks = jax.tree_util.tree_map(lambda p: chunk_of(p, n, state.shard), params)
@@ -209,7 +236,15 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
 
     # What save_sharded / restore_sharded need to know of the state.
     init_fn.sharded_inner = inner
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _total(operand, axis_name):
+    """The weight operand summed over the workers, exactly."""
+    if axis_name is None:
+        [total] = _allreduce.bind([operand], op="sum", axes=None)
+        return total
+    return psum(operand, axis_name)
 
 
 def _axes(axis_name):

@@ -34,6 +34,7 @@ import optax
 from herring_jax._src import runtime
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.powersgd import workers_mean
+from herring_jax._src.optax_transform import step_weight
 from herring_jax._src.psum import check_gradients, psum
 from herring_jax._src.reduce_scatter import shard_index
 
@@ -130,7 +131,10 @@ def topk(fraction: float, axis_name=None, *, min_compression: float = 2.0,
     def mean(tree):
         return workers_mean(tree, axis_name)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        # A weighted mean is not built in here: refuse the weight that
+        # optax.chain would otherwise hand on to be dropped.
+        step_weight(None, extra_args, "topk", supported=False)
         del params
         check_gradients(updates, axis_name, "topk")
         n = workers()
@@ -174,7 +178,7 @@ def topk(fraction: float, axis_name=None, *, min_compression: float = 2.0,
         return (jax.tree_util.tree_unflatten(treedef, out),
                 TopKState(jax.tree_util.tree_unflatten(treedef, new_residual), state.process))
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def model_np(grads: list[np.ndarray], residuals: list[np.ndarray], fraction: float):

@@ -133,3 +133,52 @@ def bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
 def report(case: str, ok: bool, **fields) -> None:
     print("HERRING_RESULT " + json.dumps({"case": case, "ok": bool(ok), **fields}), flush=True)
     sys.stdout.flush()
+
+
+def weighted_reference(dtype: str, inputs: list[list[np.ndarray]], weights: list[list[float]],
+                       hosts: list[list[int]] | None = None, codec: str = "none") -> np.ndarray:
+    """The weighted mean sum(w x) / sum(w) as herring_jax/_src/weighted.py
+    defines it, inputs[process][device] and weights[process][device]: each
+    product rounded once to the dtype (in float64 for float64 / complex128,
+    else float32; exact zeros where w is 0), summed as `reference` sums
+    (the weights in float32, exactly: no codec), times 1 / W; zeros for a
+    total weight of 0, NaN everywhere if a weight is negative or not finite."""
+    out_t = NP_DTYPES.get(dtype, np.dtype(dtype))
+    c = np.float64 if out_t in (np.float64, np.complex128) else np.float32
+    real = np.dtype(c)
+    products, ws = [], []
+    for xs, wl in zip(inputs, weights):
+        ps = []
+        for x, w in zip(xs, wl):
+            w32 = np.float32(w)
+            with np.errstate(invalid="ignore", over="ignore"):
+                if out_t.kind == "c":
+                    p = (x.real.astype(real) * real.type(w32)
+                         + 1j * (x.imag.astype(real) * real.type(w32))).astype(out_t)
+                else:
+                    p = (x.astype(c) * c(w32)).astype(out_t)
+            ps.append(np.zeros_like(p) if w32 == 0 else p)
+        products.append(ps)
+        ws.append([np.array([w], np.float32) for w in wl])
+    s = reference(dtype, "sum", products, hosts, codec=codec) if out_t.kind != "c" else \
+        _complex_sum(products, hosts)
+    total = reference("float32", "sum", ws, hosts)[0]
+    flat = [np.float32(w) for wl in weights for w in wl]
+    if any(w < 0 or not np.isfinite(w) for w in flat):
+        return np.full(s.shape, np.nan, out_t)
+    if total == 0:
+        return np.zeros(s.shape, out_t)
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = c(1) / c(total)  # one scalar division; the data times its result
+        if out_t.kind == "c":
+            return (s.real.astype(real) * r + 1j * (s.imag.astype(real) * r)).astype(out_t)
+        return (s.astype(c) * r).astype(out_t)
+
+
+def _complex_sum(inputs, hosts):
+    """`reference`'s sum of complex values: the real and imaginary parts each."""
+    real = {np.dtype(np.complex64): "float32", np.dtype(np.complex128): "float64"}[
+        inputs[0][0].dtype]
+    re = reference(real, "sum", [[x.real.copy() for x in xs] for xs in inputs], hosts)
+    im = reference(real, "sum", [[x.imag.copy() for x in xs] for xs in inputs], hosts)
+    return (re + 1j * im).astype(inputs[0][0].dtype)
