@@ -9,13 +9,14 @@ those chunks. Inside the jitted step:
   loss first uses them (found by tracing it), each bucket one all-gather,
   issued ahead of the layers that need it: XLA:CPU starts an asynchronous
   call as soon as its operands exist, so at most `prefetch` gathers are let
-  run ahead of the one the forward pass waits for (a data dependence on
-  the gather `prefetch` buckets earlier); None lets every gather start at
-  once;
+  run ahead of the one the forward pass waits for (bucket k's gather takes a
+  data dependence on the arrival of buckets 0 .. k - prefetch - 1); None
+  lets every gather start at once;
 - backward: each bucket's gather transposes to one reduce-scatter of its
   gradients (mean or sum, a codec with error feedback where asked), issued
-  as soon as the backward pass has produced them; each process keeps only
-  its chunk of every gradient;
+  as soon as the backward pass has produced them, none waiting for another
+  (the forward pass's prefetch bound has no transpose); each process keeps
+  only its chunk of every gradient;
 - the inner transformation updates the chunks; there is no all-gather
   after the update (the next step's gathers are the only ones).
 
@@ -95,9 +96,10 @@ class FullySharded:
         check_bucket_sizes(fusion_bytes, first_bucket_bytes)
         codecs.check_codec(compression)
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
-                                     or prefetch < 1):
-            raise ValueError(f"fully_sharded: prefetch must be a positive int (gathers let run "
-                             f"ahead of the forward pass) or None (all), got {prefetch!r}")
+                                     or prefetch < 0):
+            raise ValueError(f"fully_sharded: prefetch must be an int >= 0 (the gathers let run "
+                             f"ahead of the one the forward pass waits for; 0: none) or None "
+                             f"(every gather at once), got {prefetch!r}")
         self.inner = inner
         self.fusion_bytes = fusion_bytes
         self.first_bucket_bytes = first_bucket_bytes
@@ -255,12 +257,18 @@ class FullySharded:
             if not np.prod(s, dtype=np.int64):
                 out[i] = jnp.zeros(s, d)
         gathered = []
+        released = None
         for k, bucket in enumerate(buckets):
             lay = BucketLayout(bucket, n, self._align)
             ops = [leaves[i] for i in lay.leaves]
-            if self.prefetch is not None and k >= self.prefetch:
-                # Not before the gather `prefetch` buckets back has arrived.
-                ops, _ = jax.lax.optimization_barrier((ops, gathered[k - self.prefetch]))
+            if self.prefetch is not None and k > self.prefetch:
+                # Not before bucket k - prefetch - 1 has arrived, nor before
+                # bucket k-1 was let go (so, in order, not before every
+                # bucket up to k - prefetch - 1 has arrived): while the
+                # forward pass waits for bucket j, buckets j+1 .. j+prefetch
+                # may be in flight, no more.
+                ops = _after(ops, (gathered[k - self.prefetch - 1], released))
+            released = ops
             res = sink = None
             if residual is not None and lay.dtype == np.float32:
                 res = [residual[i] for i in lay.leaves]
@@ -326,6 +334,25 @@ class FullySharded:
             return [p.reshape(a.shape) for p, a in zip(parts, avals)]
 
         return composite.bind("all_gather", body, list(chunks), transpose=transpose)
+
+
+@jax.custom_jvp
+def _after(ops, anchor):
+    """`ops`, not computed before `anchor` exists (the forward pass's
+    prefetch bound)."""
+    ops, _ = jax.lax.optimization_barrier((ops, anchor))
+    return ops
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+    # The tangents pass through untouched: jax's own rule puts a barrier on
+    # them too, whose transpose would make bucket k - prefetch - 1's
+    # reduce-scatter wait for bucket k's (and fill in a zero cotangent of
+    # the anchor's whole size per bucket). The backward pass issues each
+    # reduce-scatter as soon as its gradients exist instead.
+    ops, anchor = primals
+    return _after(ops, anchor), tangents[0]
 
 
 def _check_floating(params) -> None:
@@ -407,8 +434,11 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
     Args:
       inner: the optax transformation that updates the chunks.
       prefetch: how many gathers may run ahead of the one the forward pass
-        waits for (FSDP2 keeps two in flight); None: every gather starts at
-        once (the most overlap, all gathered buckets allocated together).
+        waits for (FSDP2 keeps two in flight; 0: each gather waits for the
+        one before it to arrive); None: every gather starts at once (the most
+        overlap, all gathered buckets allocated together). It bounds the
+        forward pass only: each reduce-scatter of the backward pass starts
+        as soon as its gradients exist.
       reshard_after_forward: gather every bucket again in the backward pass
         instead of keeping it from the forward pass, and recompute there what
         the loss computes from the parameters alone (casts, transposes):
