@@ -182,10 +182,8 @@ class FullySharded:
                     f"{type(accumulate).__name__}")
             order = self._forward_order(fun, state, args)
             treedef = jax.tree_util.tree_structure(state.chunks)
-            # Where nothing this process sends is encoded, nothing is lost:
-            # the residual stays zeros (adding an error never made would be
-            # worse than no feedback).
-            feedback = self.feedback and contributions_encoded()
+            # A job of one process encodes nothing: no residual to carry.
+            feedback = self.feedback and runtime.process_count() > 1
             carried = state.residual if accumulate is None else accumulate.residual
             residual = treedef.flatten_up_to(carried) if feedback else None
 
@@ -303,14 +301,25 @@ class FullySharded:
         def transpose(cts, avals, known):
             old = [known[i] for i in known_at]
             buffer = lay.pack([ct + e for ct, e in zip(cts, old)] if old else cts)
-            [part] = _allreduce.bind([buffer.reshape(n, -1)], op=op, axes=None,
-                                     codec=_allreduce.leaf_codec(buffer, codec),
-                                     collective="reduce_scatter")
+            rows = buffer.reshape(n, -1)
+            leaf_codec = _allreduce.leaf_codec(buffer, codec)
+            if not sinks:
+                [part] = _allreduce.bind([rows], op=op, axes=None, codec=leaf_codec,
+                                         collective="reduce_scatter")
+            else:
+                # What the engine's encoding lost of what this process
+                # encoded (engine::ReduceRequest::lost): its own contribution
+                # where it crosses the wire, its slices of its host's float32
+                # sum where the host stage sums first, zeros where nothing
+                # was encoded (one host).
+                [part], [lost] = _allreduce.bind_with_loss([rows], op=op, axes=None,
+                                                           codec=leaf_codec,
+                                                           collective="reduce_scatter")
             grads = [c.reshape(a.shape) for c, a in zip(lay.split(part), avals[:count])]
             if not sinks:
                 return grads + [None] * len(residual)
-            lost = jnp.where(jnp.isfinite(buffer), buffer - codecs.roundtrip(codec, buffer), 0.0)
-            return (grads + [v.reshape(s) for v, s in zip(lay.unpack(lost, n), shapes)]
+            return (grads + [v.reshape(s) for v, s in zip(lay.unpack(lost.reshape(-1), n),
+                                                           shapes)]
                     + [None] * len(residual))
 
         return composite.bind("all_gather", body, operands, transpose=transpose,
@@ -368,28 +377,6 @@ def _check_floating(params) -> None:
             "keep them out of the tree given to init (nnx.split(model, nnx.Param, ...) "
             "splits them off) and pass them to the loss beside the state, or cast them to "
             "float.")
-
-
-def contributions_encoded() -> bool:
-    """Whether the gradients' reduce-scatter encodes what this process sends
-    (else a lossy codec loses nothing of it, and error feedback keeps no
-    residual). A job of one process sends nothing; where every host holds
-    the same number (> 1) of processes that reduce through memory, the host
-    stage (topology.py) sums them in float32 first: with one host nothing
-    crosses the wire, with several each host's sum is encoded, and the
-    residual of this process's own contribution stands for that loss (an
-    approximation, as in allreduce_gradients)."""
-    current = runtime.state()
-    if current.size == 1:
-        return False
-    topology = current.topology
-    per_host: dict[int, int] = {}
-    for host in topology.host_of:
-        per_host[host] = per_host.get(host, 0) + 1
-    counts = set(per_host.values())
-    staged = (len(counts) == 1 and counts.pop() > 1
-              and all(topology.memory_shared[h] for h in per_host))
-    return not (staged and len(per_host) == 1)
 
 
 def _all_but_gathers(prim, *_, **__) -> bool:
