@@ -21,11 +21,11 @@ def _cases(run):
 # (reshard_after_forward, prefetch 1 with small buckets, so that several are in
 # flight), bfloat16 and an NNX model; the extended layouts the rest (a jitted
 # init, every gather at once, the global-norm clip, a Linen model, 2 simulated
-# hosts x 2 processes).
+# hosts x 2 processes, an attention block as examples/train_lm.py's).
 CASES = {
     2: "float32/adamw-masked/default+reshard+prefetch1,bfloat16/adam/default,model/nnx/adam",
     1: "float32/adam/default+reshard",
-    3: "float32/nesterov/default+prefetch1,bfloat16/clip+adamw/default",
+    3: "float32/nesterov/default+prefetch1,bfloat16/clip+adamw/default,model/attention/adam",
     4: "float32/adamw-masked/default+jit-init+all,bfloat16/schedule/default,"
        "float32/clip+adamw/default,model/linen/adam,model/nnx/adam",
 }

@@ -26,8 +26,11 @@ gathered buckets are not kept for the backward pass but gathered again there
 
 Every element is summed in the order allreduce_gradients sums it and the
 inner transformation sees the same chunks as in sharded_optimizer, so for
-element-wise inner transformations the parameters are bitwise those of
-``optax.chain(allreduce_gradients(), inner)``.
+element-wise inner transformations and the same gradients the parameters are
+bitwise those of ``optax.chain(allreduce_gradients(), inner)`` (the
+gradients are XLA's compilation of the loss: bitwise those of the same loss
+in a one-device jax.jit, not always those of a jax.shard_map program;
+docs/guides/fully_sharded.md, "Same results").
 """
 
 from __future__ import annotations
@@ -416,7 +419,9 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
     ``sharded_optimizer`` (``init`` checks it, as there); global norms
     (``optax.clip_by_global_norm``) see the whole gradient. For element-wise
     `inner`, the parameters are bitwise those of
-    ``optax.chain(allreduce_gradients(), inner)``.
+    ``optax.chain(allreduce_gradients(), inner)`` in a one-device
+    ``jax.jit`` (a ``jax.shard_map`` step compiles the loss otherwise, and
+    its gradients may differ in their last bits).
 
     Args:
       inner: the optax transformation that updates the chunks.

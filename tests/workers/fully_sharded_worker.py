@@ -71,7 +71,27 @@ def flax_models():
     def nnx_loss(params, x):
         return jnp.mean(nnx.merge(graphdef, params, rest)(x) ** 2)
 
-    return {"linen": (linen_params, linen_loss), "nnx": (nnx_params, nnx_loss)}
+    class Attention(nn.Module):
+        """examples/train_lm.py's block in small: layer norms, causal
+        self-attention (a softmax, whose backward XLA compiles differently
+        under jax.shard_map over several devices), gelu."""
+
+        @nn.compact
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], 1, -1)[:, :, :36].reshape(x.shape[0], 6, 6)
+            h = nn.LayerNorm()(x)
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, h, mask=mask)
+            return nn.Dense(3)(nn.gelu(nn.Dense(10)(nn.LayerNorm()(x))))
+
+    attention = Attention()
+    attention_params = attention.init(jax.random.key(1), jnp.zeros((1, 37)))
+
+    def attention_loss(params, x):
+        return jnp.mean(attention.apply(params, x) ** 2)
+
+    return {"linen": (linen_params, linen_loss), "nnx": (nnx_params, nnx_loss),
+            "attention": (attention_params, attention_loss)}
 
 
 def model_case(case: str, rank: int) -> None:
