@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pass instead of keeping them from the forward pass")
     parser.add_argument("--prefetch", type=int, default=2,
                         help="with --fully-sharded: gathers let run ahead of the one the forward "
-                             "pass waits for (0: all at once)")
+                             "pass waits for (0: none; -1: all at once)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -211,7 +211,7 @@ def make_fully_sharded_trainer(mesh, args, loss_fn, init_fn):
                  else optax.adamw(args.lr))
     fs = herring_jax.fully_sharded(optimizer, compression=args.compression,
                                    reshard_after_forward=args.reshard_after_forward,
-                                   prefetch=args.prefetch or None)
+                                   prefetch=None if args.prefetch < 0 else args.prefetch)
     # The whole parameters exist only while init cuts out this process's chunks.
     state = jax.jit(lambda: fs.init(init_fn()))()
 

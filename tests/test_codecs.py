@@ -73,6 +73,16 @@ def test_error_feedback_keeps_what_the_engine_encoding_lost(transform, hosts, np
     assert_all_ok(run, expected_cases=4)
 
 
+def test_fully_sharded_error_feedback_keeps_what_the_engine_encoding_lost():
+    # fully_sharded(compression="int8") on 2 hosts x 2 processes: each
+    # process keeps exactly what its parts of its host's float32 sum lost
+    # (zeros elsewhere), not what its own contribution would have lost.
+    # Every step's gradient chunk and residual against the numpy model.
+    run = launch("ef_host_worker.py", ["--codec", "int8", "--transform", "fully"],
+                 nproc=4, hosts=2)
+    assert_all_ok(run, expected_cases=4)
+
+
 @pytest.mark.parametrize("hosts,nproc", [(None, 2), (2, 4)], ids=["1x2", "2x2"])
 def test_error_feedback_of_processes_with_two_devices(hosts, nproc):
     # allreduce_gradients('d') inside shard_map, 2 devices per process: a

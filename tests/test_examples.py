@@ -119,7 +119,7 @@ SMOKE = {
                                                     "--outer", "sgd", "--fragments", "2",
                                                     "--delay", "1", "--mixing", "0.25"]),
     "lm-fully-sharded-reshard": ("train_lm.py", [*_LM_SMALL, "--fully-sharded",
-                                                 "--reshard-after-forward", "--prefetch", "0"]),
+                                                 "--reshard-after-forward", "--prefetch", "-1"]),
     "lm-native": ("train_lm.py", [*_LM_SMALL, "--reduce", "native"]),
     "lm-any-batch": ("train_lm.py", [*_LM_SMALL, "--micro-batches", "2", "--any-batch",
                                      "--slow-rank", "1", "--slowdown", "2"]),

@@ -21,11 +21,11 @@ def _cases(run):
 # (reshard_after_forward, prefetch 1 with small buckets, so that several are in
 # flight), bfloat16 and an NNX model; the extended layouts the rest (a jitted
 # init, every gather at once, the global-norm clip, a Linen model, 2 simulated
-# hosts x 2 processes).
+# hosts x 2 processes, an attention block as examples/train_lm.py's).
 CASES = {
     2: "float32/adamw-masked/default+reshard+prefetch1,bfloat16/adam/default,model/nnx/adam",
     1: "float32/adam/default+reshard",
-    3: "float32/nesterov/default+prefetch1,bfloat16/clip+adamw/default",
+    3: "float32/nesterov/default+prefetch1,bfloat16/clip+adamw/default,model/attention/adam",
     4: "float32/adamw-masked/default+jit-init+all,bfloat16/schedule/default,"
        "float32/clip+adamw/default,model/linen/adam,model/nnx/adam",
 }
@@ -36,8 +36,10 @@ def test_the_parameters_match_the_unsharded_chain_on_every_process(nproc, hosts)
     # On 2 processes also: LAMB, adafactor and apply_if_finite refused at init,
     # as by sharded_optimizer, and integer and bool leaves (TypeError naming them);
     # and reshard_after_forward saves nothing of a whole parameter's size for the
-    # backward pass (casts, transposes, a sine and its cosine recomputed there).
-    refused = ["--refused", "--saved-residuals"] if nproc == 2 else []
+    # backward pass (casts, transposes, a sine and its cosine recomputed there);
+    # and prefetch=p lets p gathers run ahead of the awaited one while no
+    # reduce-scatter waits for another (the step's traced program).
+    refused = ["--refused", "--saved-residuals", "--prefetch-structure"] if nproc == 2 else []
     run = launch("fully_sharded_worker.py", ["--cases", CASES[nproc], *refused], nproc=nproc,
                  hosts=hosts, env=BITWISE, timeout=900)
     digests = assert_all_ok(run)
@@ -47,7 +49,7 @@ def test_the_parameters_match_the_unsharded_chain_on_every_process(nproc, hosts)
     # state, plus the chunks' padding (at most N-1 elements per leaf of the
     # parameters and of at most two moments) and the state's scalars.
     for case in _cases(run).values():
-        if case["case"].startswith(("model/", "refused/", "reshard/")):
+        if case["case"].startswith(("model/", "refused/", "reshard/", "prefetch/")):
             continue
         padding = 3 * 5 * (nproc - 1) * 4 + 64
         assert case["held_bytes"] <= case["unsharded_bytes"] / nproc + padding, case

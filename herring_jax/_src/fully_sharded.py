@@ -9,13 +9,14 @@ those chunks. Inside the jitted step:
   loss first uses them (found by tracing it), each bucket one all-gather,
   issued ahead of the layers that need it: XLA:CPU starts an asynchronous
   call as soon as its operands exist, so at most `prefetch` gathers are let
-  run ahead of the one the forward pass waits for (a data dependence on
-  the gather `prefetch` buckets earlier); None lets every gather start at
-  once;
+  run ahead of the one the forward pass waits for (bucket k's gather takes a
+  data dependence on the arrival of buckets 0 .. k - prefetch - 1); None
+  lets every gather start at once;
 - backward: each bucket's gather transposes to one reduce-scatter of its
   gradients (mean or sum, a codec with error feedback where asked), issued
-  as soon as the backward pass has produced them; each process keeps only
-  its chunk of every gradient;
+  as soon as the backward pass has produced them, none waiting for another
+  (the forward pass's prefetch bound has no transpose); each process keeps
+  only its chunk of every gradient;
 - the inner transformation updates the chunks; there is no all-gather
   after the update (the next step's gathers are the only ones).
 
@@ -25,8 +26,11 @@ gathered buckets are not kept for the backward pass but gathered again there
 
 Every element is summed in the order allreduce_gradients sums it and the
 inner transformation sees the same chunks as in sharded_optimizer, so for
-element-wise inner transformations the parameters are bitwise those of
-``optax.chain(allreduce_gradients(), inner)``.
+element-wise inner transformations and the same gradients the parameters are
+bitwise those of ``optax.chain(allreduce_gradients(), inner)`` (the
+gradients are XLA's compilation of the loss: bitwise those of the same loss
+in a one-device jax.jit, not always those of a jax.shard_map program;
+docs/guides/fully_sharded.md, "Same results").
 """
 
 from __future__ import annotations
@@ -95,9 +99,10 @@ class FullySharded:
         check_bucket_sizes(fusion_bytes, first_bucket_bytes)
         codecs.check_codec(compression)
         if prefetch is not None and (isinstance(prefetch, bool) or not isinstance(prefetch, int)
-                                     or prefetch < 1):
-            raise ValueError(f"fully_sharded: prefetch must be a positive int (gathers let run "
-                             f"ahead of the forward pass) or None (all), got {prefetch!r}")
+                                     or prefetch < 0):
+            raise ValueError(f"fully_sharded: prefetch must be an int >= 0 (the gathers let run "
+                             f"ahead of the one the forward pass waits for; 0: none) or None "
+                             f"(every gather at once), got {prefetch!r}")
         self.inner = inner
         self.fusion_bytes = fusion_bytes
         self.first_bucket_bytes = first_bucket_bytes
@@ -180,10 +185,8 @@ class FullySharded:
                     f"{type(accumulate).__name__}")
             order = self._forward_order(fun, state, args)
             treedef = jax.tree_util.tree_structure(state.chunks)
-            # Where nothing this process sends is encoded, nothing is lost:
-            # the residual stays zeros (adding an error never made would be
-            # worse than no feedback).
-            feedback = self.feedback and contributions_encoded()
+            # A job of one process encodes nothing: no residual to carry.
+            feedback = self.feedback and runtime.process_count() > 1
             carried = state.residual if accumulate is None else accumulate.residual
             residual = treedef.flatten_up_to(carried) if feedback else None
 
@@ -255,12 +258,18 @@ class FullySharded:
             if not np.prod(s, dtype=np.int64):
                 out[i] = jnp.zeros(s, d)
         gathered = []
+        released = None
         for k, bucket in enumerate(buckets):
             lay = BucketLayout(bucket, n, self._align)
             ops = [leaves[i] for i in lay.leaves]
-            if self.prefetch is not None and k >= self.prefetch:
-                # Not before the gather `prefetch` buckets back has arrived.
-                ops, _ = jax.lax.optimization_barrier((ops, gathered[k - self.prefetch]))
+            if self.prefetch is not None and k > self.prefetch:
+                # Not before bucket k - prefetch - 1 has arrived, nor before
+                # bucket k-1 was let go (so, in order, not before every
+                # bucket up to k - prefetch - 1 has arrived): while the
+                # forward pass waits for bucket j, buckets j+1 .. j+prefetch
+                # may be in flight, no more.
+                ops = _after(ops, (gathered[k - self.prefetch - 1], released))
+            released = ops
             res = sink = None
             if residual is not None and lay.dtype == np.float32:
                 res = [residual[i] for i in lay.leaves]
@@ -295,14 +304,25 @@ class FullySharded:
         def transpose(cts, avals, known):
             old = [known[i] for i in known_at]
             buffer = lay.pack([ct + e for ct, e in zip(cts, old)] if old else cts)
-            [part] = _allreduce.bind([buffer.reshape(n, -1)], op=op, axes=None,
-                                     codec=_allreduce.leaf_codec(buffer, codec),
-                                     collective="reduce_scatter")
+            rows = buffer.reshape(n, -1)
+            leaf_codec = _allreduce.leaf_codec(buffer, codec)
+            if not sinks:
+                [part] = _allreduce.bind([rows], op=op, axes=None, codec=leaf_codec,
+                                         collective="reduce_scatter")
+            else:
+                # What the engine's encoding lost of what this process
+                # encoded (engine::ReduceRequest::lost): its own contribution
+                # where it crosses the wire, its slices of its host's float32
+                # sum where the host stage sums first, zeros where nothing
+                # was encoded (one host).
+                [part], [lost] = _allreduce.bind_with_loss([rows], op=op, axes=None,
+                                                           codec=leaf_codec,
+                                                           collective="reduce_scatter")
             grads = [c.reshape(a.shape) for c, a in zip(lay.split(part), avals[:count])]
             if not sinks:
                 return grads + [None] * len(residual)
-            lost = jnp.where(jnp.isfinite(buffer), buffer - codecs.roundtrip(codec, buffer), 0.0)
-            return (grads + [v.reshape(s) for v, s in zip(lay.unpack(lost, n), shapes)]
+            return (grads + [v.reshape(s) for v, s in zip(lay.unpack(lost.reshape(-1), n),
+                                                           shapes)]
                     + [None] * len(residual))
 
         return composite.bind("all_gather", body, operands, transpose=transpose,
@@ -328,6 +348,25 @@ class FullySharded:
         return composite.bind("all_gather", body, list(chunks), transpose=transpose)
 
 
+@jax.custom_jvp
+def _after(ops, anchor):
+    """`ops`, not computed before `anchor` exists (the forward pass's
+    prefetch bound)."""
+    ops, _ = jax.lax.optimization_barrier((ops, anchor))
+    return ops
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+    # The tangents pass through untouched: jax's own rule puts a barrier on
+    # them too, whose transpose would make bucket k - prefetch - 1's
+    # reduce-scatter wait for bucket k's (and fill in a zero cotangent of
+    # the anchor's whole size per bucket). The backward pass issues each
+    # reduce-scatter as soon as its gradients exist instead.
+    ops, anchor = primals
+    return _after(ops, anchor), tangents[0]
+
+
 def _check_floating(params) -> None:
     """Refuses integer and bool leaves at init: value_and_grad differentiates
     every parameter the state holds, and jax gives them no gradient (its
@@ -341,28 +380,6 @@ def _check_floating(params) -> None:
             "keep them out of the tree given to init (nnx.split(model, nnx.Param, ...) "
             "splits them off) and pass them to the loss beside the state, or cast them to "
             "float.")
-
-
-def contributions_encoded() -> bool:
-    """Whether the gradients' reduce-scatter encodes what this process sends
-    (else a lossy codec loses nothing of it, and error feedback keeps no
-    residual). A job of one process sends nothing; where every host holds
-    the same number (> 1) of processes that reduce through memory, the host
-    stage (topology.py) sums them in float32 first: with one host nothing
-    crosses the wire, with several each host's sum is encoded, and the
-    residual of this process's own contribution stands for that loss (an
-    approximation, as in allreduce_gradients)."""
-    current = runtime.state()
-    if current.size == 1:
-        return False
-    topology = current.topology
-    per_host: dict[int, int] = {}
-    for host in topology.host_of:
-        per_host[host] = per_host.get(host, 0) + 1
-    counts = set(per_host.values())
-    staged = (len(counts) == 1 and counts.pop() > 1
-              and all(topology.memory_shared[h] for h in per_host))
-    return not (staged and len(per_host) == 1)
 
 
 def _all_but_gathers(prim, *_, **__) -> bool:
@@ -402,13 +419,18 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
     ``sharded_optimizer`` (``init`` checks it, as there); global norms
     (``optax.clip_by_global_norm``) see the whole gradient. For element-wise
     `inner`, the parameters are bitwise those of
-    ``optax.chain(allreduce_gradients(), inner)``.
+    ``optax.chain(allreduce_gradients(), inner)`` in a one-device
+    ``jax.jit`` (a ``jax.shard_map`` step compiles the loss otherwise, and
+    its gradients may differ in their last bits).
 
     Args:
       inner: the optax transformation that updates the chunks.
       prefetch: how many gathers may run ahead of the one the forward pass
-        waits for (FSDP2 keeps two in flight); None: every gather starts at
-        once (the most overlap, all gathered buckets allocated together).
+        waits for (FSDP2 keeps two in flight; 0: each gather waits for the
+        one before it to arrive); None: every gather starts at once (the most
+        overlap, all gathered buckets allocated together). It bounds the
+        forward pass only: each reduce-scatter of the backward pass starts
+        as soon as its gradients exist.
       reshard_after_forward: gather every bucket again in the backward pass
         instead of keeping it from the forward pass, and recompute there what
         the loss computes from the parameters alone (casts, transposes):

@@ -1,6 +1,7 @@
 """Error feedback is exactly what the reduction lost, whatever the topology:
-allreduce_gradients or sharded_optimizer with a lossy codec, checked every
-step on every rank against a numpy model of what the engine encodes where.
+allreduce_gradients, sharded_optimizer or fully_sharded with a lossy codec,
+checked every step on every rank against a numpy model of what the engine
+encodes where.
 
 The model (docs/guides/compression.md, "what is encoded where"): each process
 sends its gradient plus its residual. On one host the host stage sums them
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -103,10 +105,26 @@ def per_device_update(tx, devices: int):
     return update
 
 
+def fully_sharded_as_update(codec: str, params):
+    """fully_sharded(compression=codec) seen as tx.init / tx.update(g, state,
+    params) -> (this rank's chunk of the reduced g, state whose .residual is
+    the new residual): the loss sum(w * g) has the gradient g, whatever w."""
+    fs = herring_jax.fully_sharded(optax.sgd(0.0), compression=codec, check_inner=False)
+
+    def update(g, state, params):
+        del params
+        _, grads = fs.value_and_grad(lambda p, c: jnp.sum(p["w"] * c))(state, g["w"])
+        return ({"w": grads.chunks["w"].reshape(-1)},
+                fs.apply_gradients(state, grads))
+
+    return types.SimpleNamespace(init=fs.init, update=update)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--codec", default="int8")
-    parser.add_argument("--transform", choices=("allreduce", "sharded"), default="allreduce")
+    parser.add_argument("--transform", choices=("allreduce", "sharded", "fully"),
+                        default="allreduce")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args()
@@ -116,11 +134,13 @@ def main() -> int:
     devs = args.devices
 
     axis = "d" if devs > 1 else None
+    params = {"w": jnp.zeros(SIZE, jnp.float32)}
     if args.transform == "allreduce":
         tx = herring_jax.allreduce_gradients(axis, compression=args.codec)
-    else:
+    elif args.transform == "sharded":
         tx = herring_jax.sharded_optimizer(optax.identity(), compression=args.codec)
-    params = {"w": jnp.zeros(SIZE, jnp.float32)}
+    else:
+        tx = fully_sharded_as_update(args.codec, params)
     state = tx.init(params)
     update = jax.jit(tx.update) if devs == 1 else per_device_update(tx, devs)
     residuals = [[np.zeros(SIZE, np.float32)] * devs for _ in range(nproc)]
@@ -142,6 +162,9 @@ def main() -> int:
         want, residuals = model(args.codec, args.transform,
                                 [[x + e for x, e in zip(g[r], residuals[r])]
                                  for r in range(nproc)], hosts)
+        if args.transform == "fully":  # this rank's chunk of the mean
+            c = SIZE // nproc
+            want = want[rank * c:(rank + 1) * c]
         out_ok = common.bitwise_equal(got_w, want)
         residual_ok = common.bitwise_equal(got_e, np.stack(residuals[rank]).reshape(got_e.shape))
         kept_any = kept_any or any(np.any(e != 0) for devs_e in residuals for e in devs_e)

@@ -17,6 +17,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.extend import core as jex_core  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
@@ -70,7 +71,27 @@ def flax_models():
     def nnx_loss(params, x):
         return jnp.mean(nnx.merge(graphdef, params, rest)(x) ** 2)
 
-    return {"linen": (linen_params, linen_loss), "nnx": (nnx_params, nnx_loss)}
+    class Attention(nn.Module):
+        """examples/train_lm.py's block in small: layer norms, causal
+        self-attention (a softmax, whose backward XLA compiles differently
+        under jax.shard_map over several devices), gelu."""
+
+        @nn.compact
+        def __call__(self, x):
+            x = x.reshape(x.shape[0], 1, -1)[:, :, :36].reshape(x.shape[0], 6, 6)
+            h = nn.LayerNorm()(x)
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            x = x + nn.MultiHeadDotProductAttention(num_heads=2)(h, h, mask=mask)
+            return nn.Dense(3)(nn.gelu(nn.Dense(10)(nn.LayerNorm()(x))))
+
+    attention = Attention()
+    attention_params = attention.init(jax.random.key(1), jnp.zeros((1, 37)))
+
+    def attention_loss(params, x):
+        return jnp.mean(attention.apply(params, x) ** 2)
+
+    return {"linen": (linen_params, linen_loss), "nnx": (nnx_params, nnx_loss),
+            "attention": (attention_params, attention_loss)}
 
 
 def model_case(case: str, rank: int) -> None:
@@ -135,6 +156,83 @@ def saved_residuals_case(rank: int) -> None:
                   saved=[a.str_short() for a in saved], too_big=too_big, grad_err_in_eps=errs)
 
 
+def _dependencies(jaxpr):
+    """For each gather (herring_all_gather) and reduce-scatter equation of
+    `jaxpr`'s top level, in program order: the gathers and the reduce-scatters
+    whose results its operands depend on (through any equations)."""
+    deps = {}  # var -> (gathers, reduce-scatters) it depends on
+    gathers, scatters = [], []
+    for eqn in jaxpr.eqns:
+        g, r = set(), set()
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                dg, dr = deps.get(v, ((), ()))
+                g |= set(dg)
+                r |= set(dr)
+        name = eqn.primitive.name
+        if name == "herring_all_gather":
+            gathers.append((g, r))
+            g = g | {len(gathers) - 1}
+        elif name == "herring_allreduce" and eqn.params["collective"] == "reduce_scatter":
+            scatters.append((g, r))
+            r = r | {len(scatters) - 1}
+        for v in eqn.outvars:
+            deps[v] = (frozenset(g), frozenset(r))
+    return gathers, scatters
+
+
+def _count(jaxpr, name: str) -> int:
+    """Equations of primitive `name` in `jaxpr`, nested ones included."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == name
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            n += _count(sub, name)
+    return n
+
+
+def prefetch_structure_case(rank: int) -> None:
+    """prefetch=p: bucket k's gather waits for the arrival of buckets 0..k-p-1
+    and no other's, so while the forward pass waits for bucket 0, buckets
+    1..p (and no more) may be gathered too; the backward pass's reduce-scatters wait
+    for none of each other, and it holds no barrier (jax's transpose of the
+    forward pass's would tie bucket k-p-1's reduce-scatter to bucket k's
+    through a whole-sized zero cotangent)."""
+    del rank
+    layers = 6
+    rng = np.random.default_rng(7)
+    params = {f"w{k}": jnp.asarray(rng.normal(size=(16, 16)) / 4, jnp.float32)
+              for k in range(layers)}
+
+    def loss(params, x):
+        for k in range(layers):
+            x = jnp.tanh(x @ params[f"w{k}"])
+        return jnp.mean(x ** 2)
+
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    # One parameter per bucket (each 1 KiB).
+    for p in (0, 1, 2, None):
+        fs = herring_jax.fully_sharded(optax.sgd(0.1), prefetch=p, fusion_bytes=1024,
+                                       first_bucket_bytes=1024)
+        closed = jax.make_jaxpr(fs.value_and_grad(loss))(fs.init(params), x)
+        gathers, scatters = _dependencies(closed.jaxpr)
+        waits = [sorted(g) for g, _ in gathers]
+        want = [list(range(k - p)) if p is not None and k > p else [] for k in range(layers)]
+        # The gathers that can be in flight while bucket 0's is awaited.
+        before_first = sum(0 not in g for g, _ in gathers)
+        zeros = [e.outvars[0].aval.str_short() for e in closed.jaxpr.eqns
+                 if e.primitive.name == "broadcast_in_dim" and e.outvars[0].aval.shape == (16, 16)]
+        barriers = _count(closed.jaxpr, "optimization_barrier")
+        want_barriers = 0 if p is None else max(0, layers - p - 1)
+        ok = (len(gathers) == layers and waits == want
+              and before_first == (layers if p is None else min(layers, p + 1))
+              and len(scatters) == layers and not any(r for _, r in scatters)
+              and not any(r for _, r in gathers) and not zeros and barriers == want_barriers)
+        common.report(f"prefetch/structure/{p}", ok, waits=waits, want=want,
+                      before_first=before_first, barriers=barriers,
+                      scatter_waits=[sorted(r) for _, r in scatters], zeros=zeros)
+
+
 VARIANTS = {"default": {}, "reshard": dict(reshard_after_forward=True), "jit-init": {},
             "prefetch1": dict(prefetch=1, fusion_bytes=256),
             "all": dict(prefetch=None, fusion_bytes=512)}
@@ -147,6 +245,8 @@ def main() -> None:
                              f"{', '.join(VARIANTS)})")
     parser.add_argument("--saved-residuals", action="store_true",
                         help="also: what reshard_after_forward saves for the backward pass")
+    parser.add_argument("--prefetch-structure", action="store_true",
+                        help="also: what waits for what with each prefetch depth")
     parser.add_argument("--refused", action="store_true",
                         help="also: transformations that look at whole leaves are refused")
     args = parser.parse_args()
@@ -197,6 +297,8 @@ def main() -> None:
                           error=str(e))
     if args.saved_residuals:
         saved_residuals_case(rank)
+    if args.prefetch_structure:
+        prefetch_structure_case(rank)
     herring_jax.shutdown()
 
 
