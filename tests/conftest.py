@@ -103,6 +103,10 @@ EXTENDED_CASES = {
     # tests/test_streaming.py resumes after every step in the core tier.
     "test_restarts.py::test_streaming_diloco_resumes_from_a_checkpoint_with_a_fragment_in_flight",
     "test_restarts.py::test_local_sgd_resumes_on_fewer_processes",
+    # A killed server-only process under --max-restarts: two train_lm runs
+    # with a server (tests/test_servers.py kills one in the core tier).
+    "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"
+    "parameters",
 }
 # The C++ unit tests under the sanitizers (their builds took 175 s of the core
 # tier): the core tier runs them unsanitized, the extended part under

@@ -8,6 +8,7 @@ processes and compare the params sha256 of its "done" line with an
 uninterrupted run's.
 """
 
+import json
 import os
 import random
 import re
@@ -248,12 +249,12 @@ def _lm_env():
             "HERRING_TIMEOUT_S": "60", "HERRING_LAUNCH_GRACE_S": "5"}
 
 
-def _lm(ckpt: Path, n: int = 4, launch=(), extra=(), command=None, timeout=600):
+def _lm(ckpt: Path, n: int = 4, launch=(), extra=(), command=None, timeout=600, env=None):
     cmd = _launcher(["-n", str(n), "--timeout", str(timeout), *launch, "--",
                      *(command or [sys.executable, "train_lm.py"]), *LM_ARGS,
                      "--checkpoint-dir", str(ckpt), *extra])
-    return subprocess.run(cmd, cwd=EXAMPLES, env=_lm_env(), capture_output=True, text=True,
-                          timeout=timeout + 60)
+    return subprocess.run(cmd, cwd=EXAMPLES, env={**_lm_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout + 60)
 
 
 def _out(proc) -> str:
@@ -462,3 +463,30 @@ def test_local_sgd_resumes_on_fewer_processes(tmp_path):
     assert on.returncode == 0, _out(on)
     assert [int(s) for s in _RESUMED.findall(on.stdout)] == [5], _out(on)
     assert "done: reduce=herring processes=2 " in on.stdout, _out(on)
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_parameters(tmp_path):
+    # 2 workers and a server-only process on this one host, on the flat path
+    # (the host stage would sum everything through memory), with every
+    # all-reduce through the server. It is killed once it has summed half of
+    # what it sums in an uninterrupted run: mid-run, whatever the timing.
+    env = {"HERRING_HOST_STAGE": "0", "HERRING_SERVER_MIN_BYTES": "0"}
+    whole = _lm(tmp_path / "whole", n=2, launch=["--servers", "1"], env=env)
+    assert whole.returncode == 0, _out(whole)
+    [line] = re.findall(r"^\[rank 2\] HERRING_RESULT (.*)$", whole.stdout, re.M)
+    server = json.loads(line)
+    assert server["ok"] and server["served_chunks"] > 0, server
+    proc = _lm(tmp_path / "ckpt", n=2, launch=["--servers", "1", "--max-restarts", "1"],
+               env={**env, "HERRING_TEST_SERVER_KILL_AT_CHUNK": str(server["served_chunks"] // 2)})
+    assert proc.returncode == 0, _out(proc)
+    restarts = [line for line in proc.stderr.splitlines() if ": restart " in line]
+    assert restarts == [
+        "herring-jax launch: restart 1 of 1 (HERRING_RESTART=1): server rank 2 exited with code "
+        "137 (killed by SIGKILL); starting all 2 processes again, and the servers"], _out(proc)
+    # The restart resumed from a checkpoint (one after step 4 at least: the
+    # kill came about step 8 of 16), and ended bitwise where the
+    # uninterrupted run did.
+    resumed = [int(s) for s in _RESUMED.findall(proc.stdout)]
+    assert len(resumed) == 1 and resumed[0] >= 4, _out(proc)
+    assert _digest(proc) == _digest(whole), _out(proc)

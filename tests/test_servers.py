@@ -43,6 +43,40 @@ def test_two_workers_and_a_server_sum_bitwise_as_without_it():
         assert server["ok"] and server["served_chunks"] >= len(_cases(run, 0)), server
 
 
+def test_the_host_stage_sums_across_hosts_through_the_servers_bitwise_as_without_them():
+    # 2 simulated hosts x 2 workers: each host sums through memory, then each
+    # process's slice of its host's sum crosses hosts, and with servers part
+    # of each slice goes through them (the 0.6 share: both the workers' shards
+    # and the 2 servers sum some of it). Every rank checks its results
+    # against the numpy reference of the host stage's order (the processes of
+    # a host, then the hosts), which is also what the same job without
+    # servers returns (the digests, below).
+    args = CASES + ["--describe"]
+    without = launch("reduce_worker.py", args, nproc=4, hosts=2)
+    assert without.returncode == 0, without.explain()
+    run = launch("reduce_worker.py", args, nproc=4, hosts=2, servers=2,
+                 env={"HERRING_SERVER_SHARE": "0.6", "HERRING_SERVER_MIN_BYTES": "0"})
+    assert run.returncode == 0, run.explain()
+    for rank in range(4):
+        got, want = _cases(run, rank), _cases(without, rank)
+        assert set(got) == set(want) and len(got) > 2, (got.keys(), want.keys())
+        for name, case in got.items():
+            if name == "describe":
+                assert "2 processes on it, host stage through memory" in case["describe"], case
+                continue
+            assert case["ok"], (name, case)
+            assert case["digest"] == want[name]["digest"], (name, case, want[name])
+        [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
+        stats = stats["stats"]
+        # Every reduction took the host stage, and its slices went through the
+        # servers (a count-1 buffer's slice is empty on a host's second process).
+        assert stats["host_stage_calls"] == stats["reductions"] > 0, stats
+        assert stats["served_jobs"] > 0, stats
+    for server in (4, 5):
+        [result] = run.results[server]
+        assert result["ok"] and result["served_chunks"] > 0, result
+
+
 def test_only_buffers_of_at_least_server_min_bytes_use_the_servers():
     # Default knobs: a 28-byte all-reduce stays on the workers' shards, one
     # of twice HERRING_SERVER_MIN_BYTES goes through the server; both sum

@@ -2,9 +2,12 @@
 (step times are not asserted: they are only meaningful as ratios in one run)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from multiproc import train_bench_codecs
 
@@ -158,3 +161,26 @@ def test_train_bench_names_a_script_that_trained_something_else(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "reports powersgd4: does it take the options --powersgd-rank 4 --powersgd-codec bf16" \
         in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(1200)
+def test_train_bench_with_servers_sends_less_and_trains_the_same(tmp_path):
+    # 3 workers and, through --launch-args, 3 server-only processes taking
+    # every gradient buffer (on this one host: the flat path): a worker then
+    # sends each buffer B once instead of 2 (n-1)/n B = 1.33 B, and the
+    # trained model is bitwise the same, so its final loss too.
+    def bench(launch_args: str, name: str) -> dict:
+        out = tmp_path / name
+        proc = subprocess.run(
+            [sys.executable, "-P", "-m", "herring_jax._src.cli", "train-bench", "-n", "3",
+             "--steps", "6", "--reducers", "herring", "--launch-args", launch_args, "--json",
+             str(out), "--", "--dim", "32", "--layers", "1", "--text-bytes", str(1 << 18)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+            env={**os.environ, "HERRING_HOST_STAGE": "0", "HERRING_SERVER_MIN_BYTES": "0"})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return {r["processes"]: r for r in json.loads(out.read_text())["results"]}
+
+    without, served = bench("", "without.json"), bench("--servers 3", "servers.json")
+    assert served[3]["final_loss"] == without[3]["final_loss"], (served, without)
+    assert served[3]["sent_mib_per_step"] < 0.85 * without[3]["sent_mib_per_step"], \
+        (served, without)

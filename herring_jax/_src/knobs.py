@@ -189,6 +189,10 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_SERVER_EXIT_S", None, _positive_float,
              "Tests only: a server-only process kills itself (SIGKILL) this many seconds "
              "after it starts serving."),
+        Knob("HERRING_TEST_SERVER_KILL_AT_CHUNK", None, _positive_int,
+             "Tests only: in a job's first run (HERRING_RESTART unset or 0), a server-only "
+             "process kills itself (SIGKILL) once it has summed this many chunks: a point of "
+             "the training that timing does not move, which a restart does not meet again."),
         Knob("HERRING_ALLOW_MEMORY_READS", True, _bool,
              "1: under Yama's kernel.yama.ptrace_scope 1, this process lets the other processes "
              "of its host read its memory for the host stage, by declaring their nearest "

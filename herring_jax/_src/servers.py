@@ -226,6 +226,10 @@ def serve(coordinator: str, index: int | None = None) -> int:
         timer = threading.Timer(exit_s, os.kill, (os.getpid(), signal.SIGKILL))
         timer.daemon = True
         timer.start()
+    kill_at = knobs.get("HERRING_TEST_SERVER_KILL_AT_CHUNK")
+    if kill_at is not None and knobs.get("HERRING_RESTART") == 0:
+        threading.Thread(target=_kill_at_chunk, args=(ext, handle, kill_at),
+                         daemon=True).start()
     why = ext.serve(handle)
     stats = ext.stats(handle)
     ext.destroy(handle)
@@ -238,6 +242,14 @@ def serve(coordinator: str, index: int | None = None) -> int:
         print(f"{PROG}: rank {rank}: the job failed: {why}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _kill_at_chunk(ext, handle, chunks: int) -> None:
+    """HERRING_TEST_SERVER_KILL_AT_CHUNK: SIGKILL once `chunks` chunks are summed
+    (ext.serve runs without the GIL; the counter is an atomic)."""
+    while ext.stats(handle)["served_chunks"] < chunks:
+        time.sleep(0.002)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -415,18 +415,19 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   // Every contribution and result sums at least one device, and at most
   // kMaxContributors (beyond either it is malformed).
   h.contributors = in.ConsumeIntegralInRange<uint32_t>(1, kMaxContributors);
-  h.reserved2 = 0;  // as every sender leaves it (WireHeader{})
+  h.served = 0;  // as every sender of these kinds leaves it (WireHeader{})
   SealHeader(&h);
   const size_t len = kHeaderSize + static_cast<size_t>(h.payload_bytes);
   const Expectation want = ExpectationOf(h, in.ConsumeIntegral<uint32_t>());
 
-  // The checksum is "of all bytes above" it: the checksum field itself and
-  // reserved2 do not enter it.
+  // The checksum is "of every other byte": the checksum field alone does not
+  // enter it, the served group does.
   {
     WireHeader other = h;
     other.checksum = ~h.checksum;
-    other.reserved2 = ~h.reserved2;
     FUZZ_CHECK(HeaderChecksum(other) == h.checksum);
+    other.served = h.served ^ 0xff;  // one byte: FNV-1a always sees it
+    FUZZ_CHECK(HeaderChecksum(other) != h.checksum);
   }
 
   // As sealed, it is accepted: as the message expected, and as a control
@@ -442,9 +443,9 @@ void FuzzSealedHeader(FuzzedDataProvider& in) {
   if (action == 0) {
     // One damaged byte. FNV-1a changes its result for any single changed
     // byte (each step is a bijection of the running hash), so damage to the
-    // covered bytes or to the checksum is always caught; reserved2, outside
-    // the checksum, must be zero. Any damage is kMalformed, never accepted
-    // and never a job-failing kMismatch.
+    // covered bytes or to the checksum is always caught (and the served
+    // group, covered too, must be zero outside kServed). Any damage is
+    // kMalformed, never accepted and never a job-failing kMismatch.
     const size_t offset = in.ConsumeIntegralInRange<size_t>(0, kHeaderSize - 1);
     const uint8_t flip = in.ConsumeIntegralInRange<uint8_t>(1, 255);
     uint8_t damaged_bytes[kHeaderSize];

@@ -275,7 +275,7 @@ Status Communicator::AllReduce(uint32_t stream, const std::vector<int>& group,
   const std::vector<Identity> ids = TakeIdentities(stream, group, requests);
   const GroupPlan& plan = PlanFor(group);
   if (plan.hierarchical) return ReduceInHosts(stream, plan, requests, ids);
-  return ReduceFlat(stream, group, requests, ids, ServersServe(group));
+  return ReduceFlat(stream, group, requests, ids, ServedFlags(group, requests));
 }
 
 std::string CheckRequest(const ReduceRequest& r, int n) {
@@ -335,12 +335,15 @@ std::vector<Identity> Communicator::TakeIdentities(uint32_t stream,
 
 Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
                                 const std::vector<ReduceRequest>& requests,
-                                const std::vector<Identity>& ids, bool servers) {
+                                const std::vector<Identity>& ids,
+                                const std::vector<bool>& served_flags) {
   auto batch = std::make_unique<Batch>();
   batch->stream = stream;
   batch->group = order;
   // The server-only processes own the parts after the group's (ServedParts).
-  const int num_servers = servers ? ServerCount() : 0;
+  const bool any_served =
+      std::find(served_flags.begin(), served_flags.end(), true) != served_flags.end();
+  const int num_servers = any_served ? ServerCount() : 0;
   for (int j = 0; j < num_servers; ++j) batch->group.push_back(config_.workers + j);
   batch->started_ns = NowNs();
   for (size_t k = 0; k < requests.size(); ++k) {
@@ -364,9 +367,9 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
   // Geometry first, so that `remaining` is complete before anything is posted.
   const double share =
       num_servers > 0 ? ServerShare(n, num_servers, config_.server_share) : 0.0;
-  for (auto& job : batch->jobs) {
-    Job& j = *job;
-    const bool served = num_servers > 0 && share > 0 && ServedJob(j.req);
+  for (size_t k = 0; k < batch->jobs.size(); ++k) {
+    Job& j = *batch->jobs[k];
+    const bool served = num_servers > 0 && share > 0 && served_flags[k];
     j.n = served ? n + num_servers : n;
     j.workers = n;
     j.me = me;

@@ -110,19 +110,23 @@ class Communicator {
                                        const std::vector<ReduceRequest>& requests);
   const GroupPlan& PlanFor(const std::vector<int>& group);
   // The sharded parameter-server reduction (data_path.cc) over `order`: the
-  // group's processes in summation order (server i is order[i]). With
-  // `servers` the server-only processes follow them as owners of parts of
-  // the buffers that can use them (ServedJob, served.cc).
+  // group's processes in summation order (server i is order[i]). For each
+  // request whose `served` flag is set (ServedFlags; none if empty) the
+  // server-only processes follow them as owners of parts of its buffer.
   Status ReduceFlat(uint32_t stream, const std::vector<int>& order,
                     const std::vector<ReduceRequest>& requests,
-                    const std::vector<Identity>& ids, bool servers = false);
+                    const std::vector<Identity>& ids, const std::vector<bool>& served = {});
   // Server-only processes (served.cc). How many there are; whether a call
-  // over `group` places parts on them (every worker, flat); and whether a
+  // over `group` places parts on them (every worker); and whether a
   // request does (an all-reduce without a codec, of at least
   // CommConfig::server_min_bytes).
   int ServerCount() const;
   bool ServersServe(const std::vector<int>& group) const;
   bool ServedJob(const ReduceRequest& r) const;
+  // Per request of a call over `group`, whether its buffer goes through
+  // them (the host stage asks with its whole buffers, then reduces slices).
+  std::vector<bool> ServedFlags(const std::vector<int>& group,
+                                const std::vector<ReduceRequest>& requests) const;
   // Their side: a receive into slot `slot` (any worker, any reduction); its
   // completion; the contribution it brought, kept until every worker's is
   // here, then summed and sent back.

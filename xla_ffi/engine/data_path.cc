@@ -188,6 +188,13 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       const MsgKind kind = i < job->workers ? MsgKind::kContribution : MsgKind::kServed;
       WireHeader& h = job->send_hdrs[i * job->max_chunks + c];
       h = MakeHeader(*job, kind, config_.token, my_rank, i, c, len, job->req.contributors);
+      if (kind == MsgKind::kServed) {
+        // Which group sends it: a server sums any group's parts (served.cc).
+        h.served = PackServedGroup({static_cast<uint32_t>(batch->group[0]),
+                                    static_cast<uint32_t>(job->workers),
+                                    static_cast<uint32_t>(me)});
+        SealHeader(&h);
+      }
       transport::IoVec iov[2] = {{&h, sizeof(h)}, {data, len}};
       const uint64_t tag = MakeTag(kind, my_rank, batch->stream, job->tag_bits, c);
       if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[i], tag, h);

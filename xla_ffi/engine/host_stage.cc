@@ -12,7 +12,8 @@
 //      host by ReduceFlat over the processes with local index j, one per host,
 //      in host order. Every process of a host serves and sends its slice, so
 //      all of them keep the host's flows busy, as Herring's balanced fusion
-//      buffers spread a node's data over its GPUs;
+//      buffers spread a node's data over its GPUs. With server-only
+//      processes, their share of each slice is summed there (served.cc);
 //   4. ready: it tells the others that its slice is final (kHostReady, the
 //      staging address) and copies the slice into its own output (with one
 //      host, step 2 already wrote it there);
@@ -232,7 +233,9 @@ Status Communicator::ReduceInHosts(uint32_t stream, const GroupPlan& plan,
                                    const std::vector<Identity>& ids) {
   for (const ReduceRequest& r : requests) {
     // The same verdict on every process (it depends on parts and topology).
-    if (!CodecAligned(r, plan)) return ReduceFlat(stream, plan.group, requests, ids);
+    if (!CodecAligned(r, plan)) {
+      return ReduceFlat(stream, plan.group, requests, ids, ServedFlags(plan.group, requests));
+    }
   }
   host_calls_ += 1;
   const int p = static_cast<int>(plan.local.size());
@@ -446,8 +449,16 @@ bool Communicator::RunHostSteps(Batch* batch, uint32_t stream, const GroupPlan& 
       if (slice.collective == Collective::kReduceScatter) slice.out = requests[k].out;
       if (slice.collective == Collective::kAllGather) slice.in = requests[k].in;
     }
+    // Server-only processes take their share of the slices of the buffers
+    // that would use them on the flat path (judged by the whole buffer: the
+    // same verdict on every process). A slice holds an nth of the host's
+    // bytes, but each host's processes send theirs at once, so the servers
+    // carry the host's whole buffer, as on the flat path with one process
+    // per host; their share is the one for as many workers as hosts.
+    std::vector<bool> served = ServedFlags(plan.group, requests);
+    for (size_t k = 0; k < num; ++k) served[k] = served[k] && slices[k].count > 0;
     // Its failure has been told to every rank already.
-    if (ok) fail(ReduceFlat(stream, plan.cross, slices, ids), /*tell_peers=*/false);
+    if (ok) fail(ReduceFlat(stream, plan.cross, slices, ids, served), /*tell_peers=*/false);
     for (size_t k = 0; ok && k < num; ++k) {
       if (requests[k].lost == nullptr) continue;
       size_t staged = 0;

@@ -2,10 +2,13 @@
 // CommConfig::workers), and the workers' choice of which calls use them.
 // Such a process never knows what the workers reduce: its receives take a
 // kServed message of any reduction from any worker; the headers say which
-// chunk of which reduction each is. Once every worker's message of a chunk is
-// here it sums them in rank order with the kernel the workers' own server
-// shards use (so every element has the same bits whichever process summed
-// it) and sends the sum back to every worker as that part's kResult.
+// chunk of which reduction each is, and which group of workers sends it
+// (every worker on the flat path; in the host stage, the processes with one
+// local index, one per host: WireHeader::served). Once every group member's
+// message of a chunk is here it sums them in the group's order with the
+// kernel the workers' own server shards use (so every element has the same
+// bits whichever process summed it) and sends the sum back to every member
+// as that part's kResult.
 // Runs on the transport's progress thread (OnServed) and the server threads
 // (TakeServed: receives are re-posted there, never from the progress thread).
 #include <algorithm>
@@ -53,8 +56,9 @@ int Communicator::ServerCount() const {
 }
 
 bool Communicator::ServersServe(const std::vector<int>& group) const {
-  // Only a group of every worker: a server counts on a contribution from
-  // each of them (ranks 0 .. workers - 1; the group is sorted and unique).
+  // Only a call over every worker (ranks 0 .. workers - 1; the group is
+  // sorted and unique): the servers' share of the job's traffic is planned
+  // for the whole job, and a call of some workers runs beside the others'.
   return ServerCount() > 0 && config_.rank < config_.workers &&
          static_cast<int>(group.size()) == config_.workers;
 }
@@ -62,6 +66,14 @@ bool Communicator::ServersServe(const std::vector<int>& group) const {
 bool Communicator::ServedJob(const ReduceRequest& r) const {
   return r.collective == Collective::kAllReduce && r.codec == Codec::kNone && r.count > 0 &&
          r.count * ElementSize(r.dtype) >= config_.server_min_bytes;
+}
+
+std::vector<bool> Communicator::ServedFlags(const std::vector<int>& group,
+                                            const std::vector<ReduceRequest>& requests) const {
+  std::vector<bool> flags(requests.size(), false);
+  if (!ServersServe(group)) return flags;
+  for (size_t k = 0; k < requests.size(); ++k) flags[k] = ServedJob(requests[k]);
+  return flags;
 }
 
 void Communicator::ServerGone(int rank, const std::string& how) {
@@ -141,7 +153,6 @@ std::string Communicator::CheckServed(const WireHeader& h,
   if (c.len < sizeof(WireHeader)) return "message shorter than a header";
   if (h.magic != kMagic || h.version != kWireVersion) return "bad magic or version";
   if (h.checksum != HeaderChecksum(h)) return "header checksum mismatch";
-  if (h.reserved2 != 0) return "reserved header bytes are not zero";
   if (h.token != config_.token) return "wrong job token (a process of another job or an old run)";
   if (h.kind != static_cast<uint8_t>(MsgKind::kServed) || !IsValidDType(h.dtype) ||
       !IsValidOp(h.op) || h.codec != static_cast<uint8_t>(Codec::kNone)) {
@@ -158,6 +169,19 @@ std::string Communicator::CheckServed(const WireHeader& h,
   if (h.src_rank >= static_cast<uint32_t>(config_.workers) || h.src_rank != TagSender(c.tag) ||
       (c.source != transport::kSourceUnchecked && c.source != static_cast<int>(h.src_rank))) {
     return "sender " + std::to_string(h.src_rank) + " is no worker, or not where it came from";
+  }
+  // The group: of workers, the sender in it, and this server's part the one
+  // after the group's own (ServedParts: n workers' parts, then the servers').
+  const ServedGroup g = UnpackServedGroup(h.served);
+  const uint32_t workers = static_cast<uint32_t>(config_.workers);
+  if (g.size < 2 || g.size > workers || g.position >= g.size || g.first >= workers ||
+      (g.position == 0) != (h.src_rank == g.first) ||
+      h.part != g.size + static_cast<uint32_t>(config_.rank - config_.workers)) {
+    return "a served group that cannot be (first rank " + std::to_string(g.first) + ", " +
+           std::to_string(g.size) + " processes, the sender at position " +
+           std::to_string(g.position) + ", part " + std::to_string(h.part) +
+           "): this server sums part n + " + std::to_string(config_.rank - config_.workers) +
+           " of groups of n = 2.." + std::to_string(workers) + " workers";
   }
   return "";
 }
@@ -181,45 +205,54 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
   const int from = static_cast<int>(h.src_rank);
   Heard(h.src_rank);
   TookFrom(from);
-  const int workers = config_.workers;
+  const ServedGroup group = UnpackServedGroup(h.served);
+  const int members = static_cast<int>(group.size);
   ServedChunk chunk;
   {
     std::lock_guard<std::mutex> lock(st.mu);
     ServedChunk& entry = st.chunks[KeyOf(h)];
     if (entry.from.empty()) {
       entry.first = h;
-      entry.from.resize(workers);
+      entry.from.resize(members);
+      entry.ranks.assign(members, -1);
     }
     const WireHeader& f = entry.first;
     std::string mismatch;
     if (f.key != h.key || f.dtype != h.dtype || f.op != h.op || f.total_elems != h.total_elems ||
-        f.payload_bytes != h.payload_bytes) {
+        f.payload_bytes != h.payload_bytes ||
+        UnpackServedGroup(f.served).size != group.size) {
       mismatch = "mismatched reductions at server rank " + std::to_string(config_.rank) +
-                 ": rank " + std::to_string(f.src_rank) + " sent " + Fields(f) + ", rank " +
-                 std::to_string(h.src_rank) + " " + Fields(h);
-    } else if (entry.from[from].ok()) {
+                 ": rank " + std::to_string(f.src_rank) + " sent " + Fields(f) + " in a group of " +
+                 std::to_string(UnpackServedGroup(f.served).size) + ", rank " +
+                 std::to_string(h.src_rank) + " " + Fields(h) + " in a group of " +
+                 std::to_string(group.size);
+    } else if (entry.from[group.position].ok()) {
       mismatch = "server rank " + std::to_string(config_.rank) + " got " + Fields(h) +
-                 " twice from rank " + std::to_string(from);
+                 " twice from position " + std::to_string(group.position) + " of the group " +
+                 "of rank " + std::to_string(group.first) + " (ranks " +
+                 std::to_string(entry.ranks[group.position]) + " and " + std::to_string(from) +
+                 ")";
     }
     if (!mismatch.empty()) {
       st.chunks.erase(KeyOf(h));
       FailAll(mismatch, /*tell_peers=*/true);
       return;
     }
-    entry.from[from] = std::move(message);
-    if (++entry.arrived < workers) return;
+    entry.from[group.position] = std::move(message);
+    entry.ranks[group.position] = from;
+    if (++entry.arrived < members) return;
     chunk = std::move(entry);
     st.chunks.erase(KeyOf(h));
   }
 
-  // Every worker's contribution is here: the sum in rank order.
+  // Every member's contribution is here: the sum in the group's order.
   const WireHeader& f = chunk.first;
   const DType dtype = static_cast<DType>(f.dtype);
   const ReduceOp op = static_cast<ReduceOp>(f.op);
   const size_t count = f.payload_bytes / ElementSize(dtype);
-  std::vector<const void*> srcs(workers);
+  std::vector<const void*> srcs(members);
   uint64_t contributors = 0;
-  for (int w = 0; w < workers; ++w) {
+  for (int w = 0; w < members; ++w) {
     srcs[w] = chunk.from[w].data() + kServedPayloadAt;
     WireHeader hw;
     std::memcpy(&hw, chunk.from[w].data(), sizeof(hw));
@@ -238,22 +271,23 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
     return;
   }
   const double divisor = op == ReduceOp::kMean ? static_cast<double>(contributors) : 1.0;
-  ReduceOpInto(op, dtype, result->data.data(), nullptr, srcs.data(), workers, count, divisor);
+  ReduceOpInto(op, dtype, result->data.data(), nullptr, srcs.data(), members, count, divisor);
   chunk.from.clear();  // the contributions' buffers go back to the pool
 
   result->header = f;
   result->header.kind = static_cast<uint8_t>(MsgKind::kResult);
   result->header.src_rank = static_cast<uint32_t>(config_.rank);
   result->header.contributors = static_cast<uint32_t>(contributors);
+  result->header.served = 0;
   SealHeader(&result->header);
   const uint32_t rank = static_cast<uint32_t>(config_.rank);
   const uint64_t tag = MakeTag(MsgKind::kResult, rank, f.stream,
                                IdentityTagBits(HeaderIdentity(f), f.stream), f.chunk);
   st.chunks_summed.fetch_add(1);
   st.bytes_summed.fetch_add(f.payload_bytes);
-  // Starting at a different worker for each part, as the workers' shards do.
-  for (int step = 0; step < workers; ++step) {
-    const int to = static_cast<int>((f.part + step) % workers);
+  // Starting at a different member for each part, as the workers' shards do.
+  for (int step = 0; step < members; ++step) {
+    const int to = chunk.ranks[(f.part + step) % members];
     transport::IoVec iov[2] = {{&result->header, sizeof(WireHeader)},
                                {result->data.data(), f.payload_bytes}};
     Status s = transport_->Send(to, tag, iov, f.payload_bytes > 0 ? 2 : 1,

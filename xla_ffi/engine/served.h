@@ -62,19 +62,22 @@ inline std::vector<size_t> ServedParts(size_t count, int n, int k, double share,
 constexpr size_t kServedPayloadAt = 128;
 static_assert(kServedPayloadAt >= sizeof(WireHeader), "served header does not fit");
 
-// Which chunk of which reduction a contribution belongs to.
+// Which chunk of which reduction a contribution belongs to. The host stage's
+// groups of one call (one per local index) share its identity: their first
+// processes tell them apart.
 using ServedKey = std::tuple<int64_t, uint64_t, uint32_t, uint32_t, uint32_t, uint32_t,
-                             uint32_t, uint32_t>;
+                             uint32_t, uint32_t, uint32_t>;
 inline ServedKey KeyOf(const WireHeader& h) {
-  return ServedKey{h.run_id, h.occurrence, h.slot, h.instance, h.buffer, h.stream, h.part,
-                   h.chunk};
+  return ServedKey{h.run_id, h.occurrence, h.slot,  h.instance, h.buffer,
+                   h.stream, h.part,       h.chunk, UnpackServedGroup(h.served).first};
 }
 
-// One chunk being summed: every worker's message, kept until the last one
-// is here.
+// One chunk being summed: every group member's message, kept until the last
+// one is here.
 struct ServedChunk {
   WireHeader first{};              // the first message's header: the others must agree
-  std::vector<PooledBuffer> from;  // [worker] its message
+  std::vector<PooledBuffer> from;  // [position in the group] its message
+  std::vector<int> ranks;          // [position] its sender, whom the sum goes back to
   int arrived = 0;
 };
 

@@ -5,11 +5,15 @@
 namespace herring::engine {
 
 uint32_t HeaderChecksum(const WireHeader& h) {
-  // FNV-1a over the bytes before the checksum field: catches corruption and
+  // FNV-1a over every byte but the checksum field's: catches corruption and
   // truncated or foreign headers; authenticity comes from the job token.
   const auto* p = reinterpret_cast<const uint8_t*>(&h);
   uint32_t hash = 2166136261u;
-  for (size_t i = 0; i < offsetof(WireHeader, checksum); ++i) {
+  for (size_t i = 0; i < sizeof(WireHeader); ++i) {
+    if (i >= offsetof(WireHeader, checksum) &&
+        i < offsetof(WireHeader, checksum) + sizeof(h.checksum)) {
+      continue;
+    }
     hash ^= p[i];
     hash *= 16777619u;
   }
@@ -47,7 +51,7 @@ uint64_t IdentityTagBits(const Identity& id, uint32_t stream) {
 bool CheckControlHeader(const WireHeader& h, size_t len, MsgKind kind, uint64_t token,
                         uint32_t sender, uint32_t ranks, std::string* why) {
   if (len < sizeof(WireHeader) || h.magic != kMagic || h.version != kWireVersion ||
-      h.checksum != HeaderChecksum(h) || h.reserved2 != 0) {
+      h.checksum != HeaderChecksum(h) || h.served != 0) {
     *why = "malformed control message";
     return false;
   }
@@ -79,8 +83,8 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
     *why = "header checksum mismatch";
     return HeaderVerdict::kMalformed;
   }
-  if (h.reserved2 != 0) {
-    *why = "reserved header bytes are not zero";
+  if (h.served != 0) {
+    *why = "a served group in a message that is not kServed";
     return HeaderVerdict::kMalformed;
   }
   if (!IsValidDType(h.dtype) || !IsValidOp(h.op) || !IsValidCodec(h.codec) ||

@@ -212,8 +212,10 @@ constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // Version 4: the codec byte (codec.h); payloads of data messages are encoded.
 // Version 5: a kHostDone may withdraw (kHostWithdrawn); at most
 // kMaxContributors devices per message. Version 6: the leave protocol's
-// counts in kLeave, and kReceipt. Version 7: kServed (tag kind 3).
-constexpr uint16_t kWireVersion = 7;
+// counts in kLeave, and kReceipt. Version 7: kServed (tag kind 3). Version 8:
+// a kServed message names its sending group (`served`, ServedGroup), and the
+// checksum covers every byte but its own.
+constexpr uint16_t kWireVersion = 8;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.
@@ -239,8 +241,8 @@ struct WireHeader {
   uint8_t op;            // ReduceOp
   uint8_t codec;         // Codec of the payload (data messages)
   uint8_t reserved[2];
-  uint32_t checksum;     // of all bytes above
-  uint64_t reserved2;    // zero: outside the checksum, so checked on its own
+  uint32_t checksum;     // of every other byte of the header
+  uint64_t served;       // kServed: PackServedGroup; zero in every other message
 };
 static_assert(sizeof(WireHeader) == 104, "wire header layout changed");
 
@@ -254,6 +256,27 @@ inline void SetHeaderIdentity(WireHeader* h, const Identity& id) {
   h->occurrence = id.occurrence;
   h->buffer = id.buffer;
 }
+
+// A kServed message's group (WireHeader::served): a server-only process
+// sums the parts of any group of workers (every worker on the flat path; the
+// processes with one local index, one per host, in the host stage), so each
+// message says which group sent it (its first process), how many processes
+// the group has and where in its summation order the sender is.
+struct ServedGroup {
+  uint32_t first = 0;     // the group's first process (rank), which tells groups apart
+  uint32_t size = 0;      // its processes: contributions to each chunk
+  uint32_t position = 0;  // the sender's place in the summation order
+};
+inline uint64_t PackServedGroup(const ServedGroup& g) {
+  return (static_cast<uint64_t>(g.first & 0xffff) << 32) |
+         (static_cast<uint64_t>(g.size & 0xffff) << 16) | (g.position & 0xffff);
+}
+inline ServedGroup UnpackServedGroup(uint64_t bits) {
+  return ServedGroup{static_cast<uint32_t>((bits >> 32) & 0xffff),
+                     static_cast<uint32_t>((bits >> 16) & 0xffff),
+                     static_cast<uint32_t>(bits & 0xffff)};
+}
+static_assert(kMaxRanks <= 0xffff, "a served group's fields hold 16 bits");
 
 uint32_t HeaderChecksum(const WireHeader& h);
 void SealHeader(WireHeader* h);

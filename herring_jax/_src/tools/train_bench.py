@@ -71,6 +71,9 @@ import numpy as np
 REDUCERS = ("herring", "native", "none")
 _DONE = re.compile(r"done: reduce=(\w+) processes=(\d+) final loss ([\d.]+).*median step "
                    r"([\d.]+) ms")
+# What rank 0's transport sent per step: with server-only processes (--launch-args
+# "--servers K") it shows whether they took the gradients' traffic.
+_SENT = re.compile(r"sent ([\d.]+) MiB per step")
 
 
 def default_script() -> str:
@@ -94,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--script", default=default_script(),
                         help="training script (takes --reduce, --steps, --log-every)")
     parser.add_argument("--launch-args", default="",
-                        help="extra options for herring-jax launch, e.g. '--netns'")
+                        help="extra options for herring-jax launch, e.g. '--netns --servers 4'")
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--codecs", default=None, metavar="LIST",
@@ -136,8 +139,10 @@ def _run_one(args, n: int, reducer: str) -> dict:
     if proc.returncode != 0 or m is None:
         tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
         raise RuntimeError(f"{reducer} on {n} processes failed (exit {proc.returncode}):\n{tail}")
+    sent = _SENT.search(proc.stdout)
     return {"reduce": reducer, "processes": n, "final_loss": float(m.group(3)),
-            "median_step_ms": float(m.group(4))}
+            "median_step_ms": float(m.group(4)),
+            "sent_mib_per_step": float(sent.group(1)) if sent else float("nan")}
 
 
 _STEP = re.compile(r"step +(\d+) +loss \S+ +step \S+ ms +held-out loss ([\d.naif]+)")
@@ -561,7 +566,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             results.append(r)
             print(f"  {reducer:>7} x{n}: median step {r['median_step_ms']:.1f} ms, final loss "
-                  f"{r['final_loss']:.4f}", flush=True)
+                  f"{r['final_loss']:.4f}, rank 0 sent {r['sent_mib_per_step']:.3f} MiB per step",
+                  flush=True)
     by = {(r["reduce"], r["processes"]): r for r in results}
     n = args.num_processes
     none_n = by.get(("none", n))
