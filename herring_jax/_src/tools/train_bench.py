@@ -71,8 +71,7 @@ import numpy as np
 REDUCERS = ("herring", "native", "none")
 _DONE = re.compile(r"done: reduce=(\w+) processes=(\d+) final loss ([\d.]+).*median step "
                    r"([\d.]+) ms")
-# What rank 0's transport sent per step: with server-only processes (--launch-args
-# "--servers K") it shows whether they took the gradients' traffic.
+# Rank 0's bytes sent per step: shows whether server-only processes took the traffic.
 _SENT = re.compile(r"sent ([\d.]+) MiB per step")
 
 
@@ -139,18 +138,16 @@ def _run_one(args, n: int, reducer: str) -> dict:
     if proc.returncode != 0 or m is None:
         tail = (proc.stdout[-2000:] + proc.stderr[-2000:]).strip()
         raise RuntimeError(f"{reducer} on {n} processes failed (exit {proc.returncode}):\n{tail}")
-    sent = _SENT.search(proc.stdout)
+    sent = float(s.group(1)) if (s := _SENT.search(proc.stdout)) else float("nan")
     return {"reduce": reducer, "processes": n, "final_loss": float(m.group(3)),
-            "median_step_ms": float(m.group(4)),
-            "sent_mib_per_step": float(sent.group(1)) if sent else float("nan")}
+            "median_step_ms": float(m.group(4)), "sent_mib_per_step": sent}
 
 
 _STEP = re.compile(r"step +(\d+) +loss \S+ +step \S+ ms +held-out loss ([\d.naif]+)")
 _CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, compression "
                          r"(\S+), sent ([\d.]+) MiB per step(?:, optimizer state ([\d.]+) MiB "
                          r"per process)?")
-# Memory per process (examples/data_parallel.py's done line): what is held
-# between steps, and the compiled step's temporaries.
+# Memory per process (data_parallel.py's done line): held between steps, and temporaries.
 _HELD = re.compile(r"params and optimizer state held ([\d.]+) MiB per process")
 _TEMP = re.compile(r"temporaries ([\d.]+) MiB")
 _MEAN = re.compile(r"mean step ([\d.]+) ms")
