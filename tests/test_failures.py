@@ -103,6 +103,19 @@ def test_a_killed_peers_survivors_say_what_failed_first_without_the_libraries_fr
         assert len(said) <= 12, run.explain()
 
 
+def test_the_ranks_reports_outlive_process_0s_failure():
+    # Process 0 hosts jax's coordination service, whose end makes jax end
+    # every other process with a fatal error of its own. Rank 1 reports its
+    # HerringError 1 s after rank 0 failed: process 0 must outlive that.
+    run = launch("failure_worker.py", ["leader-fails-first"], nproc=2, timeout=120)
+    assert run.returncode != 0, run.explain()
+    said = "\n".join(line.split("] ", 1)[1] for line in run.stderr.splitlines()
+                     if line.startswith("[rank 1] "))
+    assert "herring_jax.HerringError: " in said, run.explain()
+    assert "rank 0 failed: RuntimeError: rank 0's own bug" in said, run.explain()
+    assert "JAX distributed service detected fatal errors" not in run.stderr, run.explain()
+
+
 def test_slow_but_alive_peer_is_not_declared_dead():
     # Rank 1 arrives 8 s late; its heartbeats keep rank 0 (peer timeout 2 s) waiting.
     run = launch("failure_worker.py", ["slow-peer", "8"], nproc=2,

@@ -167,21 +167,26 @@ def set_before_exit(before) -> None:
     _before_exit = before
 
 
-def exit_now(exc: BaseException) -> None:
-    """Ends the process at once without its exit handlers (HERRING_FAST_EXIT)
-    as the uncaught `exc` would end it: by SIGINT for a KeyboardInterrupt,
-    as CPython does (so a shell or the launcher sees the Ctrl-C: status 130),
-    else with status 1."""
-    if _before_exit is not None:
-        try:
-            _before_exit()
-        except Exception as e:  # noqa: BLE001 - the exit must still happen
-            sys.stderr.write(f"herring_jax: before exiting: {type(e).__name__}: {e}\n")
+def _flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream must not block the exit
             pass
+
+
+def exit_now(exc: BaseException) -> None:
+    """Ends the process at once without its exit handlers (HERRING_FAST_EXIT)
+    as the uncaught `exc` would end it: by SIGINT for a KeyboardInterrupt,
+    as CPython does (so a shell or the launcher sees the Ctrl-C: status 130),
+    else with status 1."""
+    _flush_streams()  # the report first: _before_exit tells others it is out
+    if _before_exit is not None:
+        try:
+            _before_exit()
+        except Exception as e:  # noqa: BLE001 - the exit must still happen
+            sys.stderr.write(f"herring_jax: before exiting: {type(e).__name__}: {e}\n")
+            _flush_streams()
     if isinstance(exc, KeyboardInterrupt):
         try:
             signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -58,6 +58,12 @@ def distributed_client():
     return _distributed.global_state.client
 
 
+def hosts_coordination_service() -> bool:
+    """Whether jax.distributed's coordination service runs in this process
+    (process 0's): its exit ends every other process of the job."""
+    return getattr(_distributed.global_state, "service", None) is not None
+
+
 def computation_devices(ctx) -> list | None:
     """The devices of the computation being lowered, in mesh/assignment order.
 

@@ -24,6 +24,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from herring_jax._src import jax_compat
 from herring_jax._src import knobs
+from herring_jax._src import last_words
 from herring_jax._src import servers as servers_lib
 from herring_jax._src import timeline
 from herring_jax._src import topology as topology_lib
@@ -450,7 +451,8 @@ _EXIT_DRAIN_S = 0.5
 
 def _before_fast_exit() -> None:
     """Before errors.exit_now skips the exit handlers: the timeline's last
-    events written, the failed reductions' slices among them."""
+    events written, the failed reductions' slices among them; then, this
+    rank's report being printed, process 0 outlives the others' (last_words)."""
     current = _state
     if current is not None and timeline.writing():
         deadline = time.monotonic() + _EXIT_DRAIN_S
@@ -458,6 +460,10 @@ def _before_fast_exit() -> None:
                and _ext.stats(current.handle)["batches_in_flight"]):
             time.sleep(0.01)
     timeline.flush_before_exit()
+    if current is not None and current.size > 1:
+        last_words.say_ending(current.generation, current.rank)
+        last_words.outlive_the_others(current.generation, current.rank, current.size,
+                                      current.topology)
 
 
 def _or(value, default):

@@ -25,6 +25,9 @@ return a wrong sum.
     (HERRING_TIMEOUT_S), then every later one at once: reports, for each way
     a failure reaches a program, without and with herring_errors(), the
     exception's class.
+  leader-fails-first: rank 0 (where jax's coordination service runs) fails
+    uncaught; rank 1 takes 1 s to report the HerringError this causes, as on
+    a loaded machine, and must still print it before the job ends.
   slow-peer: rank 1 starts its reduction long after rank 0 (more than
     HERRING_PEER_TIMEOUT_S later) but is alive: its heartbeats must keep
     rank 0 waiting, and the sum must be right.
@@ -72,6 +75,20 @@ def killed_peer(rank: int, caught: bool = True) -> None:
         common.report("killed-peer", "rank 2" in str(e), message=str(e)[:600])
     else:
         common.report("killed-peer", False, message="no error")
+
+
+def leader_fails_first(rank: int) -> None:
+    reduce = jax.jit(lambda x: herring_jax.allreduce(x))
+    jax.block_until_ready(reduce(jnp.ones(1000)))
+    if rank == 0:
+        raise RuntimeError("rank 0's own bug")
+    try:
+        for _ in range(3000):
+            jax.block_until_ready(reduce(jnp.ones(1000)))
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - jax 0.10's dispatch path raises it as ValueError
+        time.sleep(1.0)
+        raise
 
 
 def dead_peer(rank: int) -> None:
@@ -258,6 +275,8 @@ def main() -> int:
         killed_peer(rank, caught=sys.argv[2:] != ["uncaught"])
         sys.stdout.flush()
         os._exit(0)
+    if sys.argv[1:] == ["leader-fails-first"]:
+        leader_fails_first(rank)  # raises on every rank
     if sys.argv[1:] == ["dead-peer"]:
         dead_peer(rank)
         sys.stdout.flush()
