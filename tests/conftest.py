@@ -104,9 +104,13 @@ EXTENDED_CASES = {
     "test_restarts.py::test_streaming_diloco_resumes_from_a_checkpoint_with_a_fragment_in_flight",
     "test_restarts.py::test_local_sgd_resumes_on_fewer_processes",
     # A killed server-only process under --max-restarts: two train_lm runs
-    # with a server (tests/test_servers.py kills one in the core tier).
+    # with a server (tests/test_servers.py kills one in the core tier); on
+    # this host, and on simulated hosts (--netns), where the restart's ports
+    # follow the first run's in the same namespaces.
     "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"
-    "parameters",
+    "parameters[local]",
+    "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"
+    "parameters[netns]",
     # Moved when the core tier, two tests at a time, took 12.2 min on a quiet
     # machine (2026-11-28): fallbacks and guards whose feature keeps its main
     # test in the core tier (the first and last also run under the sanitizers).

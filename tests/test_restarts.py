@@ -466,18 +466,23 @@ def test_local_sgd_resumes_on_fewer_processes(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_parameters(tmp_path):
+@pytest.mark.parametrize("network", ["local", "netns"])
+def test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_parameters(
+        tmp_path, network):
     # 2 workers and a server-only process on this one host, on the flat path
     # (the host stage would sum everything through memory), with every
     # all-reduce through the server. It is killed once it has summed half of
     # what it sums in an uninterrupted run: mid-run, whatever the timing.
+    # netns: each on a simulated host of its own, where the restart's ports
+    # follow the first run's in the same namespaces.
     env = {"HERRING_HOST_STAGE": "0", "HERRING_SERVER_MIN_BYTES": "0"}
-    whole = _lm(tmp_path / "whole", n=2, launch=["--servers", "1"], env=env)
+    net = ["--netns"] if network == "netns" else []
+    whole = _lm(tmp_path / "whole", n=2, launch=[*net, "--servers", "1"], env=env)
     assert whole.returncode == 0, _out(whole)
     [line] = re.findall(r"^\[rank 2\] HERRING_RESULT (.*)$", whole.stdout, re.M)
     server = json.loads(line)
     assert server["ok"] and server["served_chunks"] > 0, server
-    proc = _lm(tmp_path / "ckpt", n=2, launch=["--servers", "1", "--max-restarts", "1"],
+    proc = _lm(tmp_path / "ckpt", n=2, launch=[*net, "--servers", "1", "--max-restarts", "1"],
                env={**env, "HERRING_TEST_SERVER_KILL_AT_CHUNK": str(server["served_chunks"] // 2)})
     assert proc.returncode == 0, _out(proc)
     restarts = [line for line in proc.stderr.splitlines() if ": restart " in line]

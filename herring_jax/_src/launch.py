@@ -326,7 +326,9 @@ def run(args: argparse.Namespace) -> int:
                 # The last run's coordinator may still hold its port for a moment.
                 port = args.coordinator_port or free_port()
             else:
-                port += 1
+                # Two ports on: the last run's server rendezvous (port + 1)
+                # may still be held in rank 0's namespace.
+                port += 2
     finally:
         job.stop(message, failed_rank)
         if net is not None:
