@@ -108,6 +108,25 @@ def test_the_library_imports_nothing_from_its_tools(tmp_path):
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
+def test_the_tools_never_import_the_command_that_runs_them():
+    # cli.py imports the tools; a tool importing cli.py (for its help layout,
+    # once) closes an import circle.
+    import ast
+    found = []
+    for root, _, files in os.walk(os.path.join(_SRC, "tools")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                found += [(name, n) for n in names if n == "herring_jax._src.cli"]
+    assert not found, found
+
+
 def test_no_library_module_names_the_tools_but_where_allowed():
     # Catches imports inside functions too, which the test above cannot run.
     import ast

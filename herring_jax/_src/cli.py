@@ -17,11 +17,11 @@ that runs the parsed arguments and returns an exit code.
 from __future__ import annotations
 
 import argparse
-import copy
 from collections.abc import Callable
 
 from herring_jax._src import launch, servers, timeline
 from herring_jax._src.tools import bench, train_bench
+from herring_jax._src.tools.help_format import HelpFormatter
 
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
@@ -51,29 +51,6 @@ register("train-bench", "training step time and scaling efficiency per reducer",
          train_bench.add_arguments, train_bench.run)
 register("timeline", "merge the HERRING_TIMELINE traces of a job's processes into one",
          timeline.add_arguments, timeline.run)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the line breaks of a description and epilog (the modes of
-    train-bench are laid out by hand) and shows each option's default."""
-
-    @staticmethod
-    def _shows_default(action) -> bool:
-        return bool(action.option_strings) and action.default not in (None, False, "",
-                                                                       argparse.SUPPRESS)
-
-    def _format_action(self, action):
-        if action.help is None and self._shows_default(action):
-            # argparse prints nothing after an option without help text.
-            action = copy.copy(action)
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "%(default)" in text or not self._shows_default(action):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -588,7 +588,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m herring_jax._src.tools.train_bench`."""
-    from herring_jax._src.cli import HelpFormatter
+    from herring_jax._src.tools.help_format import HelpFormatter
     parser = argparse.ArgumentParser(prog="herring-jax train-bench", allow_abbrev=False,
                                      description=__doc__.split("\n")[0],
                                      formatter_class=HelpFormatter)

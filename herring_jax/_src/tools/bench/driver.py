@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--worker" in argv:
         from herring_jax._src.tools.bench.worker import worker_main
         return worker_main(argv)
-    from herring_jax._src.cli import HelpFormatter  # here: cli imports this package
+    from herring_jax._src.tools.help_format import HelpFormatter
     parser = argparse.ArgumentParser(prog="herring-jax bench", description=DESCRIPTION,
                                      allow_abbrev=False,
                                      formatter_class=HelpFormatter)
