@@ -152,7 +152,7 @@ class Communicator {
   // Step 2's pieces, shared by both paths (host_stage.cc): the devices the
   // host's processes count together in buffer k (an error past
   // kMaxContributors), and `bytes` at byte `at` of every other process's input
-  // k read into `pieces` (kPieceBytes apart), `own` standing for this
+  // k read into `pieces` (kHostPieceBytes apart), `own` standing for this
   // process's, as `srcs` for the sum.
   Status HostContributors(Batch* batch, size_t k, uint64_t* total);
   Status ReadInputPiece(Batch* batch, size_t k, size_t at, size_t bytes, const void* own,

@@ -15,6 +15,10 @@ namespace herring::engine {
 
 using transport::Status;
 
+// The host stage reads other processes' inputs in pieces of this size: one
+// per process at a time stays in L2.
+constexpr size_t kHostPieceBytes = 256 << 10;
+
 // Copies `len` bytes at `remote` in process `pid` to `local`, all of them or
 // an error that names the process and errno (the process is gone: ESRCH; not
 // permitted: EPERM, see SetPtracer).
