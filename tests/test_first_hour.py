@@ -21,11 +21,14 @@ def test_an_exception_on_one_rank_ends_the_job_within_seconds():
     # Rank 1 raises RuntimeError at step 10 of 60 while rank 0 reduces. Before,
     # rank 0 waited in the host stage for the 300 s timeout and rank 1 in
     # jax.distributed's exit-time barrier.
-    start = time.monotonic()
-    run = launch(WORKER, ["raise"], nproc=2, env={"HERRING_TIMEOUT_S": "300"}, timeout=120)
-    took = time.monotonic() - start
+    # Timed from the raise to the launcher's end, so that start-up and
+    # compiles on a loaded machine do not count: far below the timeout.
+    run = launch(WORKER, ["raise"], nproc=2, env={"HERRING_TIMEOUT_S": "300"}, timeout=240)
+    ended = time.time()
     assert run.returncode == 1, run.explain()
-    assert took < 30, f"the job took {took:.0f} s\n{run.explain()}"
+    [raised] = run.results[1]
+    took = ended - raised["at"]
+    assert 0 < took < 60, f"the job ended {took:.0f} s after the raise\n{run.explain()}"
     # The survivor names the rank and its exception, once, as a HerringError.
     survivor = [line for line in run.stderr.splitlines()
                 if line.startswith("[rank 0] ") and "HerringError" in line]
