@@ -195,7 +195,9 @@ def check_pair(name: str, rank: int, steps: int = 12) -> None:
     for t in range(steps):
         g = pair_grads(rank, t)
         ran_light = bool(state.use_light)
-        want_out, want_inner = alone[ran_light](g, state.light if ran_light else state.heavy)
+        # Waited for, so that its bytes are not counted as the update's.
+        want_out, want_inner = jax.block_until_ready(
+            alone[ran_light](g, state.light if ran_light else state.heavy))
         other = state.heavy if ran_light else state.light
         before = herring_jax.stats()["bytes_sent"]
         out, state = jax.block_until_ready(update(g, state))
