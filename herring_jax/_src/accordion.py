@@ -45,7 +45,10 @@ moves from the branch left to the branch entered (added to it, and zeroed
 in the branch left), so that what one compression missed is sent by the
 other: one memory, as if a single compressor changed its setting. A leaf
 that only the branch left keeps a residual for keeps it there until that
-branch runs again (never lost, never sent twice).
+branch runs again (never lost, never sent twice). One case waits too: topk
+keeps a residual for every leaf it would sparsify with one worker, and with
+more workers it may average such a leaf exactly, passing its residual
+through unused; a residual moved there waits for the next switch back.
 """
 
 from __future__ import annotations
