@@ -44,6 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--reduce herring: average the gradients with herring_jax.topk "
                              "sending this share of each leaf (with error feedback) instead of "
                              "allreduce_gradients (0: off)")
+    parser.add_argument("--accordion", default=None, metavar="LIGHT,HEAVY",
+                        help="--reduce herring: herring_jax.accordion between two reductions, "
+                             "each none|bf16|fp16|int8 (allreduce_gradients' codec), "
+                             "powersgd<rank>[-<codec>] or topk<fraction>, e.g. "
+                             "powersgd4,powersgd1")
+    parser.add_argument("--accordion-interval", type=int, default=10,
+                        help="with --accordion: steps between two decisions")
+    parser.add_argument("--accordion-eta", type=float, default=0.5,
+                        help="with --accordion: the relative change of the norm that is critical")
     parser.add_argument("--sharded-optimizer", action="store_true",
                         help="--reduce herring: herring_jax.sharded_optimizer(optimizer) in place "
                              "of allreduce_gradients + optimizer: each device keeps and updates "
@@ -152,6 +161,8 @@ def compression_name(args) -> str:
         return "sharded" if args.compression == "none" else f"sharded-{args.compression}"
     if args.topk_fraction:
         return f"topk{args.topk_fraction:g}"
+    if getattr(args, "accordion", None):
+        return "accordion-" + args.accordion.replace(",", "-")
     if not args.powersgd_rank:
         return args.compression
     name = f"powersgd{args.powersgd_rank}"
@@ -235,7 +246,11 @@ def make_trainer(mesh, args, loss_fn, init_fn):
     if getattr(args, "local_steps", 0):
         return make_local_sgd_trainer(mesh, args, loss_fn, init_fn)
     if args.reduce == "herring":
-        if args.topk_fraction:
+        if getattr(args, "accordion", None):
+            light, heavy = (reduction(name, args) for name in args.accordion.split(","))
+            grad_tx = herring_jax.accordion(light, heavy, interval=args.accordion_interval,
+                                            eta=args.accordion_eta, axis_name="data")
+        elif args.topk_fraction:
             grad_tx = herring_jax.topk(args.topk_fraction, "data")
         elif args.powersgd_rank:
             grad_tx = herring_jax.powersgd(args.powersgd_rank, "data",
@@ -281,6 +296,28 @@ def make_trainer(mesh, args, loss_fn, init_fn):
     opt_state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=state_spec,
                                       check_vma=False))(params)
     return params, opt_state, step
+
+
+def reduction(name: str, args):
+    """One of --accordion's reductions over "data", by name."""
+    from herring_jax._src import codecs
+    if name in codecs.CODECS:
+        return herring_jax.allreduce_gradients("data", compression=name)
+    if name.startswith("topk"):
+        return herring_jax.topk(float(name[len("topk"):]), "data")
+    if name.startswith("powersgd"):
+        rank, _, codec = name[len("powersgd"):].partition("-")
+        return herring_jax.powersgd(int(rank), "data", codec=codec or "none",
+                                    warmup_steps=args.powersgd_warmup)
+    raise SystemExit(f"--accordion: unknown reduction {name!r}; give none, bf16, fp16, int8, "
+                     "powersgd<rank>[-<codec>] or topk<fraction>")
+
+
+def accordion_note(opt_state) -> str:
+    """--accordion's schedule so far, from rank 0's copy of the state."""
+    def get(name):
+        return int(optax.tree_utils.tree_get(opt_state, name).addressable_shards[0].data)
+    return f"accordion light {get('light_steps')} heavy {get('heavy_steps')}"
 
 
 def make_local_sgd_trainer(mesh, args, loss_fn, init_fn):
@@ -438,6 +475,9 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
             view = whole(params) if report else None
         if rank == 0 and (i % args.log_every == 0 or i == args.steps - 1):
             extra = report(view) if report else ""
+            if getattr(args, "accordion", None):
+                sent = (herring_jax.stats()["bytes_sent"] - sent_before) / 2**20
+                extra += f", {accordion_note(opt_state)}, sent {sent:.3f} MiB so far"
             recent = np.median(times[1:][-args.log_every:]) * 1e3 if len(times) > 1 else float("nan")
             print(f"step {i:4d}  loss {loss:.4f}  step {recent:.1f} ms  {extra}", flush=True)
     step_s = float(np.median(times[1:])) if len(times) > 1 else float("nan")
@@ -468,6 +508,8 @@ def train(mesh, args, params, opt_state, step, next_local_batch, report=None):
               f"params sha256 {params_digest(final)}", flush=True)
     if rank == 0 and losses:
         in_flight_note(args, first + len(losses))
+        if getattr(args, "accordion", None):
+            print(f"{accordion_note(opt_state)} steps", flush=True)
     herring_jax.shutdown()
     if preempted:
         # Saved, not done: the launcher and a scheduler's retry loop resume it.

@@ -58,6 +58,8 @@ _EXPORTS = {
     "powersgd": "powersgd",
     "TopKState": "topk",
     "topk": "topk",
+    "AccordionState": "accordion",
+    "accordion": "accordion",
     "LocalSGDState": "local_sgd",
     "local_sgd": "local_sgd",
     "slowmo": "local_sgd",
@@ -67,6 +69,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # what static analysis and IDEs see
+    from herring_jax._src.accordion import AccordionState, accordion
     from herring_jax._src.allreduce import allreduce
     from herring_jax._src.broadcast import broadcast
     from herring_jax._src.errors import HerringError, herring_errors

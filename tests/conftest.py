@@ -76,7 +76,7 @@ EXTENDED_CASES = {
       for name in ("mnist-streaming", "mnist-sharded-optimizer", "mnist-fully-sharded",
                    "mnist-powersgd", "mnist-topk", "mnist-compute-only", "lm-diloco-int8",
                    "lm-slowmo", "lm-localsgd-streaming-delay", "lm-fully-sharded-reshard",
-                   "lm-native", "lm-any-batch")),
+                   "lm-native", "lm-any-batch", "lm-accordion")),
     # Flax NNX: the core tier keeps the example's allreduce_gradients run (about
     # 16 s); every transformation inside nnx.Optimizer and the NNX checkpoint
     # recipes (2 processes, then a resume on 3) take 1.5-3 min.

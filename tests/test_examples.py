@@ -123,6 +123,8 @@ SMOKE = {
     "lm-native": ("train_lm.py", [*_LM_SMALL, "--reduce", "native"]),
     "lm-any-batch": ("train_lm.py", [*_LM_SMALL, "--micro-batches", "2", "--any-batch",
                                      "--slow-rank", "1", "--slowdown", "2"]),
+    "lm-accordion": ("train_lm.py", [*_LM_SMALL, "--accordion", "int8,powersgd2",
+                                     "--accordion-interval", "1"]),
 }
 
 
