@@ -15,8 +15,11 @@ CASES = ([c.format(d="float32") for c in EAGER] + ["given-equals-found"]
          + [f"jit-fallback/step{t}" for t in range(6)] + ["flax/found", "flax/given"])
 
 
-def test_sparse_rows_equal_the_dense_reduction_bitwise_on_three_processes():
-    run = launch("sparse_rows_worker.py", [], nproc=3)
+@pytest.mark.parametrize("nproc,hosts", [(3, None), (4, 2)], ids=["3", "2x2"])
+def test_sparse_rows_equal_the_dense_reduction_bitwise(nproc, hosts):
+    # 2x2: two simulated hosts of two processes, whose dense sum is
+    # (x0 + x1) + (x2 + x3): the sparse sum follows that order.
+    run = launch("sparse_rows_worker.py", [], nproc=nproc, hosts=hosts)
     digests = assert_all_ok(run, expected_cases=len(CASES))
     results = run.results[0]
     assert [r["case"] for r in results] == CASES
@@ -35,3 +38,58 @@ def test_sparse_rows_equal_the_dense_reduction_bitwise_on_three_processes():
     over = {r["bytes_reduced"] for r in steps if r["over"]}
     assert len(under) == 1 and len(over) == 1, steps
     assert over.pop() - under.pop() == 48 * 6 * 4, steps
+
+
+def test_sparse_rows_arguments_are_refused_with_what_to_do():
+    emb = lambda path, g: True  # noqa: E731
+    with pytest.raises(ValueError, match="without sparse_rows"):
+        herring_jax.allreduce_gradients(sparse_max_rows=8)
+    with pytest.raises(NotImplementedError, match="axis_name=None"):
+        herring_jax.allreduce_gradients("d", sparse_rows=emb)
+    with pytest.raises(ValueError, match="compression"):
+        herring_jax.allreduce_gradients(sparse_rows=emb, compression="bf16")
+    with pytest.raises(ValueError, match="weight"):
+        herring_jax.allreduce_gradients(sparse_rows=emb, weight=True)
+    for bad, err in ((0, ValueError), (1.5, ValueError), ("8", TypeError), (True, TypeError)):
+        with pytest.raises(err, match="sparse_max_rows"):
+            herring_jax.allreduce_gradients(sparse_rows=emb, sparse_max_rows=bad)
+    with pytest.raises(NotImplementedError, match="allreduce_gradients.sparse_rows"):
+        herring_jax.sharded_optimizer(optax.sgd(0.1), sparse_rows=emb)
+    # row_ids= to a transformation without sparse rows would be dropped.
+    g = {"emb": np.ones((4, 2), np.float32)}
+    tx = herring_jax.allreduce_gradients()
+    with pytest.raises(TypeError, match="row_ids= but the transformation has no row-sparse"):
+        tx.update(g, tx.init(g), row_ids=np.array([1]))
+
+
+def test_sparse_rows_masks_and_bounds():
+    from herring_jax._src import sparse_rows as sparse_lib
+    g = {"emb": np.zeros((100, 4), np.float32), "step": np.zeros((), np.int32),
+         "w": {"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)}}
+    pick = lambda path, leaf: "emb" in str(path)  # noqa: E731
+    assert sparse_lib.leaf_flags(pick, g, "t") == [True, False, False, False]
+    assert sparse_lib.leaf_flags({"emb": True, "step": False, "w": True}, g, "t") == [
+        True, False, True, True]
+    with pytest.raises(TypeError, match=r"\['step'\] \(int32\[\]\).*floating array"):
+        sparse_lib.leaf_flags({"emb": True, "step": True, "w": False}, g, "t")
+    with pytest.raises(ValueError, match="does not fit"):
+        sparse_lib.leaf_flags({"emb": True}, g, "t")
+    assert sparse_lib.bound(0.02, 131072) == 2622
+    assert sparse_lib.bound(10, 4) == 4 and sparse_lib.bound(None, 160) == 10
+    with pytest.raises(ValueError, match="one per row-sparse leaf"):
+        sparse_lib.step_ids({"row_ids": [np.array([1])]}, 2, "t")
+    with pytest.raises(TypeError, match="integer row ids"):
+        sparse_lib.step_ids({"row_ids": np.array([1.0])}, 1, "t")
+
+
+def test_the_numpy_model_starts_from_the_first_contribution():
+    # -0.0 + -0.0 stays -0.0 (a sum from 0.0 would give +0.0), and two hosts
+    # of two processes sum (x0 + x1) + (x2 + x3), not in rank order.
+    from herring_jax._src import sparse_rows as sparse_lib
+    z = np.array([[-0.0]], np.float32)
+    assert np.signbit(sparse_lib.model_np([z, z], [[0], [1]], False)).all()
+    assert not np.signbit(sparse_lib.model_np([z, np.zeros_like(z)], [[0], [1]], False)).any()
+    x = [np.array([[v]], np.float32) for v in (1e8, 1.0, -1e8, 1.0)]
+    flat = sparse_lib.model_np(x, [[0], [1], [2], [3]], False)
+    hosts = sparse_lib.model_np(x, [[0, 1], [2, 3]], False)
+    assert flat[0, 0] == 1.0 and hosts[0, 0] == 0.0
