@@ -142,40 +142,39 @@ class Model(nn.Module):
 def flax_cases(rank, n):
     model = Model()
     params = model.init(jax.random.PRNGKey(0), jnp.zeros((2, 5), jnp.int32))
+
+    def train(reduction, use_ids: bool) -> list:
+        tx = optax.chain(reduction, optax.adam(0.05))
+
+        @jax.jit
+        def step(p, state, tokens, labels):
+            def loss(p):
+                logits = model.apply(p, tokens)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+            g = jax.grad(loss)(p)
+            extra = {"row_ids": tokens} if use_ids else {}
+            updates, state = tx.update(g, state, p, **extra)
+            return optax.apply_updates(p, updates), state
+
+        p, state, seen = params, tx.init(params), []
+        for t in range(3):
+            rng = np.random.RandomState(100 * t + rank)
+            tokens = jnp.asarray(rng.randint(0, V, (2, 5)), jnp.int32)
+            labels = jnp.asarray(rng.randint(0, 3, (2,)), jnp.int32)
+            p, state = step(p, state, tokens, labels)
+            seen.append(jax.tree_util.tree_map(np.asarray, p))
+        return seen
+
+    dense = train(herring_jax.allreduce_gradients(), False)
     for how in ("found", "given"):
-        runs = {}
-        for name in ("dense", "sparse"):
-            red = (herring_jax.allreduce_gradients() if name == "dense" else
-                   herring_jax.allreduce_gradients(sparse_rows=IS_EMB, sparse_max_rows=0.25))
-            tx = optax.chain(red, optax.adam(0.05))
-            p, state = params, tx.init(params)
-
-            use_ids = name == "sparse" and how == "given"
-
-            @jax.jit
-            def step(p, state, tokens, labels):
-                def loss(p):
-                    logits = model.apply(p, tokens)
-                    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-                g = jax.grad(loss)(p)
-                extra = {"row_ids": tokens} if use_ids else {}
-                updates, state = tx.update(g, state, p, **extra)
-                return optax.apply_updates(p, updates), state
-
-            seen = []
-            for t in range(3):
-                rng = np.random.RandomState(100 * t + rank)
-                tokens = jnp.asarray(rng.randint(0, V, (2, 5)), jnp.int32)
-                labels = jnp.asarray(rng.randint(0, 3, (2,)), jnp.int32)
-                p, state = step(p, state, tokens, labels)
-                seen.append(jax.tree_util.tree_map(np.asarray, p))
-            runs[name] = seen
-        ok = all(bits_equal(a, b) for s, d in zip(runs["sparse"], runs["dense"])
+        sparse = train(herring_jax.allreduce_gradients(sparse_rows=IS_EMB, sparse_max_rows=0.25),
+                       how == "given")
+        ok = all(bits_equal(a, b) for s, d in zip(sparse, dense)
                  for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(d)))
-        moved = not bits_equal(runs["sparse"][-1]["params"]["emb"]["embedding"],
+        moved = not bits_equal(sparse[-1]["params"]["emb"]["embedding"],
                                params["params"]["emb"]["embedding"])
         common.report(f"flax/{how}", ok and moved, moved=moved,
-                      digest=common.digest(runs["sparse"][-1]["params"]["emb"]["embedding"]))
+                      digest=common.digest(sparse[-1]["params"]["emb"]["embedding"]))
 
 
 def main() -> int:
