@@ -11,7 +11,7 @@ from multiproc import assert_all_ok, launch
 
 EAGER = [f"eager/{{d}}/{op}/{how}" for op in ("mean", "sum") for how in ("found", "given")]
 CASES = ([c.format(d="float32") for c in EAGER] + ["given-equals-found"]
-         + [c.format(d="bfloat16") for c in EAGER]
+         + [c.format(d="bfloat16") for c in EAGER] + ["eager-fallback"]
          + [f"jit-fallback/step{t}" for t in range(6)] + ["flax/found", "flax/given"])
 
 

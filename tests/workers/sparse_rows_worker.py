@@ -9,6 +9,7 @@ ranks):
       holds a row of -0.0 from one rank only, from every rank, from rank 0
       only, rows touched by one rank only and by all;
   given-equals-found: the row ids given and the rows found give one result;
+  eager-fallback: rank 0 over the bound outside jit: the dense reduction;
   jit-fallback/step<t>: a jitted update whose steps alternate within and
       over the bound (one rank touches too many rows): every step is the
       dense result, and the bytes the engine reduced say which branch ran;
@@ -111,6 +112,16 @@ def eager_cases(rank, n, order):
                     if how == "given":
                         common.report("given-equals-found",
                                       bits_equal(got["emb"], found_sum["emb"]))
+    # Over the bound outside jit: the dense reduction, chosen in Python.
+    sparse = herring_jax.allreduce_gradients(sparse_rows=IS_EMB, sparse_max_rows=K)
+    dense = herring_jax.allreduce_gradients()
+    g = grads_of(rank, n, np.float32, many=rank == 0)
+    before = herring_jax.stats()["bytes_reduced"]
+    got, _ = sparse.update(g, sparse.init(g))
+    reduced = herring_jax.stats()["bytes_reduced"] - before
+    want, _ = dense.update(g, dense.init(g))
+    common.report("eager-fallback", bits_equal(got["emb"], want["emb"])
+                  and reduced >= V * D * 4, bytes_reduced=int(reduced))
 
 
 def fallback_cases(rank, n):
