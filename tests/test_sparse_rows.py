@@ -62,7 +62,7 @@ def test_sparse_rows_arguments_are_refused_with_what_to_do():
         tx.update(g, tx.init(g), row_ids=np.array([1]))
 
 
-def test_sparse_rows_masks_and_bounds():
+def test_sparse_rows_masks_and_bounds(monkeypatch):
     from herring_jax._src import sparse_rows as sparse_lib
     g = {"emb": np.zeros((100, 4), np.float32), "step": np.zeros((), np.int32),
          "w": {"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)}}
@@ -76,6 +76,14 @@ def test_sparse_rows_masks_and_bounds():
         sparse_lib.leaf_flags({"emb": True}, g, "t")
     assert sparse_lib.bound(0.02, 131072) == 2622
     assert sparse_lib.bound(10, 4) == 4 and sparse_lib.bound(None, 160) == 10
+    # The knob, when the argument is None: rows, or a share with a point.
+    monkeypatch.setenv("HERRING_SPARSE_MAX_ROWS", "0.5")
+    assert sparse_lib.bound(None, 160) == 80 and sparse_lib.bound(7, 160) == 7
+    monkeypatch.setenv("HERRING_SPARSE_MAX_ROWS", "12")
+    assert sparse_lib.bound(None, 160) == 12
+    monkeypatch.setenv("HERRING_SPARSE_MAX_ROWS", "2.5")
+    with pytest.raises(ValueError, match=r"HERRING_SPARSE_MAX_ROWS='2.5' is invalid"):
+        sparse_lib.bound(None, 160)
     with pytest.raises(ValueError, match="one per row-sparse leaf"):
         sparse_lib.step_ids({"row_ids": [np.array([1])]}, 2, "t")
     with pytest.raises(TypeError, match="integer row ids"):
