@@ -101,3 +101,28 @@ def test_the_numpy_model_starts_from_the_first_contribution():
     flat = sparse_lib.model_np(x, [[0], [1], [2], [3]], False)
     hosts = sparse_lib.model_np(x, [[0, 1], [2, 3]], False)
     assert flat[0, 0] == 1.0 and hosts[0, 0] == 0.0
+
+
+def test_the_recommendation_example_ends_alike_with_sparse_rows():
+    # examples/train_recsys.py: --sparse sends fewer bytes (over the
+    # transport: HERRING_HOST_STAGE=0) and ends at the same held-out loss.
+    import os
+    import re
+    import subprocess
+    import sys
+    from multiproc import FAST_COMPILE, ROOT
+    done = {}
+    for flag in ([], ["--sparse"]):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_TIMEOUT_S="120",
+                   HERRING_HOST_STAGE="0", XLA_FLAGS=FAST_COMPILE)
+        proc = subprocess.run(
+            [sys.executable, "-m", "herring_jax.launch", "-n", "2", "--timeout", "300", "--",
+             sys.executable, "train_recsys.py", "--items", "8192", "--steps", "4",
+             "--batch", "16", *flag], cwd=ROOT / "examples", env=env, capture_output=True,
+            text=True, timeout=330)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        [line] = [l for l in proc.stdout.splitlines() if "done:" in l]
+        m = re.search(r"held-out loss ([\d.]+), .* sent ([\d.]+) MiB", line)
+        done[bool(flag)] = (m.group(1), float(m.group(2)))
+    assert done[True][0] == done[False][0], done
+    assert done[True][1] < done[False][1] / 4, done
