@@ -126,3 +126,41 @@ def test_the_recommendation_example_ends_alike_with_sparse_rows():
         done[bool(flag)] = (m.group(1), float(m.group(2)))
     assert done[True][0] == done[False][0], done
     assert done[True][1] < done[False][1] / 4, done
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_jitted_row_sum_is_the_numpy_model_bitwise(dtype):
+    # sum_rows on made-up gathered packs of 4 processes, under jit, against
+    # the dense model: flat and as two hosts of two, sum and mean (a
+    # division by 3 and 4 processes is not a product with the reciprocal).
+    import jax
+    import ml_dtypes
+    from herring_jax._src import sparse_rows as sparse_lib
+    np_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16)
+    v, d, k = 40, 8, 9
+    rng = np.random.RandomState(3)
+    for order in ([[0], [1], [2]], [[0], [1], [2], [3]], [[0, 1], [2, 3]]):
+        p = sum(len(m) for m in order)
+        ids = np.full((p, k), v, np.int32)
+        rows = np.zeros((p, k, d), np_dtype)
+        tables = []
+        for r in range(p):
+            mine = np.union1d([0, 1] if r == 0 else [0],
+                              rng.choice(np.arange(2, v), rng.randint(0, k - 1), replace=False))
+            vals = (rng.randn(len(mine), d) * 10.0 ** rng.randint(-3, 8, (len(mine), d)))
+            vals[0, :2] = -0.0  # row 0, every process: -0.0 + -0.0 + ... stays -0.0
+            vals[0, 2] = -0.0 if r != p - 1 else 0.0  # and +0.0 once makes it +0.0
+            if r == 0:
+                vals[1, 0] = -0.0  # row 1, rank 0 alone: -0.0 + 0.0 (untouched) is +0.0
+            ids[r, :len(mine)] = mine
+            rows[r, :len(mine)] = vals.astype(np_dtype)
+            t = np.zeros((v, d), np_dtype)
+            t[mine] = rows[r, :len(mine)]
+            tables.append(t)
+        for mean in (False, True):
+            got = jax.jit(lambda i, x: sparse_lib.sum_rows(i, x, order, mean, v))(ids, rows)
+            want = sparse_lib.model_np(tables, order, mean)
+            assert np.asarray(got).tobytes() == want.tobytes(), (order, mean)
+            assert np.signbit(want[0, :2].astype(np.float32)).all(), want[0]
+            assert not np.signbit(want[0, 2].astype(np.float32)), want[0]
+            assert not np.signbit(want[1, 0].astype(np.float32)), want[1]
