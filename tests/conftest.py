@@ -37,6 +37,8 @@ EXTENDED_CASES = {
     "test_compat.py::test_lax_compatibility[4-1]",
     "test_collectives.py::test_lax_compatibility_and_process_collectives[4-1]",
     "test_sharded.py::test_the_parameters_match_the_unsharded_chain_on_every_process[4-2]",
+    "test_sparse_rows.py::test_sparse_rows_equal_the_dense_reduction_bitwise[2x2]",
+    "test_sparse_rows.py::test_the_recommendation_example_ends_alike_with_sparse_rows",
     # The core tier keeps one layout of each of these: the one that catches the
     # most (several devices and several processes at once).
     "test_allreduce.py::test_every_dtype_op_and_size[4-2]",

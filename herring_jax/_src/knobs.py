@@ -74,6 +74,15 @@ def _test_fault(text: str) -> str:
     return value
 
 
+def _rows_or_share(text: str) -> int | float:
+    if any(c in text for c in ".eE"):
+        share = float(text)
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"expected a share of the rows in (0, 1], got {text!r}")
+        return share
+    return _positive_int(text)
+
+
 def _identity(text: str) -> str:
     value = text.strip().lower()
     if value not in ("auto", "program", "launch"):
@@ -236,6 +245,13 @@ KNOBS: dict[str, Knob] = {
         Knob("HERRING_TEST_PTRACE_SCOPE", None, int,
              "Tests only: behave as if kernel.yama.ptrace_scope had this value, recording the "
              "tracer declarations instead of making them (for kernels without Yama)."),
+        Knob("HERRING_SPARSE_MAX_ROWS", None, _rows_or_share,
+             "allreduce_gradients(sparse_rows=...) without sparse_max_rows: the most rows "
+             "a process sends of each row-sparse leaf per step (the shapes are fixed when "
+             "the step is traced), an integer, or a share of the leaf's rows with a point "
+             "(0.02 = 2%). A step in which a process touched more reduces those leaves "
+             "densely instead (the same bits). Unset: 1/16 of the rows. Read when the step "
+             "is traced."),
         Knob("HERRING_TIMELINE", None, str,
              "Path of a Chrome trace (Perfetto, chrome://tracing) of this process's "
              "reductions: when XLA issued each, when herring's thread took it up, when it "

@@ -14,6 +14,7 @@ from herring_jax._src import allreduce as _allreduce
 from herring_jax._src import codecs
 from herring_jax._src import fusion
 from herring_jax._src import jax_compat
+from herring_jax._src import sparse_rows as sparse_lib
 from herring_jax._src import weighted
 from herring_jax._src.allreduce import allreduce
 from herring_jax._src.split import split_reductions
@@ -80,7 +81,8 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
                         fusion_bytes: int | None = None,
                         first_bucket_bytes: int | None = None,
                         compression: str = "none", error_feedback: bool = True,
-                        weight: bool | str = False
+                        weight: bool | str = False, sparse_rows=None,
+                        sparse_max_rows: int | float | None = None
                         ) -> optax.GradientTransformationExtraArgs:
     """Reduces gradients across data-parallel workers with Herring.
 
@@ -132,6 +134,24 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         keyword instead of ``weight``. With error feedback the residual is
         kept in the weighted terms (added to the next ``w * g``). Needs
         ``average=True``.
+      sparse_rows: which gradients are row-sparse (embedding tables, of which
+        a step touches few rows): a predicate ``f(path, leaf) -> bool`` on the
+        gradients' key paths and leaves, or a pytree of bools with their
+        structure (or a prefix of it). Each process sends only the rows it
+        touched, through one all-gather, and sums every touched row locally:
+        the result is bitwise the dense reduction's, zeros in the rows no
+        process touched. The rows touched are the update's ``row_ids=``
+        (``tx.update(grads, state, params, row_ids=tokens)``: one integer
+        array for every sparse leaf, or a list of one per sparse leaf; the
+        gradient must be zero outside them), or without it the rows with
+        any bit set. Across processes only (``axis_name=None``), without
+        ``compression`` or ``weight``. See the sparse rows guide.
+      sparse_max_rows: K, the most rows a process sends per sparse leaf and
+        step (the shapes are static under jit): an int, or a float in (0, 1]
+        for a share of the leaf's rows. None: ``HERRING_SPARSE_MAX_ROWS``,
+        else 1/16 of the rows. A step in which any process touched more rows
+        reduces its sparse leaves densely (the same bits; every process
+        takes the same branch).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -143,11 +163,17 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
       >>> tx = optax.chain(herring_jax.allreduce_gradients(weight=True), optax.adamw(1e-3))
       >>> updates, opt_state = tx.update(grads, opt_state, params,
       ...                                weight=examples_used)        # doctest: +SKIP
+      >>> tx = herring_jax.allreduce_gradients(
+      ...     sparse_rows=lambda path, g: "embedding" in jax.tree_util.keystr(path))
+      >>> updates, opt_state = tx.update(grads, opt_state, params,
+      ...                                row_ids=tokens)              # doctest: +SKIP
     """
     check_bucket_sizes(fusion_bytes, first_bucket_bytes)
     codecs.check_codec(compression)
     feedback = error_feedback and compression != "none"
     weight_key = weight_keyword(weight, average, "allreduce_gradients")
+    sparse_lib.check_spec(sparse_rows, sparse_max_rows, axis_name, compression,
+                          weight_key is not None, "allreduce_gradients")
     # A weighted mean sums the products w * g and divides after (weighted.py).
     op = "mean" if average and not weight_key else "sum"
     exact = set()  # ids of the buffers that must cross without a codec
@@ -180,6 +206,17 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
         w = step_weight(weight_key, extra_args, "allreduce_gradients")
         check_gradients(updates, axis_name, "allreduce_gradients", average=average)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
+        sparse_at, sparse_sums = [], []
+        if sparse_rows is None:
+            sparse_lib.refuse_ids(extra_args, "allreduce_gradients")
+        else:
+            # Row-sparse leaves go through sparse_rows.py; the others below.
+            flags = sparse_lib.leaf_flags(sparse_rows, updates, "allreduce_gradients")
+            sparse_at = [i for i, f in enumerate(flags) if f]
+            ids = sparse_lib.step_ids(extra_args, len(sparse_at), "allreduce_gradients")
+            sparse_sums = sparse_lib.reduce([leaves[i] for i in sparse_at], ids,
+                                            mean=op == "mean", max_rows=sparse_max_rows)
+            leaves = [g for i, g in enumerate(leaves) if not flags[i]]
         ready = jax_compat.production_order(leaves)
         if w is not None:
             leaves = [weighted.scaled(g, w) for g in leaves]
@@ -220,6 +257,8 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
                 total, sums = sums[-1], sums[:-1]
             weighted.check_total_eagerly(total, "allreduce_gradients")
             sums = [weighted.divided(s, total) for s in sums]
+        for i, r in zip(sparse_at, sparse_sums):
+            sums.insert(i, r)
         out = jax.tree_util.tree_unflatten(treedef, sums)
         if not feedback:
             return out, state

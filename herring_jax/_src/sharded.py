@@ -36,6 +36,7 @@ from herring_jax._src import jax_compat
 from herring_jax._src import reduce_scatter as _reduce_scatter_mod
 from herring_jax._src import runtime
 from herring_jax._src import sharded_checks
+from herring_jax._src import sparse_rows as sparse_lib
 from herring_jax._src import weighted
 from herring_jax._src.sharded_checks import global_sum
 from herring_jax._src.chunks import BucketLayout, chunk_of, chunk_shape
@@ -68,7 +69,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
                       average: bool = True, fusion_bytes: int | None = None,
                       first_bucket_bytes: int | None = None, compression: str = "none",
                       error_feedback: bool = True, check_inner: bool = True,
-                      weight: bool | str = False
+                      weight: bool | str = False, sparse_rows=None
                       ) -> optax.GradientTransformationExtraArgs:
     """Runs `inner` on the part of every parameter this worker serves.
 
@@ -111,6 +112,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         weight, ``tx.update(grads, state, params, weight=w)``; the chunks are
         bitwise those of the weighted unsharded chain. The total weight is
         one more small exact reduction per step. A string names the keyword.
+      sparse_rows: not supported here yet (``NotImplementedError``): reduce
+        row-sparse leaves with ``optax.chain(herring_jax.allreduce_gradients(
+        sparse_rows=...), inner)``.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with
@@ -124,6 +128,11 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
     """
     check_bucket_sizes(fusion_bytes, first_bucket_bytes)
     codecs.check_codec(compression)
+    if sparse_rows is not None:
+        raise NotImplementedError(
+            "herring_jax.sharded_optimizer does not take sparse_rows yet (its reduce-scatter "
+            "cuts every leaf into equal chunks, not rows): use optax.chain("
+            "herring_jax.allreduce_gradients(sparse_rows=...), inner) for row-sparse leaves")
     feedback = error_feedback and compression != "none"
     weight_key = weight_keyword(weight, average, "sharded_optimizer")
     # A weighted mean sums the products w * g and divides after (weighted.py).
@@ -166,6 +175,11 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
 
     def update_fn(updates, state, params=None, **extra_args):
         w = step_weight(weight_key, extra_args, "sharded_optimizer")
+        if sparse_lib.IDS_KEYWORD in extra_args:
+            raise TypeError(f"herring_jax.sharded_optimizer got {sparse_lib.IDS_KEYWORD}= "
+                            "but takes no row-sparse leaves, and would ignore it: use "
+                            "optax.chain(herring_jax.allreduce_gradients(sparse_rows=...), "
+                            "inner), or leave it out")
         check_gradients(updates, axis_name, "sharded_optimizer", average=average)
         state = per_device(state, add=False)
         n = workers()
