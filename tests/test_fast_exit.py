@@ -62,3 +62,28 @@ def test_a_keyboard_interrupt_ends_the_rank_by_sigint(tmp_path):
     assert "KeyboardInterrupt" in run.stderr, run.explain()
     # The trace is written there too.
     assert _one(_reductions(tmp_path, 1), "float32[1000]")["args"]["ok"]
+
+
+def test_a_rank_whose_process_0_is_gone_still_exits_at_once(monkeypatch):
+    # At a fast exit every rank stores "ending" in jax's key-value store for
+    # process 0 (herring_jax/_src/last_words.py). Where process 0 is gone,
+    # that request could wait out gRPC's timeout: the exit waits 1 s at most.
+    import threading
+    import time
+
+    from herring_jax._src import jax_compat, last_words
+
+    release = threading.Event()
+
+    class Unanswered:
+        def key_value_set(self, key, value):
+            release.wait(30)
+
+    monkeypatch.setattr(jax_compat, "distributed_client", Unanswered)
+    start = time.monotonic()
+    try:
+        last_words.say_ending(1, 1)
+        took = time.monotonic() - start
+    finally:
+        release.set()
+    assert 0.9 < took < 5, took

@@ -20,6 +20,7 @@ still ends the job after its own settle time.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from herring_jax._src import jax_compat
@@ -27,6 +28,8 @@ from herring_jax._src import jax_compat
 # Longest process 0 outlives itself at a fast exit, waiting for the others'
 # reports.
 LINGER_S = 5.0
+# Longest any rank waits for its "ending" to be stored.
+SAY_S = 1.0
 _POLL_S = 0.02
 
 
@@ -34,15 +37,26 @@ def _key(generation: int) -> str:
     return f"herring_jax/{generation}/ending/"
 
 
-def say_ending(generation: int, rank: int) -> None:
-    """This rank's report is printed: process 0 need not wait for it."""
+def say_ending(generation: int, rank: int, wait_s: float = SAY_S) -> None:
+    """This rank's report is printed: process 0 need not wait for it. Waits
+    at most `wait_s` for the key to be stored: where process 0 is gone
+    already, the request could wait out gRPC's own timeout, and this process
+    must end now."""
     client = jax_compat.distributed_client()
     if client is None:
         return
-    try:
-        client.key_value_set(f"{_key(generation)}{rank}", "1")
-    except Exception:  # noqa: BLE001 - the service may be gone already; exit anyway
-        pass
+    stored = threading.Event()
+
+    def store():
+        try:
+            client.key_value_set(f"{_key(generation)}{rank}", "1")
+        except Exception:  # noqa: BLE001 - the service may be gone already; exit anyway
+            pass
+        finally:
+            stored.set()
+
+    threading.Thread(target=store, name="herring_jax-last-words", daemon=True).start()
+    stored.wait(wait_s)
 
 
 def process_exited(pid: int) -> bool:
