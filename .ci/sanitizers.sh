@@ -51,7 +51,7 @@ done
 
 # The short selection. Each test starts its own processes; the sanitizer
 # runtime and the checks in .ci/sanitizers/sitecustomize.py reach them all
-# through the environment, which the launcher (herring_jax/_src/launch.py)
+# through the environment, which the launcher (herring_jax/_src/launcher/launch.py)
 # and the chaos test pass on unchanged.
 tests=(
   # Allreduce, bitwise against numpy: 2 processes x 2 devices (both devices'

@@ -300,7 +300,7 @@ def make_trainer(mesh, args, loss_fn, init_fn):
 
 def reduction(name: str, args):
     """One of --accordion's reductions over "data", by name."""
-    from herring_jax._src import codecs
+    from herring_jax._src.collectives import codecs
     if name in codecs.CODECS:
         return herring_jax.allreduce_gradients("data", compression=name)
     if name.startswith("topk"):

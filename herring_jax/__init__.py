@@ -13,7 +13,7 @@ Examples:
 import importlib
 from typing import TYPE_CHECKING
 
-from herring_jax._src import fabric_env as _fabric_env
+from herring_jax._src.process import fabric_env as _fabric_env
 
 _fabric_env.prepare()  # before anything starts a thread; see fabric_env.py
 
@@ -21,75 +21,76 @@ _fabric_env.prepare()  # before anything starts a thread; see fabric_env.py
 # the other commands import this package to reach herring_jax._src, and
 # importing jax for them would cost every launch about a second.
 _EXPORTS = {
-    "HerringError": "errors",
-    "herring_errors": "errors",
-    "initialize": "runtime",
-    "shutdown": "runtime",
-    "describe": "runtime",
-    "stats": "runtime",
-    "process_count": "runtime",
-    "process_index": "runtime",
-    "allreduce": "allreduce",
-    "broadcast": "broadcast",
-    "reduce_scatter": "reduce_scatter",
-    "allgather": "reduce_scatter",
-    "barrier": "reduce_scatter",
-    "pmean": "psum",
-    "psum": "psum",
-    "pmax": "psum",
-    "pmin": "psum",
-    "psum_scatter": "psum_scatter",
-    "all_gather": "psum_scatter",
-    "AllReduceGradientsState": "optax_transform",
-    "CompressedGradientsState": "optax_transform",
-    "allreduce_gradients": "optax_transform",
-    "ShardedOptimizerState": "sharded",
-    "sharded_optimizer": "sharded",
-    "FullySharded": "fully_sharded",
-    "FullyShardedGrads": "fully_sharded",
-    "FullyShardedState": "fully_sharded",
-    "fully_sharded": "fully_sharded",
-    "restore_sharded": "sharded_checkpoint",
-    "save_sharded": "sharded_checkpoint",
-    "catch_preemption": "preemption",
-    "preemption_requested": "preemption",
-    "PREEMPTED_EXIT_CODE": "preemption",
-    "PowerSGDState": "powersgd",
-    "powersgd": "powersgd",
-    "TopKState": "topk",
-    "topk": "topk",
-    "AccordionState": "accordion",
-    "accordion": "accordion",
-    "LocalSGDState": "local_sgd",
-    "local_sgd": "local_sgd",
-    "slowmo": "local_sgd",
-    "diloco": "local_sgd",
-    "local_sgd_in_flight": "streaming",
+    "HerringError": "process.errors",
+    "herring_errors": "process.errors",
+    "initialize": "process.runtime",
+    "shutdown": "process.runtime",
+    "describe": "process.runtime",
+    "stats": "process.runtime",
+    "process_count": "process.runtime",
+    "process_index": "process.runtime",
+    "allreduce": "collectives.allreduce",
+    "broadcast": "collectives.broadcast",
+    "reduce_scatter": "collectives.reduce_scatter",
+    "allgather": "collectives.reduce_scatter",
+    "barrier": "collectives.reduce_scatter",
+    "pmean": "collectives.psum",
+    "psum": "collectives.psum",
+    "pmax": "collectives.psum",
+    "pmin": "collectives.psum",
+    "psum_scatter": "collectives.psum_scatter",
+    "all_gather": "collectives.psum_scatter",
+    "AllReduceGradientsState": "transforms.optax_transform",
+    "CompressedGradientsState": "transforms.optax_transform",
+    "allreduce_gradients": "transforms.optax_transform",
+    "ShardedOptimizerState": "transforms.sharded",
+    "sharded_optimizer": "transforms.sharded",
+    "FullySharded": "transforms.fully_sharded",
+    "FullyShardedGrads": "transforms.fully_sharded",
+    "FullyShardedState": "transforms.fully_sharded",
+    "fully_sharded": "transforms.fully_sharded",
+    "restore_sharded": "checkpoints.sharded_checkpoint",
+    "save_sharded": "checkpoints.sharded_checkpoint",
+    "catch_preemption": "checkpoints.preemption",
+    "preemption_requested": "checkpoints.preemption",
+    "PREEMPTED_EXIT_CODE": "checkpoints.preemption",
+    "PowerSGDState": "transforms.powersgd",
+    "powersgd": "transforms.powersgd",
+    "TopKState": "transforms.topk",
+    "topk": "transforms.topk",
+    "AccordionState": "transforms.accordion",
+    "accordion": "transforms.accordion",
+    "LocalSGDState": "transforms.local_sgd",
+    "local_sgd": "transforms.local_sgd",
+    "slowmo": "transforms.local_sgd",
+    "diloco": "transforms.local_sgd",
+    "local_sgd_in_flight": "transforms.streaming",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # what static analysis and IDEs see
-    from herring_jax._src.accordion import AccordionState, accordion
-    from herring_jax._src.allreduce import allreduce
-    from herring_jax._src.broadcast import broadcast
-    from herring_jax._src.errors import HerringError, herring_errors
-    from herring_jax._src.local_sgd import LocalSGDState, diloco, local_sgd, slowmo
-    from herring_jax._src.optax_transform import (AllReduceGradientsState,
-                                                  CompressedGradientsState, allreduce_gradients)
-    from herring_jax._src.powersgd import PowerSGDState, powersgd
-    from herring_jax._src.preemption import (PREEMPTED_EXIT_CODE, catch_preemption,
-                                             preemption_requested)
-    from herring_jax._src.psum import pmax, pmean, pmin, psum
-    from herring_jax._src.psum_scatter import all_gather, psum_scatter
-    from herring_jax._src.reduce_scatter import allgather, barrier, reduce_scatter
-    from herring_jax._src.runtime import (describe, initialize, process_count, process_index,
-                                          shutdown, stats)
-    from herring_jax._src.fully_sharded import (FullySharded, FullyShardedGrads,
-                                                FullyShardedState, fully_sharded)
-    from herring_jax._src.sharded import ShardedOptimizerState, sharded_optimizer
-    from herring_jax._src.sharded_checkpoint import restore_sharded, save_sharded
-    from herring_jax._src.streaming import local_sgd_in_flight
-    from herring_jax._src.topk import TopKState, topk
+    from herring_jax._src.transforms.accordion import AccordionState, accordion
+    from herring_jax._src.collectives.allreduce import allreduce
+    from herring_jax._src.collectives.broadcast import broadcast
+    from herring_jax._src.process.errors import HerringError, herring_errors
+    from herring_jax._src.transforms.local_sgd import LocalSGDState, diloco, local_sgd, slowmo
+    from herring_jax._src.transforms.optax_transform import (AllReduceGradientsState,
+                                                             CompressedGradientsState,
+                                                             allreduce_gradients)
+    from herring_jax._src.transforms.powersgd import PowerSGDState, powersgd
+    from herring_jax._src.checkpoints.preemption import (PREEMPTED_EXIT_CODE, catch_preemption,
+                                                         preemption_requested)
+    from herring_jax._src.collectives.psum import pmax, pmean, pmin, psum
+    from herring_jax._src.collectives.psum_scatter import all_gather, psum_scatter
+    from herring_jax._src.collectives.reduce_scatter import allgather, barrier, reduce_scatter
+    from herring_jax._src.process.runtime import (describe, initialize, process_count,
+                                                  process_index, shutdown, stats)
+    from herring_jax._src.transforms.fully_sharded import (FullySharded, FullyShardedGrads,
+                                                           FullyShardedState, fully_sharded)
+    from herring_jax._src.transforms.sharded import ShardedOptimizerState, sharded_optimizer
+    from herring_jax._src.checkpoints.sharded_checkpoint import restore_sharded, save_sharded
+    from herring_jax._src.transforms.streaming import local_sgd_in_flight
+    from herring_jax._src.transforms.topk import TopKState, topk
 
 
 def __getattr__(name: str):

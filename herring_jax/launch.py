@@ -1,10 +1,10 @@
 """`python -m herring_jax.launch -n N [--devices-per-process D] -- CMD ...`
 
-Starts N local processes of CMD for herring_jax; see herring_jax._src.launch
+Starts N local processes of CMD for herring_jax; see herring_jax._src.launcher.launch
 for the options, the environment each process gets and the exit codes.
 """
 
-from herring_jax._src.launch import main
+from herring_jax._src.launcher.launch import main
 
 __all__ = ["main"]
 

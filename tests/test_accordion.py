@@ -38,7 +38,7 @@ def test_accordion_switches_alike_under_the_launch_identity():
 
 
 def test_the_rule_at_its_edges():
-    from herring_jax._src.accordion import light_next, schedule_np
+    from herring_jax._src.transforms.accordion import light_next, schedule_np
     f = np.float32
     assert light_next(f(0), f(3), 0.5)                     # nothing to compare with
     assert light_next(f(4), f(2), 0.5)                     # a change of exactly eta

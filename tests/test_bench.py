@@ -198,7 +198,7 @@ def test_a_wrong_run_fails_the_report_naming_run_size_peer_and_rank():
 def test_bench_netns_smoke(tmp_path):
     """The simulated-network mode: 2 hosts of 2 processes, shaped links, the
     bound from the shaped rates and the hosts, and nothing left behind."""
-    from herring_jax._src.tools import netns
+    from herring_jax._src.launcher import netns
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "4", "--netns",

@@ -6,7 +6,7 @@ test_docs.py, beside the page that holds it.)"""
 import shutil
 
 from herring_jax import _herring_ffi
-from herring_jax._src import runtime
+from herring_jax._src.process import runtime
 
 
 def test_cpu_handler_registered():

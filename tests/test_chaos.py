@@ -9,7 +9,7 @@ Rank 0 is never the victim: it hosts jax.distributed's coordinator, whose loss
 ends the other processes through jax itself.
 
 The partition test does the same in the simulated network (one network
-namespace per process, herring_jax/_src/tools/netns.py): one host's link to the
+namespace per process, herring_jax/_src/launcher/netns.py): one host's link to the
 bridge goes down while its process lives on.
 
 CI runs 3 kills and 1 partition; HERRING_LONG_TESTS=1 runs 20 and 5; the
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from herring_jax._src.launch import child_env, free_port
-from herring_jax._src.tools.netns import SimulatedNetwork
+from herring_jax._src.launcher.launch import child_env, free_port
+from herring_jax._src.launcher.netns import SimulatedNetwork
 
 WORKER = Path(__file__).resolve().parent / "workers" / "chaos_worker.py"
 LONG = os.environ.get("HERRING_LONG_TESTS") == "1"

@@ -1,6 +1,6 @@
 """Compressed reductions (codec= of allreduce / psum / allreduce_gradients):
 every codec on several processes, bitwise against the numpy model of the
-engine's codecs (herring_jax/_src/codecs.py: contributions encoded, decoded
+engine's codecs (herring_jax/_src/collectives/codecs.py: contributions encoded, decoded
 and summed in float32 in rank order, the result encoded once more), over the
 transport and through the host stage, where only the hosts' shares are
 encoded. Non-float32 leaves of a compressed reduction stay exact. Error
@@ -12,7 +12,7 @@ mismatch between processes is tests/test_failures.py."""
 import numpy as np
 import pytest
 
-from herring_jax._src import codecs
+from herring_jax._src.collectives import codecs
 from multiproc import assert_all_ok, launch
 
 COUNTS = "1,7,300,4097,100003"

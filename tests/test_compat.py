@@ -29,7 +29,7 @@ def test_lax_compatibility(nproc, devices):
 
 
 def test_supported_jax_range_and_what_an_unknown_jax_is_told():
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
     import jax
     jax_compat.check_jax_version(jax.__version__)  # the jax under test is one it knows
     for version in ("0.10.0", "0.11.2", "0.12.0.1", "0.12.3.dev20261201"):
@@ -61,7 +61,7 @@ def test_psum_types_follow_lax_unreduced_kind():
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
     if not hasattr(jax.sharding, "UnreducedKind"):
         pytest.skip(f"jax {jax.__version__} has no unreduced_kind")
     mesh = jax.make_mesh((1,), ("i",))
@@ -86,7 +86,7 @@ def test_psum_types_follow_lax_unreduced_kind():
 
 def test_pyproject_asks_for_the_jax_jax_compat_knows():
     import tomllib
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
     from multiproc import ROOT
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     wanted = {f"jax{jax_compat.SUPPORTED_JAX}", f"jaxlib{jax_compat.SUPPORTED_JAX}"}
@@ -155,7 +155,7 @@ def _herring_and_lax_bind(gather_or_scatter: str):
 
 def test_lax_behaviours_are_those_of_the_jax_installed():
     import jax
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
     release = tuple(int(p) for p in jax.__version__.split(".")[:2])
     got = (jax_compat.invariant_gather_needs_check_vma(), jax_compat.negative_scatter_dimension())
     assert got == KNOWN_LAX[release], (jax.__version__, got)
@@ -226,7 +226,7 @@ def test_a_lax_laid_out_otherwise_is_told_by_what_it_does(tmp_path):
 
 @pytest.fixture
 def fresh_lax_answers():
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
     jax_compat.invariant_gather_needs_check_vma.cache_clear()
     jax_compat.negative_scatter_dimension.cache_clear()
     yield jax_compat

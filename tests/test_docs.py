@@ -12,7 +12,7 @@ import sys
 import pytest
 
 import herring_jax
-from herring_jax._src import knobs
+from herring_jax._src.process import knobs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,9 +21,9 @@ def test_knob_table_is_current():
     page = (ROOT / "docs" / "guides" / "knobs.md").read_text()
     table = knobs.markdown_table()
     assert table in page, (
-        "docs/guides/knobs.md's table differs from herring_jax/_src/knobs.py; paste the output "
-        "of `python3 -P -c 'from herring_jax._src import knobs; print(knobs.markdown_table())'` "
-        "over it")
+        "docs/guides/knobs.md's table differs from herring_jax/_src/process/knobs.py; paste the "
+        "output of `python3 -P -c 'from herring_jax._src.process import knobs; "
+        "print(knobs.markdown_table())'` over it")
 
 
 def test_docs_build_without_warnings_and_run_the_docstring_examples():

@@ -11,7 +11,7 @@ import pathlib
 import re
 
 import herring_jax
-from herring_jax._src import knobs
+from herring_jax._src.process import knobs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -162,7 +162,7 @@ def test_every_herring_variable_in_the_code_is_declared_in_knobs():
                         if name not in knobs.KNOBS and name not in NOT_ENVIRONMENT
                         and not name.endswith("_H_"))
     assert not undeclared, (
-        f"HERRING_* names used in the code but not declared in herring_jax/_src/knobs.py: "
+        f"HERRING_* names used in the code but not declared in herring_jax/_src/process/knobs.py: "
         f"{undeclared}. Declare each environment variable there (then paste knobs."
         "markdown_table() over docs/guides/knobs.md's table); add a name that is no "
         "environment variable to NOT_ENVIRONMENT here, saying what it is")

@@ -51,7 +51,7 @@ def test_jaxlib_makes_herring_failures_herring_errors_once_translation_is_instal
     import jax
 
     import herring_jax
-    from herring_jax._src.errors import install_error_translation
+    from herring_jax._src.process.errors import install_error_translation
 
     herring = "herring allreduce on rank 0: rank 1 has sent nothing"
     msg = "INTERNAL: " + "Error dispatching computation: INTERNAL: " * 2 + herring
@@ -73,7 +73,7 @@ def test_an_uncaught_herring_error_prints_its_message_first_and_the_libraries_fr
     import jax.numpy as jnp
 
     import herring_jax
-    from herring_jax._src.errors import format_uncaught, install_error_translation
+    from herring_jax._src.process.errors import format_uncaught, install_error_translation
 
     install_error_translation()
 

@@ -66,12 +66,13 @@ def test_a_keyboard_interrupt_ends_the_rank_by_sigint(tmp_path):
 
 def test_a_rank_whose_process_0_is_gone_still_exits_at_once(monkeypatch):
     # At a fast exit every rank stores "ending" in jax's key-value store for
-    # process 0 (herring_jax/_src/last_words.py). Where process 0 is gone,
+    # process 0 (herring_jax/_src/process/last_words.py). Where process 0 is gone,
     # that request could wait out gRPC's timeout: the exit waits 1 s at most.
     import threading
     import time
 
-    from herring_jax._src import jax_compat, last_words
+    from herring_jax._src.process import jax_compat
+    from herring_jax._src.process import last_words
 
     release = threading.Event()
 

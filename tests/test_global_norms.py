@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from herring_jax._src import sharded_checks
+from herring_jax._src.transforms import sharded_checks
 
 # The test names every alias optax still serves, the deprecated ones too.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

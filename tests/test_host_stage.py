@@ -282,7 +282,7 @@ def test_processes_with_no_common_ancestor_but_init_let_any_process_of_the_user_
         monkeypatch):
     # Started apart (each under init), a host's processes have no narrower
     # tracer to declare: PR_SET_PTRACER_ANY, said in what describe() shows.
-    from herring_jax._src import topology
+    from herring_jax._src.process import topology
 
     assert topology.nearest_common_ancestor([[30, 20, 10, 1], [31, 21, 10, 1]]) == 10
     assert topology.nearest_common_ancestor([[30, 20, 1], [20, 1]]) == 20  # parent and child

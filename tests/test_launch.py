@@ -228,7 +228,8 @@ def test_a_misspelt_option_is_refused_with_the_subcommands_usage(via_cli):
 # interpreter (the repository root's herring_jax must not be the one imported).
 _API_CHECKS = textwrap.dedent("""
     import contextlib, io, sys
-    from herring_jax._src import cli, launch
+    from herring_jax._src import cli
+    from herring_jax._src.launcher import launch
 
     base = {"XLA_FLAGS": "--a=1 --xla_force_host_platform_device_count=8 --b=2",
             "JAX_PLATFORMS": "cuda", "OTHER": "x"}
@@ -279,7 +280,7 @@ def test_ranks_other_than_0_wait_for_the_coordinators_port():
     import socket
     import threading
 
-    from herring_jax._src.runtime import _wait_for_coordinator
+    from herring_jax._src.process.runtime import _wait_for_coordinator
 
     with socket.socket() as probe:  # a free port, closed again at once
         probe.bind(("127.0.0.1", 0))

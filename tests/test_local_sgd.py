@@ -107,7 +107,7 @@ def test_fragments_are_runs_of_leaves_of_about_equal_bytes():
     import optax
 
     import herring_jax
-    from herring_jax._src.streaming import fragment_leaves
+    from herring_jax._src.transforms.streaming import fragment_leaves
 
     def tree(*sizes):
         return {f"l{i:02d}": jnp.zeros(n, jnp.float32) for i, n in enumerate(sizes)}

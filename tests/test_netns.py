@@ -1,4 +1,4 @@
-"""The simulated cloud network (herring_jax/_src/tools/netns.py) and `launch --netns`.
+"""The simulated cloud network (herring_jax/_src/launcher/netns.py) and `launch --netns`.
 
 These need root and iproute2, which CI has: they fail, never skip, without.
 Throughput is not asserted here (2 shared cores); BENCHMARKS.md has the
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from herring_jax._src.tools import netns
-from herring_jax._src.tools.netns import SimulatedNetwork
+from herring_jax._src.launcher import netns
+from herring_jax._src.launcher.netns import SimulatedNetwork
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +104,7 @@ def test_an_error_inside_removes_everything():
 def test_a_killed_creator_leaves_nothing_after_the_next_run():
     code = textwrap.dedent("""
         import os, signal, sys
-        from herring_jax._src.tools.netns import SimulatedNetwork
+        from herring_jax._src.launcher.netns import SimulatedNetwork
         net = SimulatedNetwork(2); net.create()
         print(net.switch, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)""")

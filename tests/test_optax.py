@@ -35,7 +35,7 @@ def _random_tree(rng, n_leaves):
 @pytest.mark.parametrize("seed,n_leaves,fusion_bytes", [
     (0, 1, 4), (1, 10, 16), (2, 300, 64), (3, 300, 1 << 20), (4, 50, 1)])
 def test_fusion_round_trip(seed, n_leaves, fusion_bytes):
-    from herring_jax._src import fusion
+    from herring_jax._src.transforms import fusion
     tree = _random_tree(np.random.default_rng(seed), n_leaves)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     buckets = fusion.plan(leaves, fusion_bytes)
@@ -72,7 +72,8 @@ def test_buckets_follow_the_backward_pass_not_pytree_order():
     """Inside jit, leaves are bucketed in the order the traced backward pass
     produces their gradients: Dense_11 first, Dense_0 last, although pytree
     order (sorted keys) puts Dense_10 and Dense_11 before Dense_2."""
-    from herring_jax._src import fusion, jax_compat
+    from herring_jax._src.transforms import fusion
+    from herring_jax._src.process import jax_compat
     names = [f"Dense_{i}" for i in range(12)]
     params = {n: {"kernel": jnp.ones((8, 8)) * 0.1, "bias": jnp.zeros(8)} for n in names}
 

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from herring_jax._src.launch import free_port
+from herring_jax._src.launcher.launch import free_port
 from multiproc import WORKERS
 
 SCRIPT = str(WORKERS / "recipe_worker.py")

@@ -4,7 +4,7 @@ get without them; a killed server fails every worker fast, naming it."""
 
 from multiproc import launch
 
-from herring_jax._src import knobs
+from herring_jax._src.process import knobs
 
 # The flat path: with one process per host (a cluster) that is every group's;
 # on this one machine the host stage would sum everything through memory.

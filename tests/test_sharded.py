@@ -75,7 +75,7 @@ def test_the_inner_check_runs_once_for_one_transformation_and_shapes(monkeypatch
     import numpy as np
     import optax
 
-    from herring_jax._src import sharded_checks
+    from herring_jax._src.transforms import sharded_checks
 
     runs = []
     real = sharded_checks._run_check

@@ -63,7 +63,7 @@ def test_sparse_rows_arguments_are_refused_with_what_to_do():
 
 
 def test_sparse_rows_masks_and_bounds(monkeypatch):
-    from herring_jax._src import sparse_rows as sparse_lib
+    from herring_jax._src.transforms import sparse_rows as sparse_lib
     g = {"emb": np.zeros((100, 4), np.float32), "step": np.zeros((), np.int32),
          "w": {"a": np.zeros(3, np.float32), "b": np.zeros(3, np.float32)}}
     pick = lambda path, leaf: "emb" in str(path)  # noqa: E731
@@ -93,7 +93,7 @@ def test_sparse_rows_masks_and_bounds(monkeypatch):
 def test_the_numpy_model_starts_from_the_first_contribution():
     # -0.0 + -0.0 stays -0.0 (a sum from 0.0 would give +0.0), and two hosts
     # of two processes sum (x0 + x1) + (x2 + x3), not in rank order.
-    from herring_jax._src import sparse_rows as sparse_lib
+    from herring_jax._src.transforms import sparse_rows as sparse_lib
     z = np.array([[-0.0]], np.float32)
     assert np.signbit(sparse_lib.model_np([z, z], [[0], [1]], False)).all()
     assert not np.signbit(sparse_lib.model_np([z, np.zeros_like(z)], [[0], [1]], False)).any()
@@ -135,7 +135,7 @@ def test_the_jitted_row_sum_is_the_numpy_model_bitwise(dtype):
     # division by 3 and 4 processes is not a product with the reciprocal).
     import jax
     import ml_dtypes
-    from herring_jax._src import sparse_rows as sparse_lib
+    from herring_jax._src.transforms import sparse_rows as sparse_lib
     np_dtype = np.dtype(np.float32) if dtype == "float32" else np.dtype(ml_dtypes.bfloat16)
     v, d, k = 40, 8, 9
     rng = np.random.RandomState(3)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from herring_jax._src import timeline
+from herring_jax._src.process import timeline
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -27,7 +27,7 @@ def test_topk_model_keeps_what_it_does_not_send():
     # The numpy model itself: one worker sends its k largest magnitudes and
     # keeps the rest, so update + residual is the gradient exactly.
     import numpy as np
-    from herring_jax._src import topk as topk_lib
+    from herring_jax._src.transforms import topk as topk_lib
     g = np.array([0.5, -3.0, 2.0, 0.25, -1.0, 4.0, 0.0, -0.125], np.float32)
     update, [residual] = topk_lib.model_np([g], [np.zeros_like(g)], 0.25)
     assert update.tolist() == [0, -3.0, 0, 0, 0, 4.0, 0, 0]

@@ -1,6 +1,6 @@
 // herring_async_start / herring_async_done (XLA:CPU): a reduction that starts
 // in one execution of a jitted step and ends in a later one (Streaming
-// DiLoCo's overlapped fragments, herring_jax/_src/streaming.py).
+// DiLoCo's overlapped fragments, herring_jax/_src/transforms/streaming.py).
 //
 // Every other reduction starts and ends inside one XLA execution, its buffers
 // XLA's. Here the start copies its operands into memory of the engine's pool,

@@ -16,7 +16,7 @@
 //     buffers on XLA's stream.
 // Between the two, XLA's thread enqueues the rest of the backward pass, which
 // the GPU runs while herring's threads move the bytes. allreduce_gradients
-// (herring_jax/_src/split.py) makes every done depend on every bucket's
+// (herring_jax/_src/collectives/split.py) makes every done depend on every bucket's
 // token, so that no done (and no host wait) comes before the last bucket's
 // start, i.e. before the backward pass is enqueued. A start and its done are
 // paired by the token's address (cuda_pending.h says why that is exact).

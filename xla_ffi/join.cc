@@ -6,7 +6,7 @@
 // XLA:CPU schedules a bucket's use (the optimizer's update) right after its
 // reduction and hands the buffer to the rest of the backward pass, whose
 // computations its executor then holds until that reduction has ended
-// (herring_jax/_src/lowering.py, join_cpu).
+// (herring_jax/_src/collectives/lowering.py, join_cpu).
 #include <cstring>
 #include <string>
 

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from herring_jax._src import timeline  # noqa: E402
+from herring_jax._src.process import timeline  # noqa: E402
 
 
 def main(trace: str, png: str, last_ms: float = 40.0) -> None:

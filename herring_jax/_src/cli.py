@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from herring_jax._src import launch, servers, timeline
+from herring_jax._src.launcher import launch
+from herring_jax._src.process import servers
+from herring_jax._src.process import timeline
 from herring_jax._src.tools import bench, train_bench
 from herring_jax._src.tools.help_format import HelpFormatter
 

@@ -214,7 +214,9 @@ def extension() -> int:
     (on a GPU), and loads libfabric from where run.sh said."""
     import herring_jax
     from herring_jax import _herring_ffi
-    from herring_jax._src import jax_compat, knobs, runtime
+    from herring_jax._src.process import jax_compat
+    from herring_jax._src.process import knobs
+    from herring_jax._src.process import runtime
     fabric = sorted({line.split()[-1] for line in open("/proc/self/maps")
                      if "libfabric.so" in line})
     print(f"herring_jax: {herring_jax.__file__}\nmodule: {_herring_ffi.__file__}\n"

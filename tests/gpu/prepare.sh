@@ -198,7 +198,7 @@ rm -rf "$site" && mkdir -p "$site"
 cp -r herring_jax "$site/" && cp "$ext" "$site/herring_jax/"
 JAX_PLATFORMS=cpu LD_LIBRARY_PATH=$lib_dirs PYTHONPATH=$site "$py" -P -c "
 import herring_jax, herring_jax._herring_ffi as m
-from herring_jax._src import runtime
+from herring_jax._src.process import runtime
 assert herring_jax.__file__.startswith('$PWD/$site'), herring_jax.__file__
 assert runtime.cuda_handler_built(), 'no CUDA handlers in the module'
 fabric = [l.split()[-1] for l in open('/proc/self/maps') if 'libfabric.so' in l]

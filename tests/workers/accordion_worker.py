@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src.accordion import light_next  # noqa: E402
+from herring_jax._src.transforms.accordion import light_next  # noqa: E402
 
 ETA = 0.5
 # 64 elements in all: the norm of a constant v is 8 |v|, exact.

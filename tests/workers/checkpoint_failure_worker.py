@@ -40,7 +40,7 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import jax_compat  # noqa: E402
+from herring_jax._src.process import jax_compat  # noqa: E402
 from sharded_worker import make_params  # noqa: E402
 
 

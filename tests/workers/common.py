@@ -15,7 +15,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from herring_jax._src import codecs
+from herring_jax._src.collectives import codecs
 
 NP_DTYPES = {
     "float32": np.dtype(np.float32),
@@ -98,7 +98,7 @@ def reference(dtype: str, op: str, inputs: list[list[np.ndarray]],
 
     A codec (float32 only) applies where data crosses over the transport: to
     the last stage, unless that is one host's processes reducing through the
-    host stage (herring_jax/_src/codecs.py's reduce_np is its model)."""
+    host stage (herring_jax/_src/collectives/codecs.py's reduce_np is its model)."""
     acc_t = _acc_dtype(dtype)
     out_t = NP_DTYPES[dtype]
     procs = [_sum_in_order(devs, acc_t).astype(out_t) for devs in inputs]
@@ -137,7 +137,7 @@ def report(case: str, ok: bool, **fields) -> None:
 
 def weighted_reference(dtype: str, inputs: list[list[np.ndarray]], weights: list[list[float]],
                        hosts: list[list[int]] | None = None, codec: str = "none") -> np.ndarray:
-    """The weighted mean sum(w x) / sum(w) as herring_jax/_src/weighted.py
+    """The weighted mean sum(w x) / sum(w) as herring_jax/_src/collectives/weighted.py
     defines it, inputs[process][device] and weights[process][device]: each
     product rounded once to the dtype (in float64 for float64 / complex128,
     else float32; exact zeros where w is 0), summed as `reference` sums

@@ -32,8 +32,8 @@ import jax.numpy as jnp  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import fusion  # noqa: E402
-from herring_jax._src import optax_transform  # noqa: E402
+from herring_jax._src.transforms import fusion  # noqa: E402
+from herring_jax._src.transforms import optax_transform  # noqa: E402
 
 _CALL = re.compile(r"(%[\w#:]+) = stablehlo\.custom_call @(\w+)\(([^)]*)\)")
 START, DONE, CPU = "herring_allreduce_start", "herring_allreduce_done", "herring_allreduce"

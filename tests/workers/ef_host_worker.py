@@ -37,8 +37,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import codecs  # noqa: E402
-from herring_jax._src.optax_transform import CompressedGradientsState  # noqa: E402
+from herring_jax._src.collectives import codecs  # noqa: E402
+from herring_jax._src.transforms.optax_transform import CompressedGradientsState  # noqa: E402
 
 # One float32 leaf (one fusion buffer) of whole codec blocks per worker, so
 # that sharded_optimizer's buffer is the leaf itself, in order.

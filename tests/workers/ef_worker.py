@@ -23,7 +23,7 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import codecs  # noqa: E402
+from herring_jax._src.collectives import codecs  # noqa: E402
 
 SIZE = 5000  # one leaf: one fusion buffer, its codec blocks from element 0
 

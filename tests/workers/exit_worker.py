@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 import herring_jax
-from herring_jax._src import timeline
+from herring_jax._src.process import timeline
 
 
 def main() -> int:

@@ -142,7 +142,7 @@ def jit_dead_peer(rank: int, mode: str) -> None:
     # Rank 1 dies between steps: only once every rank has its second step's
     # result (a process that leaves while a peer still reads its slice fails
     # that peer's step instead, with another message).
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
     jax_compat.distributed_client().wait_at_barrier("jit-dead-peer-warm", 60_000)
     if rank == 1:
         sys.stdout.flush()
@@ -184,7 +184,7 @@ def order(rank: int) -> None:
 
 
 def absent_peer(rank: int) -> None:
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
 
     client = jax_compat.distributed_client()
     if rank == 1:
@@ -213,7 +213,7 @@ def failed(y):
 
 
 def error_types(rank: int) -> None:
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
 
     client = jax_compat.distributed_client()
     # XLA:CPU runs a program of under 1000 flops whose inputs are ready as it

@@ -44,7 +44,7 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import jax_compat  # noqa: E402
+from herring_jax._src.process import jax_compat  # noqa: E402
 
 
 def _apply_env(assignments: list[str]) -> None:
@@ -130,7 +130,7 @@ def main() -> int:
     rank, nproc = herring_jax.process_index(), herring_jax.process_count()
     client = jax_compat.distributed_client()
     if args.case == "ptrace":
-        from herring_jax._src import topology
+        from herring_jax._src.process import topology
         common.report("ptrace", True, parent=os.getppid(), describe=herring_jax.describe(),
                       declared=topology.declared_ptracer())
         _reduce_once(rank, nproc, 4097, 0)

@@ -36,7 +36,7 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import runtime  # noqa: E402
+from herring_jax._src.process import runtime  # noqa: E402
 
 LR = 2.0 ** -4
 

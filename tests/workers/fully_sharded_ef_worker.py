@@ -28,7 +28,7 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import codecs  # noqa: E402
+from herring_jax._src.collectives import codecs  # noqa: E402
 
 
 def tanh_params() -> dict:

@@ -48,8 +48,8 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import codecs  # noqa: E402
-from herring_jax._src.local_sgd import slow_momentum  # noqa: E402
+from herring_jax._src.collectives import codecs  # noqa: E402
+from herring_jax._src.transforms.local_sgd import slow_momentum  # noqa: E402
 
 EVERY = 3
 STEPS = 7            # two periods and one step into the third

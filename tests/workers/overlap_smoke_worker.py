@@ -21,7 +21,7 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import runtime  # noqa: E402
+from herring_jax._src.process import runtime  # noqa: E402
 
 LAYERS, WIDTH, BATCH, STEPS = 6, 512, 512, 4
 last_gradient_ns: list[int] = []

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import codecs  # noqa: E402
+from herring_jax._src.collectives import codecs  # noqa: E402
 
 SHAPES = {"w": (64, 6, 8), "b": (48,), "tiny": (2, 2)}
 RANK = 2

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import jax_compat  # noqa: E402
+from herring_jax._src.process import jax_compat  # noqa: E402
 
 
 def cases(args):

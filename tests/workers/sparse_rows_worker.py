@@ -1,7 +1,7 @@
 """allreduce_gradients(sparse_rows=...) on several processes, bitwise against
 the dense reduction of the same gradients (allreduce_gradients without
 sparse_rows) and against the numpy model of the engine's order
-(herring_jax._src.sparse_rows.model_np).
+(herring_jax._src.transforms.sparse_rows.model_np).
 
 Cases (each reports a digest of the result, which the test compares across
 ranks):
@@ -35,7 +35,7 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import sparse_rows as sparse_lib  # noqa: E402
+from herring_jax._src.transforms import sparse_rows as sparse_lib  # noqa: E402
 
 V, D, K = 48, 6, 12
 IS_EMB = lambda path, g: "emb" in jax.tree_util.keystr(path)  # noqa: E731

@@ -49,8 +49,8 @@ import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import async_reduce  # noqa: E402
-from herring_jax._src.streaming import fragment_leaves  # noqa: E402
+from herring_jax._src.collectives import async_reduce  # noqa: E402
+from herring_jax._src.transforms.streaming import fragment_leaves  # noqa: E402
 from local_sgd_worker import FRAGMENT_SHAPES, flat, start_params, train_step  # noqa: E402
 
 EVERY, FRAGMENTS, DELAY = 4, 2, 1

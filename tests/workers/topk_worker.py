@@ -1,5 +1,5 @@
 """herring_jax.topk on several workers, step by step and bitwise against its
-numpy model (herring_jax._src.topk.model_np): the update is the same on
+numpy model (herring_jax._src.transforms.topk.model_np): the update is the same on
 every worker, each sparsified leaf is the mean of every worker's top-k of
 gradient + residual, the residual is what this worker did not send, and
 small leaves are averaged exactly.
@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from herring_jax._src import topk as topk_lib  # noqa: E402
+from herring_jax._src.transforms import topk as topk_lib  # noqa: E402
 
 SHAPES = {"b": (48,), "tiny": (2, 2), "w": (64, 48)}
 FRACTION = 0.05

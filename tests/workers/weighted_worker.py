@@ -1,6 +1,6 @@
 """Weighted means (allreduce / pmean weight=, allreduce_gradients and
 sharded_optimizer weight=True) checked bitwise against common.weighted_reference,
-the numpy model of herring_jax/_src/weighted.py, in rank order.
+the numpy model of herring_jax/_src/collectives/weighted.py, in rank order.
 
 Usage (under the launcher): python tests/workers/weighted_worker.py [--devices 2]
 """

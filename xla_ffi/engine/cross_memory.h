@@ -33,7 +33,7 @@ bool ProcessExited(int64_t pid);
 // Ubuntu's default), declares who else may read this process's memory:
 // process `tracer` and its descendants (tracer > 0), any process of this user
 // (kPtracerAny, what Open MPI and UCX declare), or nobody again (0).
-// herring_jax/_src/topology.py decides (the narrowest: the nearest common
+// herring_jax/_src/process/topology.py decides (the narrowest: the nearest common
 // ancestor of the host's processes). Returns "" or why prctl refused.
 constexpr int64_t kPtracerAny = -1;
 std::string SetPtracer(int64_t tracer);

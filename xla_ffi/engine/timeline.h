@@ -1,6 +1,6 @@
 // When each reduction was issued by XLA, taken up by herring's threads and
 // finished, for timelines of a training step (herring-jax train-bench and
-// HERRING_TIMELINE's Chrome traces, herring_jax/_src/timeline.py). Times
+// HERRING_TIMELINE's Chrome traces, herring_jax/_src/process/timeline.py). Times
 // are CLOCK_MONOTONIC nanoseconds, the clock of Python's time.monotonic_ns().
 // The last kCapacity events are kept; recording is a lock and a copy.
 #ifndef HERRING_ENGINE_TIMELINE_H_

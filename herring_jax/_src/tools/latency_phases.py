@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     import herring_jax
-    from herring_jax._src import jax_compat, runtime
+    from herring_jax._src.process import jax_compat
+    from herring_jax._src.process import runtime
 
     herring_jax.initialize()
     rank = herring_jax.process_index()

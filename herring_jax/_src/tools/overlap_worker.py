@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     import optax
 
     import herring_jax
-    from herring_jax._src import runtime
+    from herring_jax._src.process import runtime
 
     herring_jax.initialize()
     me = herring_jax.process_index()
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         p, s, _ = jax.block_until_ready(timed_step(p, s, x, y))
         steps_log.append((t0, time.monotonic_ns()))
     events = runtime.take_timeline()
-    from herring_jax._src import timeline as _timeline
+    from herring_jax._src.process import timeline as _timeline
     for e in events:
         # What each reduction was ("all_gather sum float32[...]", ...), for the plot.
         e["what"] = _timeline._labels.get((int(e.get("key", 0)), int(e.get("slot", 0))), "")

@@ -163,7 +163,7 @@ def _codec_args(codec: str) -> tuple[list[str], str] | None:
     """The training script's options for a --codecs name, and the name the
     script reports it trained with (examples/data_parallel.py's
     compression_name); None if the name is unknown."""
-    from herring_jax._src import codecs as codecs_lib
+    from herring_jax._src.collectives import codecs as codecs_lib
     if codec in codecs_lib.CODECS:
         return ["--compression", codec], codec
     m = re.fullmatch(rf"sharded(?:-({'|'.join(codecs_lib.CODECS[1:])}))?", codec)
@@ -204,7 +204,7 @@ def _local_sgd_args(codec: str) -> tuple[list[str], str] | None:
     the script's --local-steps H --outer ... [--fragments F] [--delay D]
     (herring_jax.local_sgd and its presets, the pseudo-gradients sent with
     that codec)."""
-    from herring_jax._src import codecs as codecs_lib
+    from herring_jax._src.collectives import codecs as codecs_lib
     if codec == "compute":
         return ["--reduce", "none"], codec
     lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
@@ -327,7 +327,7 @@ def _plot_codecs(args, results: list[dict], base: dict | None, seeds: int) -> No
 
 def run_codecs(args: argparse.Namespace) -> int:
     """--codecs: one N-process training run per codec; table, JSON and plot."""
-    from herring_jax._src import codecs as codecs_lib
+    from herring_jax._src.collectives import codecs as codecs_lib
     names = [c for c in args.codecs.split(",") if c]
     unknown = [c for c in names if _codec_args(c) is None]
     if unknown or not names:

@@ -46,7 +46,7 @@ def memory_gbps(processes: int | None = None) -> tuple[float, str]:
 
 def shaped_gbps(args) -> tuple[float, str]:
     """What one host can send to all others at once in the simulated network, GB/s."""
-    from herring_jax._src.tools.netns import parse_rate
+    from herring_jax._src.launcher.netns import parse_rate
     hosts = args.num_processes // max(1, getattr(args, "processes_per_host", 1) or 1)
     host = parse_rate(args.host_rate)
     flow = parse_rate(args.flow_rate) if args.flow_rate else host

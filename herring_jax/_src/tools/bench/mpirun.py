@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 from herring_jax._src.tools.bench.workers import run_workers
-from herring_jax._src.launch import free_port
+from herring_jax._src.launcher.launch import free_port
 
 
 def launch_mpi(args, worker: list[str], env: dict) -> int:

@@ -10,7 +10,7 @@ import os
 import platform
 import statistics
 
-from herring_jax._src import codecs
+from herring_jax._src.collectives import codecs
 from herring_jax._src.tools.bench import collectives as coll
 from herring_jax._src.tools.bench.peers import PEERS
 

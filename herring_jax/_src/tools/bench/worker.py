@@ -108,7 +108,8 @@ def stage_hosts(n: int) -> list[list[int]]:
     """The ranks whose sum crosses the network as one contribution: each
     host's where the host stage runs (every host with the same number of
     processes, all readable), else each process's."""
-    from herring_jax._src import knobs, runtime
+    from herring_jax._src.process import knobs
+    from herring_jax._src.process import runtime
 
     topology = runtime.state().topology
     hosts: dict[int, list[int]] = {}
@@ -152,7 +153,7 @@ def run_worker(args: argparse.Namespace) -> int:
         PEERS[name].configure()
     import jax
     import herring_jax
-    from herring_jax._src import jax_compat
+    from herring_jax._src.process import jax_compat
 
     herring_jax.initialize()
     rank, n = herring_jax.process_index(), herring_jax.process_count()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from herring_jax._src import codecs
+from herring_jax._src.collectives import codecs
 from herring_jax._src.tools.bench import collectives as coll
 from herring_jax._src.tools.bench.peers.base import Peer
 

@@ -21,7 +21,7 @@ class TorchGlooPeer(Peer):
     def __init__(self, rank: int, n: int):
         import datetime as dt
         import torch.distributed as dist
-        from herring_jax._src import jax_compat
+        from herring_jax._src.process import jax_compat
         super().__init__(rank, n)
         # The rendezvous: a port free on rank 0's host, passed on through
         # jax.distributed's key-value store; the host is the coordinator's.
