@@ -53,7 +53,7 @@ _EXPORTS = {
     "save_sharded": "checkpoints.sharded_checkpoint",
     "catch_preemption": "checkpoints.preemption",
     "preemption_requested": "checkpoints.preemption",
-    "PREEMPTED_EXIT_CODE": "checkpoints.preemption",
+    "PREEMPTED_EXIT_CODE": "process.exit_status",
     "PowerSGDState": "transforms.powersgd",
     "powersgd": "transforms.powersgd",
     "TopKState": "transforms.topk",
@@ -78,8 +78,8 @@ if TYPE_CHECKING:  # what static analysis and IDEs see
                                                              CompressedGradientsState,
                                                              allreduce_gradients)
     from herring_jax._src.transforms.powersgd import PowerSGDState, powersgd
-    from herring_jax._src.checkpoints.preemption import (PREEMPTED_EXIT_CODE, catch_preemption,
-                                                         preemption_requested)
+    from herring_jax._src.checkpoints.preemption import catch_preemption, preemption_requested
+    from herring_jax._src.process.exit_status import PREEMPTED_EXIT_CODE
     from herring_jax._src.collectives.psum import pmax, pmean, pmin, psum
     from herring_jax._src.collectives.psum_scatter import all_gather, psum_scatter
     from herring_jax._src.collectives.reduce_scatter import allgather, barrier, reduce_scatter

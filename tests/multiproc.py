@@ -81,6 +81,38 @@ def launch(worker: str, args: list[str], nproc: int, devices: int = 1,
     return Run(proc, nproc)
 
 
+def fault_run(args, nproc, env=None):
+    """tests/workers/fault_worker.py's results, its run having succeeded:
+    rank -> its `reduce` results, and rank -> its stats after them."""
+    run = launch("fault_worker.py", args, nproc=nproc, env={"HERRING_TIMEOUT_S": "60",
+                                                             **(env or {})})
+    assert run.returncode == 0, run.explain()
+    reduces = {r: [x for x in rs if x["case"] == "reduce"] for r, rs in run.results.items()}
+    stats = {r: [x for x in rs if x["case"] == "stats"][0]["stats"]
+             for r, rs in run.results.items()}
+    assert sorted(reduces) == list(range(nproc)), run.explain()
+    return run, reduces, stats
+
+
+def assert_each_file_has_one_writer(run: Run, root, cases: tuple[str, ...]) -> None:
+    """A checkpoint's files, as the workers' `cases` results record the
+    writes under `root`: each written by one process, none through a
+    writable memory map, and every process wrote some."""
+    writers = defaultdict(set)
+    for rank, results in run.results.items():
+        saves = [r for r in results if r["case"] in cases]
+        assert saves, f"rank {rank} reported none of {cases}"
+        for save in saves:
+            assert not save["maps"], f"rank {rank} wrote through memory maps: {save['maps']}"
+            mine = [p for p in save["writes"] if p.startswith(str(root))]
+            # The recording saw this process's writes.
+            assert mine, (rank, save["writes"])
+            for path in mine:
+                writers[path].add(rank)
+    shared = {p: sorted(r) for p, r in writers.items() if len(r) > 1}
+    assert not shared, f"files written by several processes: {shared}"
+
+
 def assert_all_ok(run: Run, expected_cases: int | None = None) -> dict[str, set[str]]:
     """Every rank reported every case ok; returns case -> set of digests."""
     assert run.returncode == 0, run.explain()

@@ -97,7 +97,7 @@ def test_bench_collective(tmp_path, collective):
     ran = [p for p in ran if not (no_torch and p == "torch_gloo")]
     assert sorted(r["peer"] for r in data["results"]) == ran
     assert all(r["collective"] == collective and r["correct"] for r in data["results"])
-    assert f"\n{collective}: " in proc.stdout and f"herring at 1 MiB: " in proc.stdout
+    assert f"\n{collective}: " in proc.stdout and "herring at 1 MiB: " in proc.stdout
     if collective == "reduce_scatter":
         assert data["unsupported"] == {collective: {"mpi4jax": "mpi4jax (0.9) has no "
                                                                "reduce-scatter"}}

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from multiproc import assert_all_ok, launch
+from multiproc import assert_all_ok, fault_run, launch
 
 
 # Different shapes, or the same reductions in another order, are different
@@ -173,17 +173,6 @@ def test_every_way_a_failure_reaches_the_program_raises_herring_error():
     assert got == {path: "HerringError" for path in got}, got
 
 
-def _fault_run(args, nproc, env=None):
-    """tests/workers/fault_worker.py's results: rank -> its `reduce` results,
-    and rank -> its stats after them."""
-    run = launch("fault_worker.py", args, nproc=nproc, env={"HERRING_TIMEOUT_S": "60",
-                                                             **(env or {})})
-    assert run.returncode == 0, run.explain()
-    reduces = {r: [x for x in rs if x["case"] == "reduce"] for r, rs in run.results.items()}
-    stats = {r: [x for x in rs if x["case"] == "stats"][0]["stats"]
-             for r, rs in run.results.items()}
-    assert sorted(reduces) == list(range(nproc)), run.explain()
-    return run, reduces, stats
 
 
 def test_an_abort_that_arrives_before_a_reduction_is_visible_still_fails_it_at_once():
@@ -191,7 +180,7 @@ def test_an_abort_that_arrives_before_a_reduction_is_visible_still_fails_it_at_o
     # makes its reduction visible to aborts; rank 1's abort arrives in
     # between, so the abort's sweep finds nothing to fail. The reduction must
     # fail at once when it becomes visible, not wait for HERRING_TIMEOUT_S.
-    run, reduces, _ = _fault_run(
+    run, reduces, _ = fault_run(
         ["reduce", "--env", "1:HERRING_TEST_FAULT=abort-at-start",
          "--env", "0:HERRING_TEST_ACTIVATE_DELAY_MS=3000", "--stagger", "1:0.5"], 2,
         env={"HERRING_HOST_STAGE": "0"})
@@ -206,7 +195,7 @@ def test_a_host_stage_call_that_cannot_start_tells_the_others_at_once(fault):
     # own 3 s timeout) no free board posting, before it publishes anything.
     # Once it returned without telling anyone: rank 0 waited for its inputs
     # until its own HERRING_TIMEOUT_S (60 s).
-    run, reduces, _ = _fault_run(
+    run, reduces, _ = fault_run(
         ["reduce", "--env", f"1:HERRING_TEST_FAULT={fault}", "--env", "1:HERRING_TIMEOUT_S=3"],
         2)
     assert all(rs[0]["raised"] for rs in reduces.values()), reduces
@@ -224,7 +213,7 @@ def test_out_of_memory_once_a_reduction_is_under_way_fails_it_and_leaves_no_batc
     # read it after it was freed), and rank 0 was never told. Rank 1 must
     # fail the reduction like any other failure: its error, no batch left
     # listed, and rank 0 told at once.
-    run, reduces, stats = _fault_run(["reduce", "--env", "1:HERRING_TEST_FAULT=bad-alloc"], 2,
+    run, reduces, stats = fault_run(["reduce", "--env", "1:HERRING_TEST_FAULT=bad-alloc"], 2,
                                      env={"HERRING_HOST_STAGE": "0"})
     assert "ran out of memory" in reduces[1][0]["message"], reduces
     assert stats[1]["batches_in_flight"] == 0 and stats[0]["batches_in_flight"] == 0, stats
@@ -242,7 +231,7 @@ def test_a_process_stopped_longer_than_the_peer_timeout_is_heard_again_when_it_r
     # rank 1 and reach it when it resumes, and both go on (this passes also
     # without liveness.cc's heartbeats to silent ranks, which only shorten the
     # moment after the resume in which rank 1 wrote to nobody).
-    run, reduces, stats = _fault_run(["freeze", "--freeze-s", "6", "--late-s", "4"], 2,
+    run, reduces, stats = fault_run(["freeze", "--freeze-s", "6", "--late-s", "4"], 2,
                                      env={"HERRING_PEER_TIMEOUT_S": "2",
                                           "HERRING_HOST_STAGE": "0"})
     for rank, [got] in reduces.items():

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from multiproc import assert_all_ok, launch
+from multiproc import assert_all_ok, fault_run, launch
 
 DTYPES = ["float32", "float64", "bfloat16", "float16", "int32", "int64"]
 COUNTS = "1,7,4097,100003"
@@ -169,16 +169,6 @@ def test_a_slow_reader_gets_exact_results_while_its_peers_shut_down_and_exit(slo
         assert s["stats"]["host_stage_calls"] == s["stats"]["reductions"] == 4, s
 
 
-def _fault_run(args, nproc, env=None):
-    """fault_worker.py's results: rank -> its `reduce` results, and its stats."""
-    run = launch("fault_worker.py", args, nproc=nproc, env={"HERRING_TIMEOUT_S": "60",
-                                                             **(env or {})})
-    assert run.returncode == 0, run.explain()
-    reduces = {r: [x for x in rs if x["case"] == "reduce"] for r, rs in run.results.items()}
-    stats = {r: [x for x in rs if x["case"] == "stats"][0]["stats"]
-             for r, rs in run.results.items()}
-    assert sorted(reduces) == list(range(nproc)), run.explain()
-    return run, reduces, stats
 
 
 @pytest.mark.parametrize("board,direct", [("1", "0"), ("0", "0"), ("1", "1")])
@@ -199,7 +189,7 @@ def test_a_failed_call_withdraws_its_inputs_before_anyone_uses_a_slice_of_them(b
     # reads, and rank 2 finds the withdrawal after its slow reads. Rank 0 may
     # have read everything before rank 1 withdrew: the copies it read are
     # exact, so it either returns the exact sum or fails naming the withdrawal.
-    run, reduces, stats = _fault_run(
+    run, reduces, stats = fault_run(
         ["reduce", "--env", "1:HERRING_TEST_FAULT=withdraw-after-ready",
          "--env", "2:HERRING_TEST_READ_DELAY_MS=500"], 3,
         env={"HERRING_HOST_BOARD": board,

@@ -113,14 +113,19 @@ def test_devices_per_process_replaces_the_xla_flag():
     assert platforms == "cpu"
 
 
-def test_a_failing_rank_stops_the_others_and_what_they_started(tmp_path):
-    body = """
+# A child's body (_child): rank 1 exits with 3 once all three ranks have
+# recorded their pids; the others sleep.
+_RANK_1_FAILS_ONCE_ALL_HAVE_STARTED = """
         if rank == "1":
             while len([f for f in os.listdir(DIR) if not f.endswith(".tmp")]) < 3:
                 time.sleep(0.05)
             sys.exit(3)
         time.sleep(60)
     """
+
+
+def test_a_failing_rank_stops_the_others_and_what_they_started(tmp_path):
+    body = _RANK_1_FAILS_ONCE_ALL_HAVE_STARTED
     start = time.monotonic()
     p = launch(["-n", "3", "--", sys.executable, "-c", _child(tmp_path, body, spawn=True)])
     assert p.returncode == 3, p.stderr
@@ -331,12 +336,7 @@ def test_the_grace_wait_is_announced_and_skipped_for_a_rank_ignoring_sigterm(tmp
             signal.signal(signal.SIGTERM, lambda *a: None)
         if rank == "2":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        if rank == "1":
-            while len([f for f in os.listdir(DIR) if not f.endswith(".tmp")]) < 3:
-                time.sleep(0.05)
-            sys.exit(3)
-        time.sleep(60)
-    """
+    """ + _RANK_1_FAILS_ONCE_ALL_HAVE_STARTED
     start = time.monotonic()
     p = launch(["-n", "3", "--", sys.executable, "-c", _child(tmp_path, body)],
                env={"HERRING_LAUNCH_GRACE_S": "4"})

@@ -12,12 +12,11 @@ import os
 import re
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from multiproc import assert_all_ok, launch
+from multiproc import assert_all_ok, assert_each_file_has_one_writer, launch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -46,16 +45,7 @@ def test_herring_inside_nnx_optimizer_on_two_processes(tmp_path):
         assert (r["step"], r["final_step"]) == (2, 4), r
     # The checkpoints' files: each written by one process, none through a
     # writable memory map, and each process wrote some.
-    writers = defaultdict(set)
-    for rank, results in run.results.items():
-        [save] = [r for r in results if r["case"] == "checkpoint/sharded"]
-        assert not save["maps"], (rank, save["maps"])
-        mine = [p for p in save["writes"] if p.startswith(str(tmp_path))]
-        assert mine, (rank, save["writes"])
-        for path in mine:
-            writers[path].add(rank)
-    shared = {p: sorted(r) for p, r in writers.items() if len(r) > 1}
-    assert not shared, f"files written by several processes: {shared}"
+    assert_each_file_has_one_writer(run, tmp_path, ("checkpoint/sharded",))
     # Saved on 2, restored on 3: sharded_optimizer's checkpoint resumes
     # bitwise as the plain chain's does.
     resumed = launch("nnx_worker.py", ["--dir", str(tmp_path), "--resume"], nproc=3, env=ENV)

@@ -133,7 +133,7 @@ def test_a_run_that_saved_for_a_preemption_exits_75_and_is_not_restarted(tmp_pat
     # Rank 1 exits with PREEMPTED_EXIT_CODE (saved for a preemption), rank 0
     # with 0: the launcher says so and exits 75, which a retry loop tells from
     # success (0) and failure; --max-restarts leaves it to the scheduler.
-    from herring_jax._src.checkpoints.preemption import PREEMPTED_EXIT_CODE
+    from herring_jax._src.process.exit_status import PREEMPTED_EXIT_CODE
     assert PREEMPTED_EXIT_CODE == 75
     p = _run(["-n", "2", "--max-restarts", "2", "--", sys.executable, "-c",
               _child(tmp_path, "lambda run, rank, n: 75 if rank == 1 else None")])

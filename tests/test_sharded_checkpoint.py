@@ -10,7 +10,6 @@ The bitwise comparisons run with XLA_FLAGS=--xla_backend_optimization_level=0
 
 import hashlib
 import json
-import os
 import pathlib
 import re
 from collections import defaultdict
@@ -19,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from multiproc import assert_all_ok, launch
+from multiproc import assert_all_ok, assert_each_file_has_one_writer, launch
 
 BITWISE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -33,20 +32,6 @@ def docs_recipe():
     namespace = {}
     exec(compile(code, "sharded.md", "exec"), namespace)
     return namespace["read_checkpoint"]
-
-
-def assert_each_file_has_one_writer(saved, root: pathlib.Path):
-    writers = defaultdict(set)
-    for rank, results in saved.results.items():
-        for save in [r for r in results if r["case"] in ("save", "save-fully")]:
-            assert not save["maps"], f"rank {rank} wrote through memory maps: {save['maps']}"
-            mine = [p for p in save["writes"] if p.startswith(str(root))]
-            # The recording saw this process's writes.
-            assert mine, (rank, save["writes"])
-            for path in mine:
-                writers[path].add(rank)
-    shared = {p: sorted(r) for p, r in writers.items() if len(r) > 1}
-    assert not shared, f"files written by several processes: {shared}"
 
 
 def write_version_1(src: pathlib.Path, dst: pathlib.Path, read_checkpoint):
@@ -76,7 +61,7 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path, save, res
     saved = launch("reshard_worker.py", ["save", "--dir", str(tmp_path), "--dtype", dtype,
                                          "--fully"], nproc=save, env=BITWISE)
     assert_all_ok(saved, expected_cases=2)
-    assert_each_file_has_one_writer(saved, tmp_path)
+    assert_each_file_has_one_writer(saved, tmp_path, ("save", "save-fully"))
     # numpy alone reads the parameters trained.
     read_checkpoint = docs_recipe()
     manifest = json.loads((tmp_path / "sharded" / "manifest.json").read_text())

@@ -21,8 +21,8 @@ from jax.extend import core as jex_core  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
-from sharded_worker import (CLIPPED, INNERS, REFUSED, STEPS, batch, flat, loss_fn, make_params,  # noqa: E402
-                            state_bytes)
+from sharded_worker import (CLIPPED, INNERS, REFUSED, STEPS, batch, compare, flat,  # noqa: E402
+                            loss_fn, make_params, state_bytes)
 from sharded_worker import train as train_reference  # noqa: E402
 
 
@@ -268,14 +268,7 @@ def main() -> None:
             ref, ref_state = refs[remat]
             fs = herring_jax.fully_sharded(make(), **VARIANTS[v])
             got, got_state = train_fully_sharded(fs, params, rank, jit_init=v == "jit-init")
-            a, b = flat(got), flat(ref)
-            if name in CLIPPED:
-                tol = 1e-6 if dtype == "float32" else 2.0 ** -7
-                ok = bool(np.all(np.abs(a - b) <= tol * np.maximum(np.abs(b), 1.0)))
-            else:
-                ok = a.tobytes() == b.tobytes()
-            common.report(f"{dtype}/{name}/{v}", ok, digest=common.digest(np.asarray(a)),
-                          max_diff=float(np.max(np.abs(a - b))) if a.size else 0.0,
+            common.report(f"{dtype}/{name}/{v}", **compare(name, dtype, got, ref),
                           held_bytes=state_bytes((got_state.chunks, got_state.inner)),
                           unsharded_bytes=state_bytes((ref, ref_state)))
     if args.refused:

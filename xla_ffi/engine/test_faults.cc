@@ -4,7 +4,6 @@
 // runs unless a test asks for it.
 #include <algorithm>
 #include <cstring>
-#include <new>
 
 #include "engine/batch.h"
 #include "engine/communicator.h"
@@ -20,23 +19,7 @@ constexpr uint64_t kStrangerToken = 0x5bd1e995u;
 
 void Communicator::SendStranger(Batch* batch, int to_rank, uint64_t tag,
                                 const WireHeader& header) {
-  // Header and payload (garbage bytes) in one allocation, freed when the send
-  // completes.
-  const size_t len = header.payload_bytes;
-  auto* msg = new char[sizeof(WireHeader) + len];
-  auto* h = new (msg) WireHeader(header);
-  std::memset(msg + sizeof(WireHeader), 0xa5, len);
-  transport::IoVec iov[2] = {{h, sizeof(*h)}, {msg + sizeof(WireHeader), len}};
-  batch->AddInflight(1);
-  Status s = transport_->Send(to_rank, tag, iov, len > 0 ? 2 : 1,
-                              [batch, msg](const transport::Completion&) {
-                                delete[] msg;
-                                batch->Complete(0, 1);
-                              });
-  if (!s.ok()) {
-    delete[] msg;
-    batch->Complete(0, 1);
-  }
+  SendForged(batch, to_rank, tag, header, nullptr);  // payload: garbage bytes
 }
 
 void Communicator::SendStaleCopy(Batch* batch, int to_rank, uint64_t tag,
@@ -90,10 +73,16 @@ void Communicator::SendForgeries(Batch* batch) {
 
 void Communicator::SendForged(Batch* batch, int to_rank, uint64_t tag, const WireHeader& header,
                               const void* payload) {
+  // Header and payload in one allocation, freed when the send completes; no
+  // payload given: len garbage bytes.
   const size_t len = header.payload_bytes;
   auto* msg = new char[sizeof(WireHeader) + len];
   std::memcpy(msg, &header, sizeof(WireHeader));
-  std::memcpy(msg + sizeof(WireHeader), payload, len);
+  if (payload != nullptr) {
+    std::memcpy(msg + sizeof(WireHeader), payload, len);
+  } else {
+    std::memset(msg + sizeof(WireHeader), 0xa5, len);
+  }
   transport::IoVec iov[2] = {{msg, sizeof(WireHeader)}, {msg + sizeof(WireHeader), len}};
   batch->AddInflight(1);
   Status s = transport_->Send(to_rank, tag, iov, len > 0 ? 2 : 1,

@@ -20,7 +20,6 @@ import threading
 import time
 
 from herring_jax._src.process import knobs
-from herring_jax._src.process.exit_status import PREEMPTED_EXIT_CODE
 
 GRACE_ENV = "HERRING_PREEMPTION_GRACE_S"
 

@@ -77,6 +77,29 @@ class CompressedGradientsState(NamedTuple):
     residual: Any
 
 
+def is_f32(x) -> bool:
+    """Whether a leaf carries an error-feedback residual (float32 leaves only)."""
+    return np.dtype(x.dtype) == np.float32
+
+
+def zero_residual(params):
+    """Error feedback's first residual: zeros for float32 leaves, a scalar
+    placeholder for the others."""
+    return jax.tree_util.tree_map(
+        lambda p: jnp.zeros(p.shape if is_f32(p) else (), jnp.float32), params)
+
+
+def before_reduction(leaves: list, weight, residual) -> list:
+    """A step's gradient leaves as they enter the reduction: scaled by this
+    process's weight (if any), then with last step's residual added to the
+    float32 ones (if error feedback is on, `residual` being its leaves)."""
+    if weight is not None:
+        leaves = [weighted.scaled(g, weight) for g in leaves]
+    if residual is not None:
+        leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
+    return leaves
+
+
 def allreduce_gradients(axis_name=None, *, average: bool = True,
                         fusion_bytes: int | None = None,
                         first_bucket_bytes: int | None = None,
@@ -192,14 +215,10 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
             return allreduce(buffer, op=op, codec=compression)
         return (pmean if op == "mean" else psum)(buffer, axis_name, codec=compression)
 
-    def is_f32(x) -> bool:
-        return np.dtype(x.dtype) == np.float32
-
     def init_fn(params):
         if not feedback:
             return AllReduceGradientsState()
-        return CompressedGradientsState(residual=jax.tree_util.tree_map(
-            lambda p: jnp.zeros(p.shape if is_f32(p) else (), jnp.float32), params))
+        return CompressedGradientsState(residual=zero_residual(params))
 
     def update_fn(updates, state, params=None, **extra_args):
         del params
@@ -218,11 +237,8 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
                                             mean=op == "mean", max_rows=sparse_max_rows)
             leaves = [g for i, g in enumerate(leaves) if not flags[i]]
         ready = jax_compat.production_order(leaves)
-        if w is not None:
-            leaves = [weighted.scaled(g, w) for g in leaves]
-        if feedback:
-            residual = treedef.flatten_up_to(state.residual)
-            leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
+        residual = treedef.flatten_up_to(state.residual) if feedback else None
+        leaves = before_reduction(leaves, w, residual)
         grads = leaves
         if w is not None and compression == "none":
             # The weight operand rides in a float32 buffer: ready before any

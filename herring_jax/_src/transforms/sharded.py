@@ -40,8 +40,9 @@ from herring_jax._src.transforms import sparse_rows as sparse_lib
 from herring_jax._src.collectives import weighted
 from herring_jax._src.transforms.sharded_checks import global_sum
 from herring_jax._src.transforms.chunks import BucketLayout, chunk_of, chunk_shape
-from herring_jax._src.transforms.optax_transform import (check_bucket_sizes, plan_buckets,
-                                                         step_weight, weight_keyword)
+from herring_jax._src.transforms.optax_transform import (before_reduction, check_bucket_sizes,
+                                                         plan_buckets, step_weight,
+                                                         weight_keyword, zero_residual)
 from herring_jax._src.collectives.psum import check_axes_bound, check_gradients, psum
 from herring_jax._src.collectives.split import split_reductions
 
@@ -149,9 +150,6 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
             return tree
         return jax.tree_util.tree_map(lambda x: x[None] if add else x[0], tree)
 
-    def is_f32(x) -> bool:
-        return np.dtype(x.dtype) == np.float32
-
     def init_fn(params):
         check_axes_bound(axis_name, "sharded_optimizer")
         n = workers()
@@ -167,10 +165,7 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         chunks = jax.tree_util.tree_map(lambda p: chunk_of(p, n, shard), params)
         with sharded_checks.global_norms(global_sum(axis_name)):
             inner_state = inner.init(chunks)
-        residual = ()
-        if feedback:
-            residual = jax.tree_util.tree_map(
-                lambda p: jnp.zeros(p.shape if is_f32(p) else (), jnp.float32), params)
+        residual = zero_residual(params) if feedback else ()
         return per_device(ShardedOptimizerState(inner_state, shard, residual), add=True)
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -185,11 +180,8 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         n = workers()
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         ready = jax_compat.production_order(leaves)
-        if w is not None:
-            leaves = [weighted.scaled(g, w) for g in leaves]
-        if feedback:
-            residual = treedef.flatten_up_to(state.residual)
-            leaves = [g + e if is_f32(g) else g for g, e in zip(leaves, residual)]
+        residual = treedef.flatten_up_to(state.residual) if feedback else None
+        leaves = before_reduction(leaves, w, residual)
         buckets = plan_buckets(leaves, fusion_bytes, first_bucket_bytes, ready)
         layouts = [BucketLayout(b, n, align) for b in buckets]
         buffers = [lay.pack([leaves[i] for i in lay.leaves]) for lay in layouts]
