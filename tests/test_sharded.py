@@ -35,6 +35,12 @@ def test_the_parameters_match_the_unsharded_chain_on_every_process(nproc, hosts)
     # Every process ends with the same parameters.
     assert all(len(d) == 1 for d in digests.values()), digests
     cases = _cases(run)
+    # Process 0 checked each inner transformation once; the others took its
+    # verdicts, the refusals (nproc 2) among them.
+    ran = cases["verdicts"]["ran"]
+    assert ran >= (5 if nproc == 2 else 2), cases["verdicts"]
+    assert all(r["case"] != "verdicts" or (r["ran"], r["taken"]) == (0, ran)
+               for rank, results in run.results.items() if rank > 0 for r in results), run.results
     if nproc == 4:
         # adamw's state per process: a quarter of the unsharded one, plus
         # the chunks' padding and adam's step count.
@@ -48,7 +54,7 @@ def test_inside_shard_map_each_device_keeps_a_quarter():
     run = launch("sharded_worker.py", ["--mesh", "--dtypes", "float32",
                                        "--inners", "adamw-masked,clip+adamw"],
                  nproc=2, devices=2, env=BITWISE, timeout=600)
-    digests = assert_all_ok(run, expected_cases=2)
+    digests = assert_all_ok(run, expected_cases=3)  # the two inners and the verdicts
     assert all(len(d) == 1 for d in digests.values()), digests
     adamw = _cases(run)["float32/adamw-masked"]
     # Per device: a quarter of the state (4 devices), plus padding and counts.

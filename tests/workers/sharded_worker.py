@@ -175,6 +175,12 @@ def main() -> None:
                 common.report(f"refused/{name}", n == 1, error="no error")
             except ValueError as e:
                 common.report(f"refused/{name}", "element by element" in str(e), error=str(e))
+    # The inner transformation's checks: process 0 runs them, the others take
+    # its verdicts (refusals included) without compiling the check.
+    from herring_jax._src.transforms import verdicts
+    common.report("verdicts", (verdicts.ran > 0 and verdicts.taken == 0) if rank == 0 else
+                  (verdicts.ran == 0 and verdicts.taken > 0), ran=verdicts.ran,
+                  taken=verdicts.taken)
     herring_jax.shutdown()
 
 

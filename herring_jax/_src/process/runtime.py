@@ -527,6 +527,10 @@ def shutdown() -> None:
         raise as_herring_error(failure)
 
 
+def current() -> _State | None:
+    return _state  # None before initialize() and after shutdown()
+
+
 def state() -> _State:
     """The live state; raises HerringError before initialize()."""
     current = _state

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from optax import tree_utils as _tree_utils
 
+from herring_jax._src.transforms import verdicts
 from herring_jax._src.transforms.chunks import chunk_shape, chunk_size
 
 # The largest size of any axis of a stand-in parameter: small enough for a
@@ -219,16 +220,22 @@ def check_elementwise(inner: optax.GradientTransformation, params, n: int) -> No
     than on whole leaves (stand-in parameters shaped like `params`; two
     steps, then a step with one non-finite gradient). A check that passed
     for this inner transformation, these shapes and dtypes and n is not run
-    again."""
+    again. In a job of several processes process 0 runs it and the others
+    take its verdict (verdicts.shared)."""
     key = _verdict_key(inner, params, n)
     with _passed_lock:
         if _passed.get(key) is inner:
             return
-    _run_check(inner, params, n)
+    verdicts.shared(_shape_digest(params, n), lambda: _run_check(inner, params, n))
     with _passed_lock:
         if len(_passed) >= _PASSED_MAX:
             _passed.pop(next(iter(_passed)))
         _passed[key] = inner
+
+
+def _shape_digest(params, n: int) -> str:
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return repr((str(treedef), n, [(np.shape(p), np.dtype(p.dtype).name) for p in leaves]))
 
 
 def _run_check(inner, params, n: int) -> None:
