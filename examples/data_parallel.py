@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "feedback); it applies where they cross between processes over "
                              "the transport (between hosts, or everywhere with "
                              "HERRING_HOST_STAGE=0)")
+    parser.add_argument("--no-error-feedback", action="store_true",
+                        help="with a lossy --compression: drop what each step's encoding "
+                             "lost instead of adding it to the next step's gradients")
     parser.add_argument("--powersgd-rank", type=int, default=0,
                         help="--reduce herring: average the gradients with herring_jax.powersgd "
                              "of this rank instead of allreduce_gradients (0: off)")
@@ -151,6 +154,13 @@ def kill_now(args, step: int) -> bool:
 
 
 def compression_name(args) -> str:
+    """The name train-bench's --codecs gives this run (-noef: a lossy codec
+    without error feedback)."""
+    name = _compression_name(args)
+    return name + "-noef" if getattr(args, "no_error_feedback", False) else name
+
+
+def _compression_name(args) -> str:
     if getattr(args, "fully_sharded", False):
         name = "fully-reshard" if args.reshard_after_forward else "fully"
         return name if args.compression == "none" else f"{name}-{args.compression}"
@@ -188,6 +198,9 @@ def local_sgd_name(args) -> str | None:
 
 
 def setup(args) -> jax.sharding.Mesh:
+    if args.no_error_feedback and args.compression == "none":
+        raise SystemExit("--no-error-feedback turns off the error feedback of a lossy "
+                         "--compression (bf16, fp16, int8); none is exact and has none")
     if args.pin:
         # The rank as herring-jax launch gives it: jax.distributed is not up yet.
         if "HERRING_PROCESS_ID" not in os.environ:
@@ -221,6 +234,7 @@ def make_fully_sharded_trainer(mesh, args, loss_fn, init_fn):
     optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
                  else optax.adamw(args.lr))
     fs = herring_jax.fully_sharded(optimizer, compression=args.compression,
+                                   error_feedback=not args.no_error_feedback,
                                    reshard_after_forward=args.reshard_after_forward,
                                    prefetch=None if args.prefetch < 0 else args.prefetch)
     # The whole parameters exist only while init cuts out this process's chunks.
@@ -258,7 +272,9 @@ def make_trainer(mesh, args, loss_fn, init_fn):
                                            codec=args.powersgd_codec,
                                            power_iterations=args.powersgd_iterations)
         else:
-            grad_tx = herring_jax.allreduce_gradients("data", compression=args.compression)
+            grad_tx = herring_jax.allreduce_gradients(
+                "data", compression=args.compression,
+                error_feedback=not args.no_error_feedback)
         mean = herring_jax.pmean
     elif args.reduce == "native":
         grad_tx = optax.GradientTransformation(
@@ -278,7 +294,8 @@ def make_trainer(mesh, args, loss_fn, init_fn):
                              "or --powersgd-rank")
         # The optimizer's state is sharded over the devices: each keeps its
         # chunks (a leading axis of one per device).
-        tx = herring_jax.sharded_optimizer(optimizer, "data", compression=args.compression)
+        tx = herring_jax.sharded_optimizer(optimizer, "data", compression=args.compression,
+                                           error_feedback=not args.no_error_feedback)
         state_spec = P("data")
 
     def local_step(params, opt_state, batch):
@@ -336,6 +353,7 @@ def make_local_sgd_trainer(mesh, args, loss_fn, init_fn):
     if args.delay and jax.local_device_count() != 1:
         raise SystemExit("--delay needs one device per process")
     kw = {"axis_name": None if args.delay else "data", "compression": args.compression,
+          "error_feedback": not args.no_error_feedback,
           "fragments": args.fragments, "delay": args.delay, "mixing": args.mixing}
     if args.outer == "sgd":
         tx = herring_jax.local_sgd(inner, args.local_steps, optax.sgd(args.outer_lr or 1.0), **kw)

@@ -164,6 +164,21 @@ def test_train_bench_names_the_local_runs():
         assert _codec_args(bad) is None, bad
 
 
+def test_train_bench_names_runs_without_error_feedback():
+    # -noef after a lossy codec's name: the same options and --no-error-feedback.
+    from herring_jax._src.tools.codec_names import codec_args
+    assert codec_args("int8-noef") == (["--compression", "int8", "--no-error-feedback"],
+                                       "int8-noef")
+    assert codec_args("fully-reshard-int8-noef") == (
+        ["--fully-sharded", "--compression", "int8", "--reshard-after-forward",
+         "--no-error-feedback"], "fully-reshard-int8-noef")
+    assert codec_args("diloco4-bf16-noef")[0][-1] == "--no-error-feedback"
+    # Nothing lossy, nothing to turn off.
+    for bad in ("none-noef", "sharded-noef", "fully-noef", "powersgd4-noef", "topk0.1-noef",
+                "int8-noef-noef", "compute-noef"):
+        assert codec_args(bad) is None, bad
+
+
 def test_train_bench_runs_diloco_against_allreduce_and_compute(tmp_path):
     # 2 processes over the transport, a tiny model, 6 steps, a sync every 2:
     # the train_lm options reach herring_jax.diloco (the script reports the

@@ -68,6 +68,8 @@ import tempfile
 
 import numpy as np
 
+from herring_jax._src.tools.codec_names import codec_args as _codec_args
+
 REDUCERS = ("herring", "native", "none")
 _DONE = re.compile(r"done: reduce=(\w+) processes=(\d+) final loss ([\d.]+).*median step "
                    r"([\d.]+) ms")
@@ -151,73 +153,6 @@ _CODEC_DONE = re.compile(r"held-out loss ([\d.naif]+), median step ([\d.]+) ms, 
 _HELD = re.compile(r"params and optimizer state held ([\d.]+) MiB per process")
 _TEMP = re.compile(r"temporaries ([\d.]+) MiB")
 _MEAN = re.compile(r"mean step ([\d.]+) ms")
-
-
-def _topk_name(name: str) -> bool:
-    """topk<fraction>, the fraction in (0, 1]."""
-    m = re.fullmatch(r"topk(\d*\.?\d+(?:e-?\d+)?)", name)
-    return bool(m) and 0 < float(m.group(1)) <= 1
-
-
-def _codec_args(codec: str) -> tuple[list[str], str] | None:
-    """The training script's options for a --codecs name, and the name the
-    script reports it trained with (examples/data_parallel.py's
-    compression_name); None if the name is unknown."""
-    from herring_jax._src.collectives import codecs as codecs_lib
-    if codec in codecs_lib.CODECS:
-        return ["--compression", codec], codec
-    m = re.fullmatch(rf"sharded(?:-({'|'.join(codecs_lib.CODECS[1:])}))?", codec)
-    if m:
-        # herring_jax.sharded_optimizer in place of allreduce_gradients.
-        return ["--sharded-optimizer", "--compression", m.group(1) or "none"], codec
-    m = re.fullmatch(rf"fully(-reshard)?(?:-({'|'.join(codecs_lib.CODECS[1:])}))?", codec)
-    if m:
-        # herring_jax.fully_sharded: parameters and state at 1/N.
-        how = ["--fully-sharded", "--compression", m.group(2) or "none"]
-        return how + (["--reshard-after-forward"] if m.group(1) else []), codec
-    if _topk_name(codec):
-        fraction = codec[len("topk"):]
-        return ["--topk-fraction", fraction], f"topk{float(fraction):g}"
-    local = _local_sgd_args(codec)
-    if local:
-        return local
-    lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
-    m = re.fullmatch(rf"powersgd([1-9]\d*)(?:-({lossy}))?(?:-it([1-9]\d*))?", codec)
-    if m is None:
-        return None
-    rank, factor_codec, iterations = m.group(1), m.group(2), int(m.group(3) or 1)
-    how, name = ["--powersgd-rank", rank], f"powersgd{rank}"
-    # Only what differs from the defaults, so that a script that knows
-    # --powersgd-rank alone still runs plain PowerSGD.
-    if factor_codec:
-        how += ["--powersgd-codec", factor_codec]
-        name += f"-{factor_codec}"
-    if iterations != 1:
-        how += ["--powersgd-iterations", str(iterations)]
-        name += f"-it{iterations}"
-    return how, name
-
-
-def _local_sgd_args(codec: str) -> tuple[list[str], str] | None:
-    """compute: no reduction at all (--reduce none, every process alone: the
-    compute-only step); localsgd<H>, slowmo<H>, diloco<H>[f<F>][d<D>][-<codec>]:
-    the script's --local-steps H --outer ... [--fragments F] [--delay D]
-    (herring_jax.local_sgd and its presets, the pseudo-gradients sent with
-    that codec)."""
-    from herring_jax._src.collectives import codecs as codecs_lib
-    if codec == "compute":
-        return ["--reduce", "none"], codec
-    lossy = "|".join(c for c in codecs_lib.CODECS if c != "none")
-    m = re.fullmatch(rf"(localsgd|slowmo|diloco)([1-9]\d*)(?:f([1-9]\d*))?(?:d([1-9]\d*))?"
-                     rf"(?:-({lossy}))?", codec)
-    if m is None:
-        return None
-    outer = "sgd" if m.group(1) == "localsgd" else m.group(1)
-    # f<F>, d<D>: Streaming DiLoCo's fragments and delay (--fragments, --delay).
-    streaming = (["--fragments", m.group(3)] if m.group(3) else []) + (
-        ["--delay", m.group(4)] if m.group(4) else [])
-    return (["--local-steps", m.group(2), "--outer", outer, "--compression",
-             m.group(5) or "none", *streaming], codec)
 
 
 def _print_time_to_loss(results: list[dict], base: dict) -> None:
@@ -335,7 +270,8 @@ def run_codecs(args: argparse.Namespace) -> int:
               f"{', '.join(codecs_lib.CODECS)}, powersgd<rank>[-<codec>][-it<iterations>] "
               "(e.g. powersgd4-bf16-it2), topk<fraction> (e.g. topk0.01), sharded[-<codec>], "
               "fully[-reshard][-<codec>], localsgd|slowmo|diloco<H>[f<F>][d<D>][-<codec>] "
-              "(e.g. diloco16-int8, diloco16f4d2-int8), compute", file=sys.stderr)
+              "(e.g. diloco16-int8, diloco16f4d2-int8), compute; a lossy codec's name "
+              "+ -noef: without error feedback (int8-noef, fully-int8-noef)", file=sys.stderr)
         return 2
     if len(set(names)) != len(names):
         print(f"herring-jax train-bench: a codec is named twice in --codecs {args.codecs}",
