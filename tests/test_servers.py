@@ -4,6 +4,7 @@ get without them; a killed server fails every worker fast, naming it."""
 
 from multiproc import launch
 
+from herring_jax._src.collectives import codecs
 from herring_jax._src.process import knobs
 
 # The flat path: with one process per host (a cluster) that is every group's;
@@ -75,6 +76,98 @@ def test_the_host_stage_sums_across_hosts_through_the_servers_bitwise_as_without
     for server in (4, 5):
         [result] = run.results[server]
         assert result["ok"] and result["served_chunks"] > 0, result
+
+
+CODECS = ["--codec", "bf16,fp16,int8", "--dtypes", "float32", "--ops", "sum,mean",
+          "--counts", "1,7,4097", "--mib", "1", "--stats"]
+# Parts in several chunks, so that chunks of encoded parts meet at the servers.
+SMALL_CHUNKS = {"HERRING_CHUNK_BYTES": str(64 << 10)}
+
+
+def test_every_codec_through_the_servers_sums_bitwise_as_without_them():
+    # 2 workers with 1 server (half of each buffer on it) and with 2 (all of
+    # it on them): a server decodes each worker's encoded chunk, sums in
+    # float32 in rank order and sends the sum back encoded, as a worker's
+    # shard does, so every rank gets the bits of the job without servers
+    # (and rank 0 those of the codec's numpy model).
+    env = {**FLAT, **SMALL_CHUNKS, "HERRING_SERVER_MIN_BYTES": "0"}
+    without = launch("reduce_worker.py", CODECS, nproc=2, env=env)
+    assert without.returncode == 0, without.explain()
+    names = set(_cases(without, 0))
+    assert len(names) == 24 and all(n.split(":")[0] in ("bf16", "fp16", "int8") for n in names)
+    for servers in (1, 2):
+        run = launch("reduce_worker.py", CODECS, nproc=2, servers=servers, env=env)
+        assert run.returncode == 0, run.explain()
+        for rank in (0, 1):
+            got, want = _cases(run, rank), _cases(without, rank)
+            assert got.keys() == want.keys() == names, (got.keys(), want.keys())
+            for name, case in got.items():
+                assert case["ok"], (servers, name, case)
+                assert case["digest"] == want[name]["digest"], (servers, name, case, want[name])
+            [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
+            assert stats["stats"]["served_jobs"] == len(names), stats
+        served = [run.results[rank][0] for rank in range(2, 2 + servers)]
+        assert all(s["ok"] and s["served_chunks"] > 0 for s in served), served
+        if servers == 2:
+            # The share for 2 workers and 2 servers is 1: every element went
+            # through the servers, and as encoded (every part and chunk
+            # begins at a codec block, so their encodings add up to the
+            # buffer's): a quarter to a half of the float32 bytes.
+            encoded = sum(codecs.wire_bytes(n.split(":")[0], int(n.rsplit("/", 1)[1]))
+                          for n in names)
+            assert sum(s["served_bytes"] for s in served) == encoded, (served, encoded)
+            raw = sum(4 * int(n.rsplit("/", 1)[1]) for n in names)
+            assert encoded < 0.6 * raw, (encoded, raw)
+
+
+def test_the_host_stage_sends_encoded_slices_through_the_servers_bitwise_as_without_them():
+    # 2 simulated hosts x 2 workers, 2 servers taking 0.6 of each slice:
+    # each host sums through memory in float32, each process's slice of that
+    # sum crosses hosts encoded, partly through the servers. Rank 0 checks
+    # against the codec's numpy model of the host stage's order; every rank
+    # matches the job without servers.
+    args = ["--codec", "int8,fp16", "--dtypes", "float32", "--ops", "sum,mean",
+            "--counts", "7,4097", "--mib", "1", "--stats"]
+    env = {"HERRING_SERVER_MIN_BYTES": "0"}
+    without = launch("reduce_worker.py", args, nproc=4, hosts=2, env=env)
+    assert without.returncode == 0, without.explain()
+    run = launch("reduce_worker.py", args, nproc=4, hosts=2, servers=2,
+                 env={**env, "HERRING_SERVER_SHARE": "0.6"})
+    assert run.returncode == 0, run.explain()
+    for rank in range(4):
+        got, want = _cases(run, rank), _cases(without, rank)
+        assert got.keys() == want.keys() and len(got) == 12, (got.keys(), want.keys())
+        for name, case in got.items():
+            assert case["ok"], (name, case)
+            assert case["digest"] == want[name]["digest"], (name, case, want[name])
+        [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
+        stats = stats["stats"]
+        assert stats["host_stage_calls"] == stats["reductions"] > 0, stats
+        # A count-7 buffer's slice is empty on a host's second process.
+        assert stats["served_jobs"] >= 8, stats
+    for server in (4, 5):
+        [result] = run.results[server]
+        assert result["ok"] and result["served_chunks"] > 0, result
+
+
+def test_error_feedback_through_the_servers_keeps_what_each_contribution_lost():
+    # allreduce_gradients(compression="int8") on 2 workers with a server
+    # that sums half of each buffer: every step's update is the codec
+    # model's mean of the contributions (gradient plus residual), and every
+    # residual exactly what this rank's encoding lost, whoever summed
+    # (tests/workers/ef_worker.py checks both on every rank).
+    run = launch("ef_worker.py", ["--codec", "int8"], nproc=2, servers=1,
+                 env={**FLAT, "HERRING_SERVER_MIN_BYTES": "0"})
+    assert run.returncode == 0, run.explain()
+    for rank in (0, 1):
+        cases = run.results[rank]
+        assert len(cases) == 4 and all(c["ok"] for c in cases), cases
+    [server] = run.results[2]
+    # It summed encoded chunks: over the 3 steps, less than the int8 buffers
+    # (and the bfloat16 leaf's) whole, where its float32 share alone (2696 of
+    # the 5000 elements) would be twice that.
+    bound = 3 * (codecs.wire_bytes("int8", 5000) + 2 * 10)
+    assert server["ok"] and 0 < server["served_bytes"] <= bound < 3 * 4 * 2696, (server, bound)
 
 
 def test_only_buffers_of_at_least_server_min_bytes_use_the_servers():

@@ -52,6 +52,12 @@ inline const char* CodecName(Codec c) {
 // Bytes that `count` float32 elements take on the wire.
 size_t EncodedBytes(Codec codec, size_t count);
 
+// The element count whose encoding takes `bytes` bytes (the inverse of
+// EncodedBytes, for chunks that begin at a block boundary); false if no
+// count encodes to exactly that many bytes (a server-only process learns a
+// chunk's length from its message alone).
+bool EncodedCount(Codec codec, size_t bytes, size_t* count);
+
 // Encodes `count` float32 elements of `src` into `dst` (EncodedBytes long).
 void Encode(Codec codec, const float* src, size_t count, void* dst);
 
