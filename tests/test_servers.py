@@ -170,6 +170,45 @@ def test_error_feedback_through_the_servers_keeps_what_each_contribution_lost():
     assert server["ok"] and 0 < server["served_bytes"] <= bound < 3 * 4 * 2696, (server, bound)
 
 
+def test_error_feedback_in_the_host_stage_through_the_servers_keeps_each_slice_loss():
+    # 2 simulated hosts x 2 workers, 2 servers taking 0.6 of each slice:
+    # each process keeps exactly what its slice of its host's float32 sum
+    # lost on its way (to a worker's shard or to a server), zeros elsewhere;
+    # every step's update and residual against the numpy model
+    # (tests/workers/ef_host_worker.py).
+    run = launch("ef_host_worker.py", ["--codec", "int8", "--transform", "allreduce"],
+                 nproc=4, hosts=2, servers=2,
+                 env={"HERRING_SERVER_SHARE": "0.6", "HERRING_SERVER_MIN_BYTES": "0"})
+    assert run.returncode == 0, run.explain()
+    for rank in range(4):
+        cases = run.results[rank]
+        assert len(cases) == 4 and all(c["ok"] for c in cases), cases
+    # Each host's 2 slices of 2048 elements put 1280 on the servers (0.6,
+    # cut at a codec block: 768 and 512), which summed them int8-encoded in
+    # each of the 3 steps.
+    for server, elems in ((4, 768), (5, 512)):
+        [result] = run.results[server]
+        assert result["ok"], result
+        assert result["served_bytes"] == 3 * 2 * codecs.wire_bytes("int8", elems), result
+
+
+def test_workers_that_ask_for_different_codecs_fail_naming_both_through_a_server():
+    # Rank 0 compresses float32[1000] with bf16, rank 1 does not, and the
+    # server would take half of it: two programs, whose messages never match
+    # (their keys differ), so neither the workers' shards nor the server sum
+    # anything; each worker fails within HERRING_TIMEOUT_S with a HerringError
+    # that names both reductions, codec included, and the server as waiting
+    # in none (it never mistakes one for the other).
+    run = launch("failure_worker.py", ["codec-mismatch"], nproc=2, servers=1,
+                 env={**FLAT, "HERRING_TIMEOUT_S": "5", "HERRING_SERVER_MIN_BYTES": "0"})
+    for rank in (0, 1):
+        [first, *_] = run.results[rank]
+        assert first["ok"] and first["seconds"] < 30, (first, run.explain())
+        assert "float32[1000] sum over bf16" in first["message"], first
+        assert "float32[1000] sum (key" in first["message"], first
+        assert "rank 2 is alive and waits in no reduction" in first["message"], first
+
+
 def test_only_buffers_of_at_least_server_min_bytes_use_the_servers():
     # Default knobs: a 28-byte all-reduce stays on the workers' shards, one
     # of twice HERRING_SERVER_MIN_BYTES goes through the server; both sum
