@@ -150,6 +150,26 @@ def test_the_host_stage_sends_encoded_slices_through_the_servers_bitwise_as_with
         assert result["ok"] and result["served_chunks"] > 0, result
 
 
+def test_codec_chunks_of_one_block_above_server_chunk_bytes_reach_the_server():
+    # HERRING_CHUNK_BYTES of 512: a codec's chunk is still one block of 256
+    # elements (fp16: 516 bytes on the wire), more than the chunk size that
+    # a server's receives would otherwise hold. Every element through the
+    # server (share 1), checked against the codec's numpy model.
+    run = launch("reduce_worker.py", ["--codec", "fp16,bf16,int8", "--dtypes", "float32",
+                                      "--ops", "sum", "--counts", "1000"],
+                 nproc=2, servers=1,
+                 env={**FLAT, "HERRING_CHUNK_BYTES": "512", "HERRING_SERVER_SHARE": "1",
+                      "HERRING_SERVER_MIN_BYTES": "0", "HERRING_TIMEOUT_S": "20"})
+    assert run.returncode == 0, run.explain()
+    for rank in (0, 1):
+        cases = _cases(run, rank)
+        assert len(cases) == 3 and all(c["ok"] for c in cases.values()), cases
+    [server] = run.results[2]
+    assert server["ok"] and server["messages_dropped"] == 0, server
+    assert server["served_bytes"] == sum(codecs.wire_bytes(c, 1000)
+                                         for c in ("fp16", "bf16", "int8")), server
+
+
 def test_error_feedback_through_the_servers_keeps_what_each_contribution_lost():
     # allreduce_gradients(compression="int8") on 2 workers with a server
     # that sums half of each buffer: every step's update is the codec

@@ -112,7 +112,9 @@ Status Communicator::Serve() {
   if (!connected_) return Status::Error("serve before connect");
   if (served_) return Status::Error("this process serves already");
   auto state = std::make_unique<ServedState>();
-  state->payload_bytes = config_.chunk_bytes;
+  // A chunk is at most HERRING_CHUNK_BYTES on the wire, but a codec's chunk
+  // is at least one block (ChunkElems rounds up to it): with fp16 516 bytes.
+  state->payload_bytes = std::max(config_.chunk_bytes, EncodedBytes(Codec::kFloat16, kCodecBlock));
   const size_t slots = std::max(kServedRecvsMin, kServedRecvsPerWorker * config_.workers);
   for (size_t i = 0; i < slots; ++i) {
     state->slots.emplace_back(&pool_, kServedPayloadAt + state->payload_bytes);
