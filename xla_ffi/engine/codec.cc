@@ -382,4 +382,10 @@ void DecodeSum(Codec codec, const void* const* srcs, size_t num_srcs, size_t cou
   }
 }
 
+void SumForTheWayBack(Codec codec, const void* const* srcs, size_t num_srcs, size_t count,
+                      float divisor, float* sum, void* encoded) {
+  DecodeSum(codec, srcs, num_srcs, count, divisor, sum);
+  Encode(codec, sum, count, encoded);
+}
+
 }  // namespace herring::engine

@@ -80,6 +80,13 @@ void EncodingLoss(Codec codec, const float* src, size_t count, const void* encod
 void DecodeSum(Codec codec, const void* const* srcs, size_t num_srcs, size_t count,
                float divisor, float* dst);
 
+// A part's sum as it travels back: DecodeSum into `sum` (`count` floats),
+// then that encoded into `encoded` (EncodedBytes long). What a worker's
+// shard and a server-only process both run for an encoded chunk, so that
+// every rank gets the same bits whichever of them summed it.
+void SumForTheWayBack(Codec codec, const void* const* srcs, size_t num_srcs, size_t count,
+                      float divisor, float* sum, void* encoded);
+
 }  // namespace herring::engine
 
 #endif  // HERRING_ENGINE_CODEC_H_

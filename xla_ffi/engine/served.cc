@@ -301,14 +301,15 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
     // every contribution decoded, summed in float32 in the group's order,
     // and the sum encoded for the way back; each worker decodes that, as it
     // decodes a worker shard's result, so every rank holds the same bits.
+    // The shard also keeps the decoded sum; a server keeps nothing.
     PooledBuffer sum(&pool_, std::max<size_t>(1, count * sizeof(float)));
     if (!sum.ok()) {
       FailAll("server rank " + std::to_string(config_.rank) + " ran out of memory", true);
       return;
     }
     float* acc = reinterpret_cast<float*>(sum.data());
-    DecodeSum(codec, srcs.data(), members, count, static_cast<float>(divisor), acc);
-    Encode(codec, acc, count, result->data.data());
+    SumForTheWayBack(codec, srcs.data(), members, count, static_cast<float>(divisor), acc,
+                     result->data.data());
   }
   chunk.from.clear();  // the contributions' buffers go back to the pool
 
