@@ -4,6 +4,7 @@ get without them; a killed server fails every worker fast, naming it."""
 
 from multiproc import launch
 
+from herring_jax._src.collectives import codecs
 from herring_jax._src.process import knobs
 
 # The flat path: with one process per host (a cluster) that is every group's;
@@ -75,6 +76,157 @@ def test_the_host_stage_sums_across_hosts_through_the_servers_bitwise_as_without
     for server in (4, 5):
         [result] = run.results[server]
         assert result["ok"] and result["served_chunks"] > 0, result
+
+
+CODECS = ["--codec", "bf16,fp16,int8", "--dtypes", "float32", "--ops", "sum,mean",
+          "--counts", "1,7,4097", "--mib", "1", "--stats"]
+# Parts in several chunks, so that chunks of encoded parts meet at the servers.
+SMALL_CHUNKS = {"HERRING_CHUNK_BYTES": str(64 << 10)}
+
+
+def test_every_codec_through_the_servers_sums_bitwise_as_without_them():
+    # 2 workers with 1 server (half of each buffer on it) and with 2 (all of
+    # it on them): a server decodes each worker's encoded chunk, sums in
+    # float32 in rank order and sends the sum back encoded, as a worker's
+    # shard does, so every rank gets the bits of the job without servers
+    # (and rank 0 those of the codec's numpy model).
+    env = {**FLAT, **SMALL_CHUNKS, "HERRING_SERVER_MIN_BYTES": "0"}
+    without = launch("reduce_worker.py", CODECS, nproc=2, env=env)
+    assert without.returncode == 0, without.explain()
+    names = set(_cases(without, 0))
+    assert len(names) == 24 and all(n.split(":")[0] in ("bf16", "fp16", "int8") for n in names)
+    for servers in (1, 2):
+        run = launch("reduce_worker.py", CODECS, nproc=2, servers=servers, env=env)
+        assert run.returncode == 0, run.explain()
+        for rank in (0, 1):
+            got, want = _cases(run, rank), _cases(without, rank)
+            assert got.keys() == want.keys() == names, (got.keys(), want.keys())
+            for name, case in got.items():
+                assert case["ok"], (servers, name, case)
+                assert case["digest"] == want[name]["digest"], (servers, name, case, want[name])
+            [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
+            assert stats["stats"]["served_jobs"] == len(names), stats
+        served = [run.results[rank][0] for rank in range(2, 2 + servers)]
+        assert all(s["ok"] and s["served_chunks"] > 0 for s in served), served
+        if servers == 2:
+            # The share for 2 workers and 2 servers is 1: every element went
+            # through the servers, and as encoded (every part and chunk
+            # begins at a codec block, so their encodings add up to the
+            # buffer's): a quarter to a half of the float32 bytes.
+            encoded = sum(codecs.wire_bytes(n.split(":")[0], int(n.rsplit("/", 1)[1]))
+                          for n in names)
+            assert sum(s["served_bytes"] for s in served) == encoded, (served, encoded)
+            raw = sum(4 * int(n.rsplit("/", 1)[1]) for n in names)
+            assert encoded < 0.6 * raw, (encoded, raw)
+
+
+def test_the_host_stage_sends_encoded_slices_through_the_servers_bitwise_as_without_them():
+    # 2 simulated hosts x 2 workers, 2 servers taking 0.6 of each slice:
+    # each host sums through memory in float32, each process's slice of that
+    # sum crosses hosts encoded, partly through the servers. Rank 0 checks
+    # against the codec's numpy model of the host stage's order; every rank
+    # matches the job without servers.
+    args = ["--codec", "int8,fp16", "--dtypes", "float32", "--ops", "sum,mean",
+            "--counts", "7,4097", "--mib", "1", "--stats"]
+    env = {"HERRING_SERVER_MIN_BYTES": "0"}
+    without = launch("reduce_worker.py", args, nproc=4, hosts=2, env=env)
+    assert without.returncode == 0, without.explain()
+    run = launch("reduce_worker.py", args, nproc=4, hosts=2, servers=2,
+                 env={**env, "HERRING_SERVER_SHARE": "0.6"})
+    assert run.returncode == 0, run.explain()
+    for rank in range(4):
+        got, want = _cases(run, rank), _cases(without, rank)
+        assert got.keys() == want.keys() and len(got) == 12, (got.keys(), want.keys())
+        for name, case in got.items():
+            assert case["ok"], (name, case)
+            assert case["digest"] == want[name]["digest"], (name, case, want[name])
+        [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
+        stats = stats["stats"]
+        assert stats["host_stage_calls"] == stats["reductions"] > 0, stats
+        # A count-7 buffer's slice is empty on a host's second process.
+        assert stats["served_jobs"] >= 8, stats
+    for server in (4, 5):
+        [result] = run.results[server]
+        assert result["ok"] and result["served_chunks"] > 0, result
+
+
+def test_codec_chunks_of_one_block_above_server_chunk_bytes_reach_the_server():
+    # HERRING_CHUNK_BYTES of 512: a codec's chunk is still one block of 256
+    # elements (fp16: 516 bytes on the wire), more than the chunk size that
+    # a server's receives would otherwise hold. Every element through the
+    # server (share 1), checked against the codec's numpy model.
+    run = launch("reduce_worker.py", ["--codec", "fp16,bf16,int8", "--dtypes", "float32",
+                                      "--ops", "sum", "--counts", "1000"],
+                 nproc=2, servers=1,
+                 env={**FLAT, "HERRING_CHUNK_BYTES": "512", "HERRING_SERVER_SHARE": "1",
+                      "HERRING_SERVER_MIN_BYTES": "0", "HERRING_TIMEOUT_S": "20"})
+    assert run.returncode == 0, run.explain()
+    for rank in (0, 1):
+        cases = _cases(run, rank)
+        assert len(cases) == 3 and all(c["ok"] for c in cases.values()), cases
+    [server] = run.results[2]
+    assert server["ok"] and server["messages_dropped"] == 0, server
+    assert server["served_bytes"] == sum(codecs.wire_bytes(c, 1000)
+                                         for c in ("fp16", "bf16", "int8")), server
+
+
+def test_error_feedback_through_the_servers_keeps_what_each_contribution_lost():
+    # allreduce_gradients(compression="int8") on 2 workers with a server
+    # that sums half of each buffer: every step's update is the codec
+    # model's mean of the contributions (gradient plus residual), and every
+    # residual exactly what this rank's encoding lost, whoever summed
+    # (tests/workers/ef_worker.py checks both on every rank).
+    run = launch("ef_worker.py", ["--codec", "int8"], nproc=2, servers=1,
+                 env={**FLAT, "HERRING_SERVER_MIN_BYTES": "0"})
+    assert run.returncode == 0, run.explain()
+    for rank in (0, 1):
+        cases = run.results[rank]
+        assert len(cases) == 4 and all(c["ok"] for c in cases), cases
+    [server] = run.results[2]
+    # It summed encoded chunks: over the 3 steps, less than the int8 buffers
+    # (and the bfloat16 leaf's) whole, where its float32 share alone (2696 of
+    # the 5000 elements) would be twice that.
+    bound = 3 * (codecs.wire_bytes("int8", 5000) + 2 * 10)
+    assert server["ok"] and 0 < server["served_bytes"] <= bound < 3 * 4 * 2696, (server, bound)
+
+
+def test_error_feedback_in_the_host_stage_through_the_servers_keeps_each_slice_loss():
+    # 2 simulated hosts x 2 workers, 2 servers taking 0.6 of each slice:
+    # each process keeps exactly what its slice of its host's float32 sum
+    # lost on its way (to a worker's shard or to a server), zeros elsewhere;
+    # every step's update and residual against the numpy model
+    # (tests/workers/ef_host_worker.py).
+    run = launch("ef_host_worker.py", ["--codec", "int8", "--transform", "allreduce"],
+                 nproc=4, hosts=2, servers=2,
+                 env={"HERRING_SERVER_SHARE": "0.6", "HERRING_SERVER_MIN_BYTES": "0"})
+    assert run.returncode == 0, run.explain()
+    for rank in range(4):
+        cases = run.results[rank]
+        assert len(cases) == 4 and all(c["ok"] for c in cases), cases
+    # Each host's 2 slices of 2048 elements put 1280 on the servers (0.6,
+    # cut at a codec block: 768 and 512), which summed them int8-encoded in
+    # each of the 3 steps.
+    for server, elems in ((4, 768), (5, 512)):
+        [result] = run.results[server]
+        assert result["ok"], result
+        assert result["served_bytes"] == 3 * 2 * codecs.wire_bytes("int8", elems), result
+
+
+def test_workers_that_ask_for_different_codecs_fail_naming_both_through_a_server():
+    # Rank 0 compresses float32[1000] with bf16, rank 1 does not, and the
+    # server would take half of it: two programs, whose messages never match
+    # (their keys differ), so neither the workers' shards nor the server sum
+    # anything; each worker fails within HERRING_TIMEOUT_S with a HerringError
+    # that names both reductions, codec included, and the server as waiting
+    # in none (it never mistakes one for the other).
+    run = launch("failure_worker.py", ["codec-mismatch"], nproc=2, servers=1,
+                 env={**FLAT, "HERRING_TIMEOUT_S": "5", "HERRING_SERVER_MIN_BYTES": "0"})
+    for rank in (0, 1):
+        [first, *_] = run.results[rank]
+        assert first["ok"] and first["seconds"] < 30, (first, run.explain())
+        assert "float32[1000] sum over bf16" in first["message"], first
+        assert "float32[1000] sum (key" in first["message"], first
+        assert "rank 2 is alive and waits in no reduction" in first["message"], first
 
 
 def test_only_buffers_of_at_least_server_min_bytes_use_the_servers():

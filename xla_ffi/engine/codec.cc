@@ -226,6 +226,31 @@ size_t EncodedBytes(Codec codec, size_t count) {
   return 0;
 }
 
+bool EncodedCount(Codec codec, size_t bytes, size_t* count) {
+  switch (codec) {
+    case Codec::kNone: *count = bytes / 4; break;
+    case Codec::kBFloat16: *count = bytes / 2; break;
+    case Codec::kFloat16:
+    case Codec::kInt8: {
+      // Every block but the last is whole: a scale and kCodecBlock values;
+      // the last holds a scale and 1..kCodecBlock values.
+      const size_t value = codec == Codec::kFloat16 ? 2 : 1;
+      const size_t block = 4 + kCodecBlock * value;
+      if (bytes == 0) {
+        *count = 0;
+      } else if (bytes < 4 + value) {
+        return false;
+      } else {
+        const size_t whole = (bytes - 4 - value) / block;
+        *count = whole * kCodecBlock + (bytes - whole * block - 4) / value;
+      }
+      break;
+    }
+    default: return false;
+  }
+  return EncodedBytes(codec, *count) == bytes;
+}
+
 void Encode(Codec codec, const float* src, size_t count, void* dst_v) {
   IeeeDenormals ieee;
   char* dst = static_cast<char*>(dst_v);
@@ -355,6 +380,12 @@ void DecodeSum(Codec codec, const void* const* srcs, size_t num_srcs, size_t cou
       for (size_t i = 0; i < n; ++i) acc[i] = acc[i] / divisor;
     }
   }
+}
+
+void SumForTheWayBack(Codec codec, const void* const* srcs, size_t num_srcs, size_t count,
+                      float divisor, float* sum, void* encoded) {
+  DecodeSum(codec, srcs, num_srcs, count, divisor, sum);
+  Encode(codec, sum, count, encoded);
 }
 
 }  // namespace herring::engine

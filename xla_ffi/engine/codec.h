@@ -52,6 +52,12 @@ inline const char* CodecName(Codec c) {
 // Bytes that `count` float32 elements take on the wire.
 size_t EncodedBytes(Codec codec, size_t count);
 
+// The element count whose encoding takes `bytes` bytes (the inverse of
+// EncodedBytes, for chunks that begin at a block boundary); false if no
+// count encodes to exactly that many bytes (a server-only process learns a
+// chunk's length from its message alone).
+bool EncodedCount(Codec codec, size_t bytes, size_t* count);
+
 // Encodes `count` float32 elements of `src` into `dst` (EncodedBytes long).
 void Encode(Codec codec, const float* src, size_t count, void* dst);
 
@@ -73,6 +79,13 @@ void EncodingLoss(Codec codec, const float* src, size_t count, const void* encod
 // division.
 void DecodeSum(Codec codec, const void* const* srcs, size_t num_srcs, size_t count,
                float divisor, float* dst);
+
+// A part's sum as it travels back: DecodeSum into `sum` (`count` floats),
+// then that encoded into `encoded` (EncodedBytes long). What a worker's
+// shard and a server-only process both run for an encoded chunk, so that
+// every rank gets the same bits whichever of them summed it.
+void SumForTheWayBack(Codec codec, const void* const* srcs, size_t num_srcs, size_t count,
+                      float divisor, float* sum, void* encoded);
 
 }  // namespace herring::engine
 

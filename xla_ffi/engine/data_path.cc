@@ -370,9 +370,8 @@ void Communicator::ReduceChunk(Job* job, size_t c) {
     // and kept as decoded here too, so every process holds the same bits.
     const Codec codec = job->req.codec;
     srcs[me] = job->WireIn(me, c);
-    DecodeSum(codec, srcs.data(), n, count, static_cast<float>(divisor),
-              reinterpret_cast<float*>(dst));
-    Encode(codec, reinterpret_cast<const float*>(dst), count, job->WireOut(me, c));
+    SumForTheWayBack(codec, srcs.data(), n, count, static_cast<float>(divisor),
+                     reinterpret_cast<float*>(dst), job->WireOut(me, c));
     Decode(codec, job->WireOut(me, c), count, reinterpret_cast<float*>(dst));
     payload = job->WireOut(me, c);
     payload_bytes = job->WireBytes(me, c);

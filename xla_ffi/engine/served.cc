@@ -8,7 +8,9 @@
 // message of a chunk is here it sums them in the group's order with the
 // kernel the workers' own server shards use (so every element has the same
 // bits whichever process summed it) and sends the sum back to every member
-// as that part's kResult.
+// as that part's kResult. With a wire codec the messages and the sum travel
+// encoded (codec.h): decoded, summed in float32 and encoded again, as a
+// worker's shard does.
 // Runs on the transport's progress thread (OnServed) and the server threads
 // (TakeServed: receives are re-posted there, never from the progress thread).
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "engine/batch.h"
+#include "engine/codec.h"
 #include "engine/communicator.h"
 #include "engine/reduce_kernels.h"
 #include "engine/served.h"
@@ -64,8 +67,12 @@ bool Communicator::ServersServe(const std::vector<int>& group) const {
 }
 
 bool Communicator::ServedJob(const ReduceRequest& r) const {
-  return r.collective == Collective::kAllReduce && r.codec == Codec::kNone && r.count > 0 &&
-         r.count * ElementSize(r.dtype) >= config_.server_min_bytes;
+  // Judged by the bytes the buffer puts on the wire (encoded, with a codec):
+  // what the servers save is wire time, what they cost is per message.
+  const size_t wire_bytes = r.codec == Codec::kNone ? r.count * ElementSize(r.dtype)
+                                                    : EncodedBytes(r.codec, r.count);
+  return r.collective == Collective::kAllReduce && r.count > 0 &&
+         wire_bytes >= config_.server_min_bytes;
 }
 
 std::vector<bool> Communicator::ServedFlags(const std::vector<int>& group,
@@ -105,7 +112,9 @@ Status Communicator::Serve() {
   if (!connected_) return Status::Error("serve before connect");
   if (served_) return Status::Error("this process serves already");
   auto state = std::make_unique<ServedState>();
-  state->payload_bytes = config_.chunk_bytes;
+  // A chunk is at most HERRING_CHUNK_BYTES on the wire, but a codec's chunk
+  // is at least one block (ChunkElems rounds up to it): with fp16 516 bytes.
+  state->payload_bytes = std::max(config_.chunk_bytes, EncodedBytes(Codec::kFloat16, kCodecBlock));
   const size_t slots = std::max(kServedRecvsMin, kServedRecvsPerWorker * config_.workers);
   for (size_t i = 0; i < slots; ++i) {
     state->slots.emplace_back(&pool_, kServedPayloadAt + state->payload_bytes);
@@ -155,13 +164,24 @@ std::string Communicator::CheckServed(const WireHeader& h,
   if (h.checksum != HeaderChecksum(h)) return "header checksum mismatch";
   if (h.token != config_.token) return "wrong job token (a process of another job or an old run)";
   if (h.kind != static_cast<uint8_t>(MsgKind::kServed) || !IsValidDType(h.dtype) ||
-      !IsValidOp(h.op) || h.codec != static_cast<uint8_t>(Codec::kNone)) {
+      !IsValidOp(h.op) || !IsValidCodec(h.codec)) {
     return "invalid kind, dtype, op or codec";
   }
+  const Codec codec = static_cast<Codec>(h.codec);
+  const ReduceOp op = static_cast<ReduceOp>(h.op);
+  if (codec != Codec::kNone && (static_cast<DType>(h.dtype) != DType::kFloat32 ||
+                                (op != ReduceOp::kSum && op != ReduceOp::kMean))) {
+    return std::string("codec ") + CodecName(codec) + " on a " + ReduceOpName(op) + " of " +
+           DTypeName(static_cast<DType>(h.dtype)) + " (codecs carry float32 sums and means)";
+  }
+  size_t elems = 0;
   if (h.payload_bytes != c.len - sizeof(WireHeader) ||
-      h.payload_bytes % ElementSize(static_cast<DType>(h.dtype)) != 0) {
+      (codec == Codec::kNone
+           ? h.payload_bytes % ElementSize(static_cast<DType>(h.dtype)) != 0
+           : !EncodedCount(codec, h.payload_bytes, &elems))) {
     return "payload of " + std::to_string(c.len - sizeof(WireHeader)) +
-           " bytes, the header says " + std::to_string(h.payload_bytes);
+           " bytes, the header says " + std::to_string(h.payload_bytes) + " (codec " +
+           CodecName(codec) + ")";
   }
   if (h.contributors == 0 || h.contributors > kMaxContributors) {
     return "header counts " + std::to_string(h.contributors) + " contributing devices";
@@ -218,7 +238,8 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
     }
     const WireHeader& f = entry.first;
     std::string mismatch;
-    if (f.key != h.key || f.dtype != h.dtype || f.op != h.op || f.total_elems != h.total_elems ||
+    if (f.key != h.key || f.dtype != h.dtype || f.op != h.op || f.codec != h.codec ||
+        f.total_elems != h.total_elems ||
         f.payload_bytes != h.payload_bytes ||
         UnpackServedGroup(f.served).size != group.size) {
       mismatch = "mismatched reductions at server rank " + std::to_string(config_.rank) +
@@ -249,7 +270,9 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
   const WireHeader& f = chunk.first;
   const DType dtype = static_cast<DType>(f.dtype);
   const ReduceOp op = static_cast<ReduceOp>(f.op);
-  const size_t count = f.payload_bytes / ElementSize(dtype);
+  const Codec codec = static_cast<Codec>(f.codec);
+  size_t count = f.payload_bytes / ElementSize(dtype);
+  if (codec != Codec::kNone) EncodedCount(codec, f.payload_bytes, &count);  // CheckServed held
   std::vector<const void*> srcs(members);
   uint64_t contributors = 0;
   for (int w = 0; w < members; ++w) {
@@ -271,7 +294,23 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
     return;
   }
   const double divisor = op == ReduceOp::kMean ? static_cast<double>(contributors) : 1.0;
-  ReduceOpInto(op, dtype, result->data.data(), nullptr, srcs.data(), members, count, divisor);
+  if (codec == Codec::kNone) {
+    ReduceOpInto(op, dtype, result->data.data(), nullptr, srcs.data(), members, count, divisor);
+  } else {
+    // As a worker's shard sums an encoded part (Communicator::ReduceChunk):
+    // every contribution decoded, summed in float32 in the group's order,
+    // and the sum encoded for the way back; each worker decodes that, as it
+    // decodes a worker shard's result, so every rank holds the same bits.
+    // The shard also keeps the decoded sum; a server keeps nothing.
+    PooledBuffer sum(&pool_, std::max<size_t>(1, count * sizeof(float)));
+    if (!sum.ok()) {
+      FailAll("server rank " + std::to_string(config_.rank) + " ran out of memory", true);
+      return;
+    }
+    float* acc = reinterpret_cast<float*>(sum.data());
+    SumForTheWayBack(codec, srcs.data(), members, count, static_cast<float>(divisor), acc,
+                     result->data.data());
+  }
   chunk.from.clear();  // the contributions' buffers go back to the pool
 
   result->header = f;

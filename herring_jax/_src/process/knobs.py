@@ -186,8 +186,9 @@ KNOBS: dict[str, Knob] = {
              "servers: a / (n/k - 1 + a) with a = 2(n-1)/n; 0.6 for n = 4, k = 2; 1 for "
              "k >= n). Rank 0's value holds for the whole job."),
         Knob("HERRING_SERVER_MIN_BYTES", 4 << 20, _non_negative_int,
-             "The smallest all-reduce buffer, in bytes, that places parts on the server-only "
-             "processes; smaller ones stay on the workers' own shards, where the servers' "
+             "The smallest all-reduce buffer, in bytes (as they travel: encoded, with a wire "
+             "codec), that places parts on the server-only processes; smaller ones stay on "
+             "the workers' own shards, where the servers' "
              "extra messages and processes cost more than the bytes they save (on 4 hosts of "
              "1 Gbit/s, servers paid from 4 MiB on; docs/guides/servers.md, \"When they "
              "pay\"). 0: every buffer. Rank 0's value holds for the whole job."),
