@@ -1,6 +1,7 @@
 """XLA:CUDA's start/done handler code (xla_ffi/device_handlers.cc) run on CPU
 devices against the device layer's CPU double (HERRING_TEST_DEVICE_DOUBLE=1,
-set by the test; the fault hook per rank through HERRING_TEST_DEVICE_FAULT).
+set by the test). Usage: device_double_worker.py MODE [RANK:FAULT ...], each
+FAULT the HERRING_TEST_DEVICE_FAULT (the double's fault hook) of that rank.
 
   allreduce: every dtype at sizes 1 to 65537 (sum; mean for float32) bitwise
     against numpy; one jitted reduction launched three times (the launch
@@ -153,6 +154,10 @@ def failing(rank: int, n: int, case: str, expect: str):
 
 def main() -> int:
     mode = sys.argv[1]
+    for arg in sys.argv[2:]:
+        who, _, fault = arg.partition(":")
+        if int(who) == int(os.environ["HERRING_PROCESS_ID"]):
+            os.environ["HERRING_TEST_DEVICE_FAULT"] = fault
     jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
     herring_jax.initialize()
     rank, n = jax.process_index(), jax.process_count()
@@ -163,10 +168,14 @@ def main() -> int:
     elif mode == "killed":
         failing(rank, n, "killed", "rank 2")
     elif mode == "abort":
+        # One call site on every rank: jax's lowering records where the jitted
+        # function was called, and under the program identity the ranks'
+        # programs must be the same.
+        error = failing(rank, n, "abort-own" if rank == 1 else "abort",
+                        "the CPU double's fault hook" if rank == 1 else "rank 1 failed")
         if rank == 1:
             # Uncaught: the process fails, telling every other rank first.
-            raise failing(rank, n, "abort-own", "the CPU double's fault hook") or SystemExit(1)
-        failing(rank, n, "abort", "rank 1 failed")
+            raise error or SystemExit(1)
     elif mode == "timeout":
         failing(rank, n, "timeout", "has not reached its copy to the host" if rank == 0
                 else "rank 0")
