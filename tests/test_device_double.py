@@ -68,6 +68,18 @@ def test_a_failed_copy_fails_its_rank_whose_abort_fails_the_other_at_once():
     assert other["ok"] and other["step"] == 1 and other["seconds"] < 30, (other, run.explain())
 
 
+def test_a_failed_copy_back_to_the_device_fails_the_step_instead_of_returning_garbage():
+    # Rank 0's first done copies the sum back and that copy fails: the
+    # results hold whatever XLA's buffers held, and the step must fail.
+    run = _run("fail-back", 2, ["0:fail:device:1"], env={"HERRING_TIMEOUT_S": "60"})
+    assert run.returncode != 0, run.explain()
+    [own] = run.results[0]
+    assert own["ok"] and own["step"] == 0, (own, run.explain())
+    assert "copy 1 to the device failed (the CPU double's fault hook" in own["message"], own
+    [other] = run.results[1]
+    assert other["ok"] and other["seconds"] < 30, (other, run.explain())
+
+
 def test_a_copy_the_device_never_reaches_in_time_fails_the_done_and_the_peer():
     # Rank 0's first copy to the host takes 6 s: its done gives up at
     # HERRING_TIMEOUT_S + HERRING_CUDA_DONE_GRACE_S = 4 s; rank 1's reduction

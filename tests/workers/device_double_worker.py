@@ -20,6 +20,8 @@ FAULT the HERRING_TEST_DEVICE_FAULT (the double's fault hook) of that rank.
     must raise the double's error, which it lets go uncaught, so that the
     process fails and aborts the job; rank 0, whose own copy of that
     reduction is slowed, must fail at once naming rank 1.
+  fail-back: as abort, but rank 0's first copy back to the device fails:
+    its done must fail (its results were never written), not return them.
   timeout: rank 0's first copy to the host takes longer than
     HERRING_TIMEOUT_S + HERRING_CUDA_DONE_GRACE_S: its done must give up
     saying the device has not reached its copy; rank 1 must time out naming
@@ -167,13 +169,14 @@ def main() -> int:
         delayed(rank, n)
     elif mode == "killed":
         failing(rank, n, "killed", "rank 2")
-    elif mode == "abort":
+    elif mode in ("abort", "fail-back"):
+        bad = 1 if mode == "abort" else 0
         # One call site on every rank: jax's lowering records where the jitted
         # function was called, and under the program identity the ranks'
         # programs must be the same.
-        error = failing(rank, n, "abort-own" if rank == 1 else "abort",
-                        "the CPU double's fault hook" if rank == 1 else "rank 1 failed")
-        if rank == 1:
+        error = failing(rank, n, "own" if rank == bad else "other",
+                        "the CPU double's fault hook" if rank == bad else f"rank {bad} failed")
+        if rank == bad:
             # Uncaught: the process fails, telling every other rank first.
             raise error or SystemExit(1)
     elif mode == "timeout":
