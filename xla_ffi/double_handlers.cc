@@ -20,11 +20,13 @@
 // execution failed in between) leaves its copies reading operands that XLA
 // may free; XLA:CUDA's stream order covers that case.
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "device_double.h"
 #include "device_handlers.h"
 #include "engine/async_runner.h"
+#include "engine/registry.h"
 #include "handler_common.h"
 #include "handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -55,6 +57,18 @@ ffi::Future DoubleDoneImpl(ffi::RunId run_id, int32_t device, ffi::RemainingArgs
       p.SetAvailable();
     }
   };
+  // A copy of the done's that failed on the stream (its error sticks) would
+  // leave the results unwritten: XLA:CUDA reports such an error at its next
+  // stream operation; here the done's future does.
+  std::shared_ptr<engine::Communicator> comm = engine::Registry::Get().Find(comm_handle);
+  const std::string where =
+      "herring allreduce on rank " + (comm ? std::to_string(comm->rank()) : "?") + ": ";
+  comm.reset();
+  auto or_stream_error = [where](ffi::Error e, const DeviceStatus& s) {
+    if (e.failure() || s.ok()) return e;
+    return ffi::Error::Internal(where + "the CPU double's stream failed after the done's "
+                                "copies were enqueued: " + s.message());
+  };
   Device::Event reached = nullptr;
   DeviceStatus status = on.CreateEvent(&reached);
   if (status.ok()) status = on.RecordEvent(reached, stream);
@@ -63,15 +77,15 @@ ffi::Future DoubleDoneImpl(ffi::RunId run_id, int32_t device, ffi::RemainingArgs
     // what it has, then complete.
     if (reached != nullptr) on.DestroyEvent(reached);
     on.SynchronizeStream(stream);
-    settle(promise, std::move(error));
+    settle(promise, or_stream_error(std::move(error), status));
     return future;
   }
   // On herring's thread, never the stream's: setting the promise may run
   // XLA's next calls on the setting thread, and those may wait for the stream.
   engine::AsyncRunner::Get().Run(
-      [&on, reached, device, promise, error, settle]() mutable {
-        on.WaitAndDestroy(device, reached);
-        settle(promise, std::move(error));
+      [&on, reached, device, promise, error, settle, or_stream_error]() mutable {
+        DeviceStatus ran = on.WaitAndDestroy(device, reached);
+        settle(promise, or_stream_error(std::move(error), ran));
       });
   return future;
 }
