@@ -84,7 +84,8 @@ def allreduce(rank: int, n: int) -> None:
     fn = jax.jit(lambda v: herring_jax.allreduce(v))
     for launch in range(3):
         xs = inputs("float32", 4099, 10 + launch, n)
-        check(f"launch-{launch}", fn(xs[rank]), common.reference("float32", "sum", [[x] for x in xs]))
+        want = common.reference("float32", "sum", [[x] for x in xs])
+        check(f"launch-{launch}", fn(xs[rank]), want)
         moved += xs[rank].nbytes
 
     # A jitted helper inlined twice: two instructions with equal attributes.
