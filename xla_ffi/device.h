@@ -89,8 +89,6 @@ class StagingBuffer {
 
   char* data() const { return static_cast<char*>(data_); }
   bool ok() const { return data_ != nullptr; }
-  // A copy into it may still be in flight: never reused, never freed.
-  void Leak() { data_ = nullptr; }
 
  private:
   void Give() {
