@@ -37,6 +37,7 @@ module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 names = sorted(module.registrations())
 assert names == ["herring_allreduce", "herring_async_done", "herring_async_known", "herring_async_start",
+                 "herring_double_allreduce_done", "herring_double_allreduce_start",
                  "herring_join", "herring_simulated_compute"], names
 print("bazel-built _herring_ffi.so imports; handlers:", names)
 PY

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Compiles herring_jax's XLA:CUDA handlers (xla_ffi/cuda_handlers.cc and
-# cuda_pending.cc) against CUDA 12's runtime headers, with every warning an
+# Compiles herring_jax's XLA:CUDA handlers (xla_ffi/cuda_handlers.cc, the
+# device layer's CUDA implementation device_cuda.cc, and the logic they share
+# with the CPU double, device_handlers.cc and device_pending.cc) against
+# CUDA 12's runtime headers, with every warning an
 # error, without a GPU or a CUDA toolkit. (The package build compiles them
 # against the machine's toolkit when it has one, CUDA 13 on this project's CI
 # machine; jax's cuda12 plugin users build against CUDA 12.) The headers come from
@@ -36,7 +38,8 @@ done
 
 xla_inc=$(python3 -P -c 'import jax.ffi; print(jax.ffi.include_dir())')
 cxx=${CXX:-g++}
-for src in xla_ffi/cuda_handlers.cc xla_ffi/cuda_pending.cc; do
+for src in xla_ffi/cuda_handlers.cc xla_ffi/device_cuda.cc xla_ffi/device_handlers.cc \
+           xla_ffi/device_pending.cc; do
   echo "== $cxx -fsyntax-only $src"
   "$cxx" -std=c++17 -fsyntax-only -Wall -Wextra -Werror -DHERRING_WITH_CUDA \
     -Ixla_ffi -isystem "$xla_inc" -isystem "$runtime_inc" -isystem "$crt_inc" "$src"

@@ -12,6 +12,8 @@ from herring_jax._src.process import runtime
 def test_cpu_handler_registered():
     assert sorted(_herring_ffi.registrations()) == [
         "herring_allreduce", "herring_async_done", "herring_async_known", "herring_async_start",
+        # Tests: XLA:CUDA's handler code on the CPU double (test_device_double.py).
+        "herring_double_allreduce_done", "herring_double_allreduce_start",
         "herring_join", "herring_simulated_compute"]
 
 

@@ -59,6 +59,14 @@ def test_async_runner(sanitizer):
 
 
 @pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+def test_device_double(sanitizer):
+    # The CPU double runs a stream as the CUDA handlers assume one runs:
+    # copies in order on its own thread, events, sticky errors, the fault hook.
+    _build_and_run("device_double_test", sanitizer, "DEVICE_DOUBLE_OK",
+                   extra_sources=["device_double.cc"])
+
+
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
 def test_occurrence_table(sanitizer):
     _build_and_run("occurrence_table_test", sanitizer, "OCCURRENCE_TABLE_OK")
 

@@ -18,6 +18,7 @@
 #include "engine/registry.h"
 #include "engine/wire.h"
 #include "engine/timeline.h"
+#include "device_double.h"
 #include "handlers.h"
 
 namespace nb = nanobind;
@@ -81,6 +82,10 @@ NB_MODULE(_herring_ffi, m) {
     d["herring_async_start"] = Bundle(HerringAllReduceInstantiate, HerringAsyncStart);
     d["herring_async_done"] = EncapsulateFfiHandler(HerringAsyncDone);
     d["herring_async_known"] = EncapsulateFfiHandler(HerringAsyncKnown);
+    // Tests: XLA:CUDA's start/done on the CPU double (HERRING_TEST_DEVICE_DOUBLE).
+    d["herring_double_allreduce_start"] =
+        Bundle(HerringAllReduceInstantiate, HerringDoubleStart);
+    d["herring_double_allreduce_done"] = EncapsulateFfiHandler(HerringDoubleDone);
     return d;
   });
   // Types to register (jax.ffi.register_ffi_type) before the handlers.
@@ -113,6 +118,27 @@ NB_MODULE(_herring_ffi, m) {
   m.def("count_launches_for_test", &CountLaunchesForTest, nb::arg("calls"),
         "Tests: one instruction's launch counts under the launch identity for (run id, "
         "device) calls in order; 'error: ...' where a call fails.");
+  m.def(
+      "set_device_double_faults",
+      [](const std::string& spec) {
+        std::string error = DeviceDouble::Get().SetFaults(spec);
+        if (!error.empty()) throw nb::value_error(error.c_str());
+      },
+      nb::arg("spec"),
+      "Tests: the CPU double's fault hook (HERRING_TEST_DEVICE_FAULT; device_double.h).");
+  m.def("device_double_stats", []() {
+    DoubleStats s = DeviceDouble::Get().Stats();
+    nb::dict d;
+    d["copies_to_host"] = s.copies_to_host;
+    d["copies_to_device"] = s.copies_to_device;
+    d["bytes_to_host"] = s.bytes_to_host;
+    d["bytes_to_device"] = s.bytes_to_device;
+    d["events_reached"] = s.events_reached;
+    d["waits_in_flight"] = s.waits_in_flight;
+    d["delayed"] = s.delayed;
+    d["failed"] = s.failed;
+    return d;
+  }, "Tests: what the CPU double did in this process so far.");
   m.def("set_launch_identity", &SetLaunchIdentity, nb::arg("platform"), nb::arg("launch"),
         "Whether the platform's reductions compiled from now on are named by launch numbers "
         "per instruction (True) or by XLA's run ids (False).");

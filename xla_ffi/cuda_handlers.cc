@@ -1,7 +1,9 @@
 // The allreduce handlers for XLA's CUDA platform: a start and a done, so that
 // the bytes move while the GPU computes. Built only when CMake finds a CUDA
 // toolkit (HERRING_WITH_CUDA); compile-checked in CI, run on one H200 by the
-// GPU check (docs/guides/gpus.md).
+// GPU check (docs/guides/gpus.md). Their logic is device_handlers.cc, written
+// against the device layer (device.h; CUDA's is device_cuda.cc), which the
+// CPU suite also runs against the layer's CPU double (double_handlers.cc).
 //
 // On XLA:CPU one asynchronous call does it all (handlers.cc). On XLA:CUDA a
 // custom call is a host function that XLA's thread calls in the order of the
@@ -19,7 +21,7 @@
 // (herring_jax/_src/collectives/split.py) makes every done depend on every bucket's
 // token, so that no done (and no host wait) comes before the last bucket's
 // start, i.e. before the backward pass is enqueued. A start and its done are
-// paired by the token's address (cuda_pending.h says why that is exact).
+// paired by the token's address (device_pending.h says why that is exact).
 //
 // What this relies on, read in XLA's sources (xla/backends/gpu/runtime/
 // custom_call_thunk.cc, xla/service/gpu/gpu_executable.cc):
@@ -66,290 +68,34 @@
 //   are registered without traits.
 // - has_side_effect (set by the lowering) keeps XLA from deleting or merging
 //   either call.
-// Only the CUDA runtime API is used (statically linked): the module imports
-// on machines without a driver and calls CUDA only on CUDA devices.
+// Only the CUDA runtime API is used (statically linked, device_cuda.cc): the
+// module imports on machines without a driver and calls CUDA only on CUDA
+// devices.
 //
 // Registering device memory with the provider (FI_HMEM, which EFA supports)
 // would skip the staging copies; that belongs in the transport.
 #include <cuda_runtime_api.h>
 
-#include <exception>
-#include <memory>
-#include <string>
-#include <utility>
-#include <vector>
-
-#include "cuda_pending.h"
-#include "engine/async_runner.h"
-#include "engine/buffer_pool.h"
-#include "engine/registry.h"
-#include "engine/timeline.h"
+#include "device.h"
+#include "device_handlers.h"
 #include "handler_common.h"
 #include "handlers.h"
 
 namespace herring {
 namespace {
 
-ffi::Error CudaError(const std::string& where, const char* what, cudaError_t err) {
-  return ffi::Error::Internal(where + what + " failed: " + cudaGetErrorString(err) +
-                              "; the CUDA context may be unusable: restart the job");
-}
-
-// The CUDA device of XLA's stream, on which events must be created.
-cudaError_t StreamDevice(cudaStream_t stream, int* device) {
-#if CUDART_VERSION >= 12080
-  return cudaStreamGetDevice(stream, device);
-#else
-  // XLA made the stream's context current on this thread (see above), and
-  // the runtime reports the device of the current primary context.
-  (void)stream;
-  return cudaGetDevice(device);
-#endif
-}
-
-// The host side of one start, for herring's thread: what ReduceCall needs
-// (attributes copied out of XLA's call frame) and where the bytes are staged.
-struct CudaStart {
-  int64_t run_id = 0;
-  int32_t device = 0;
-  InstructionState instruction;
-  OwnedAttrs attrs;
-  DecodedCall call;  // arrival points at the staging buffers
-  std::vector<engine::PooledBuffer> zeros;  // a broadcast's contribution off the root
-  std::shared_ptr<PendingReduction> pending;
-  cudaEvent_t copied = nullptr;  // after the copies to staging
-  engine::TimelineEvent event;
-};
-
-// On herring's thread: waits until the operands are on the host, then
-// reduces exactly as the CPU handler does.
-void ReduceStarted(const std::shared_ptr<CudaStart>& task) {
-  PendingReduction& pending = *task->pending;
-  cudaError_t err = WaitAndDestroy(pending.cuda_device, task->copied);
-  task->event.begun_ns = engine::Timeline::NowNs();
-  ffi::Error done;
-  if (err != cudaSuccess) {
-    pending.Quarantine();  // the copy into staging may not have finished
-    done = CudaError(pending.where, "waiting for the copy to the host", err);
-  } else {
-    done = NoThrow("herring allreduce start (CUDA)", [&] {
-      ffi::Error error = PrepareBroadcast(task->call, &task->attrs.op, &task->zeros);
-      if (error.failure()) return error;
-      return ReduceCall(task->run_id, task->device, task->instruction, task->attrs.View(),
-                        task->call);
-    });
-  }
-  task->event.ended_ns = engine::Timeline::NowNs();
-  task->event.ok = !done.failure();
-  engine::Timeline::Get().Record(task->event);
-  // Drop the task's hold on the communicator (its pooled zeros first) before
-  // the done may go on, as handlers.cc does: once it has, the program can
-  // call herring_jax.shutdown(), which must hold the last reference, so that
-  // the communicator's destructor runs there and not here, on herring's
-  // thread, behind the program's back (see ReleaseCall).
-  ReleaseCall(&task->call, &task->zeros);
-  pending.Finish(std::move(done));
-}
-
 ffi::Error StartImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
                      CudaInstructionState* instruction, ffi::RemainingArgs args,
                      ffi::RemainingRets rets, HERRING_ATTR_PARAMS) {
-  return NoThrow("herring allreduce start (CUDA)", [&]() -> ffi::Error {
-    auto task = std::make_shared<CudaStart>();
-    task->device = device;
-    ReceiveInstructionState(instruction);
-    task->instruction = *instruction;
-    task->attrs = OwnedAttrs(HERRING_ATTRS);
-    task->call.platform = "cuda";
-    ffi::Error error = DecodeOperands(args, task->attrs.View(), &task->call);
-    if (error.failure()) return error;
-    const std::string& where = task->call.where;
-    // Here, on the thread that launches the program: launches come in order.
-    error = IdentityRun(run_id.run_id, device, *instruction, where, &task->run_id);
-    if (error.failure()) return error;
-    if (collective != kCollectiveAllReduce) {
-      return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        where + "reduce-scatter and all-gather run on XLA:CPU only so far");
-    }
-    if (rets.size() != 1) {
-      return ffi::Error::InvalidArgument(where + "the start returns one token buffer");
-    }
-    auto token = rets.get<ffi::AnyBuffer>(0);
-    if (token.has_error()) return token.error();
-
-    auto pending = std::make_shared<PendingReduction>();
-    task->pending = pending;
-    pending->where = where;
-    pending->key = key;
-    cudaError_t err = StreamDevice(stream, &pending->cuda_device);
-    if (err != cudaSuccess) return CudaError(where, "finding the stream's device", err);
-    const size_t n = task->call.dtypes.size();
-    pending->staging.reserve(2 * n);
-    for (size_t k = 0; k < n; ++k) {
-      auto in = args.get<ffi::AnyBuffer>(k);
-      if (in.has_error()) return in.error();
-      const size_t bytes = in->size_bytes();
-      if (OpFeedback(op) && in->element_type() != ffi::DataType::F32) {
-        return ffi::Error::InvalidArgument(where + "error feedback takes float32 operands only");
-      }
-      pending->types.push_back(in->element_type());
-      pending->elements.push_back(in->element_count());
-      pending->bytes.push_back(bytes);
-      pending->staging.emplace_back(&Pinned(), bytes);
-      pending->staging.emplace_back(&Pinned(), bytes);
-      if (OpFeedback(op)) pending->lost.emplace_back(&Pinned(), bytes);
-      if (!pending->staging[2 * k].ok() || !pending->staging[2 * k + 1].ok() ||
-          (OpFeedback(op) && !pending->lost[k].ok())) {
-        return ffi::Error::Internal(where + "cudaHostAlloc of " + std::to_string(bytes) +
-                                    " bytes failed (" + cudaGetErrorString(cudaGetLastError()) +
-                                    "): lower the fusion buffer size or free host memory");
-      }
-      task->event.bytes += bytes;
-    }
-    err = CreateWaitEvent(&task->copied);
-    if (err != cudaSuccess) return CudaError(where, "cudaEventCreate", err);
-
-    // From here copies into the staging buffers may be in flight: every exit
-    // either hands them to herring's thread or waits for the stream first.
-    auto fail = [&](ffi::Error e) {
-      cudaStreamSynchronize(stream);
-      cudaEventDestroy(task->copied);
-      return e;
-    };
-    for (size_t k = 0; k < n; ++k) {
-      void* host_in = pending->staging[2 * k].data();
-      if (pending->bytes[k] > 0) {
-        err = cudaMemcpyAsync(host_in, task->call.arrival.in[k], pending->bytes[k],
-                              cudaMemcpyDeviceToHost, stream);
-        if (err != cudaSuccess) return fail(CudaError(where, "cudaMemcpyAsync to host", err));
-      }
-      task->call.arrival.in[k] = host_in;
-      task->call.arrival.out.push_back(pending->staging[2 * k + 1].data());
-      if (OpFeedback(op)) {
-        task->call.arrival.lost.push_back(reinterpret_cast<float*>(pending->lost[k].data()));
-      }
-    }
-    err = cudaEventRecord(task->copied, stream);
-    if (err != cudaSuccess) return fail(CudaError(where, "cudaEventRecord", err));
-
-    const PendingKey pairing{run_id.run_id, device,
-                             reinterpret_cast<uintptr_t>((*token)->untyped_data())};
-    if (!PendingTable::Get().Add(pairing, pending)) {
-      return fail(ffi::Error::Internal(
-          where + "a reduction started earlier on device " + std::to_string(device) +
-          " in this execution has the same token address and was never collected; this is "
-          "a herring_jax bug (its start and done are emitted together): please report it"));
-    }
-    task->event.key = key;
-    task->event.slot = slot;
-    task->event.device = device;
-    task->event.issued_ns = engine::Timeline::NowNs();
-    try {
-      engine::AsyncRunner::Get().Run([task] { ReduceStarted(task); });
-    } catch (const std::exception& e) {
-      PendingTable::Get().Claim(pairing);
-      return fail(ffi::Error::Internal(where + "could not start a herring thread (" + e.what() +
-                                       "): the process is out of threads or memory"));
-    }
-    return ffi::Error::Success();
-  });
-}
-
-// How long a done waits for its reduction before it gives up: the engine's
-// own timeout, plus time for the GPU to reach the start's copy (the work
-// enqueued before it) and for a slow host (HERRING_CUDA_DONE_GRACE_S).
-double WaitLimitSeconds(const std::shared_ptr<engine::Communicator>& comm) {
-  static const engine::CommConfig kDefaults;
-  const engine::CommConfig& config = comm ? comm->config() : kDefaults;
-  return config.timeout_s + config.done_grace_s;
+  return StartOnDevice(CudaDevice(), stream, run_id.run_id, device, instruction, args, rets,
+                       HERRING_ATTRS);
 }
 
 ffi::Error DoneImpl(cudaStream_t stream, ffi::RunId run_id, int32_t device,
                     ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t comm_handle,
                     int64_t key) {
-  return NoThrow("herring allreduce done (CUDA)", [&]() -> ffi::Error {
-    std::shared_ptr<engine::Communicator> comm = engine::Registry::Get().Find(comm_handle);
-    const std::string where =
-        "herring allreduce on rank " + (comm ? std::to_string(comm->rank()) : "?") + ": ";
-    if (args.size() < 1) {
-      return ffi::Error::InvalidArgument(where + "the done takes its start's token first");
-    }
-    auto token = args.get<ffi::AnyBuffer>(0);
-    if (token.has_error()) return token.error();
-    std::shared_ptr<PendingReduction> pending = PendingTable::Get().Claim(
-        {run_id.run_id, device, reinterpret_cast<uintptr_t>(token->untyped_data())});
-    if (!pending) {
-      return ffi::Error(
-          ffi::ErrorCode::kFailedPrecondition,
-          where + "no reduction was started for this done on device " + std::to_string(device) +
-              " (its start failed, or XLA copied the token between them); rerun with "
-              "the first error of this rank, and report it if there was none");
-    }
-    const size_t num = pending->types.size();
-    const bool feedback = !pending->lost.empty();
-    if (pending->key != key || (feedback ? 2 : 1) * num != rets.size()) {
-      return ffi::Error::Internal(where + "this done does not match the reduction its token "
-                                  "started; this is a herring_jax bug: please report it");
-    }
-    std::vector<void*> results;
-    for (size_t k = 0; k < rets.size(); ++k) {
-      auto out = rets.get<ffi::AnyBuffer>(k);
-      if (out.has_error()) return out.error();
-      // The losses (error feedback) are float32 of their operands' sizes.
-      if ((*out)->element_type() != pending->types[k % num] ||
-          (*out)->element_count() != pending->elements[k % num]) {
-        return ffi::Error::Internal(where + "result " + std::to_string(k) +
-                                    " does not match its start's operand; this is a "
-                                    "herring_jax bug: please report it");
-      }
-      results.push_back((*out)->untyped_data());
-    }
-
-    // Blocks XLA's host thread; see the top of this file for why that is safe.
-    const double limit = WaitLimitSeconds(comm);
-    if (!pending->Wait(limit)) {
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                        where + "the reduction started for this done has not ended after " +
-                            std::to_string(static_cast<int>(limit)) +
-                            " s (HERRING_TIMEOUT_S + HERRING_CUDA_DONE_GRACE_S): the GPU "
-                            "has not reached its copy to the host, or the engine is stuck; "
-                            "check the GPU and the other ranks' logs");
-    }
-    ffi::Error error = pending->error();
-    if (error.failure()) return error;
-
-    auto release_after_stream = [&](ffi::Error e) {
-      cudaStreamSynchronize(stream);  // the copies out of staging, if any
-      return e;
-    };
-    for (size_t k = 0; k < results.size(); ++k) {
-      if (pending->bytes[k % num] == 0) continue;
-      const void* from = k < num ? pending->staging[2 * k + 1].data()
-                                 : pending->lost[k - num].data();
-      cudaError_t err = cudaMemcpyAsync(results[k], from, pending->bytes[k % num],
-                                        cudaMemcpyHostToDevice, stream);
-      if (err != cudaSuccess) {
-        return release_after_stream(CudaError(where, "cudaMemcpyAsync to device", err));
-      }
-    }
-    // The staging buffers go back to the pool once the copies out of them
-    // have run: a herring thread waits for an event after them, so that
-    // neither XLA's thread nor the stream waits (a host function on the
-    // stream would hold the stream while it ran).
-    cudaEvent_t copied = nullptr;
-    cudaError_t err = CreateWaitEvent(&copied);
-    if (err == cudaSuccess) err = cudaEventRecord(copied, stream);
-    if (err != cudaSuccess) {
-      if (copied != nullptr) cudaEventDestroy(copied);
-      return release_after_stream(ffi::Error::Success());
-    }
-    const int cuda_device = pending->cuda_device;
-    engine::AsyncRunner::Get().Run([pending, copied, cuda_device]() mutable {
-      if (WaitAndDestroy(cuda_device, copied) != cudaSuccess) pending->Quarantine();
-      pending.reset();  // staging back to the pool
-    });
-    return ffi::Error::Success();
-  });
+  return DoneOnDevice(CudaDevice(), stream, run_id.run_id, device, args, rets, comm_handle,
+                      key);
 }
 
 }  // namespace

@@ -31,6 +31,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAsyncDone);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringAsyncKnown);
 size_t DrainAsync(int64_t comm_handle, double timeout_s, std::vector<int64_t>* dropped);
 
+// double_handlers.cc: the XLA:CUDA start/done pair's code (device_handlers.cc)
+// on XLA:CPU with the device layer's CPU double, for tests.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringDoubleStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(HerringDoubleDone);
+
 #ifdef HERRING_WITH_CUDA
 // cuda_handlers.cc: the same reduction on XLA's CUDA platform, split into a
 // start (copies to the host, reduces on herring's threads) and a done (waits,

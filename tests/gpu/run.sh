@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check: verifies herring_jax's XLA:CUDA path (cuda_handlers.cc,
-# cuda_pending.cc, the start/done lowering) in one device call on a lent GPU
+# device_handlers.cc and device_cuda.cc, the start/done lowering; the logic
+# alone also runs on CPU against the CPU double, tests/test_device_double.py)
+# in one device call on a lent GPU
 # machine, which has no network and no libfabric. Prepare first, here:
 #   bash tests/gpu/prepare.sh      # fills .gpu/, which the device call carries
 # then, from the repository root there (docs/guides/gpus.md, "Running the GPU check"):

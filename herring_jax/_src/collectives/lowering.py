@@ -17,6 +17,13 @@ on its own emits its start and, right after it, its done; allreduce_gradients
 emits every bucket's start first and makes every done take every start's
 token (see allreduce.split_reductions), so that no done can be scheduled
 before the last bucket's start.
+
+Tests: under HERRING_TEST_DEVICE_DOUBLE=1 the XLA:CPU lowering is XLA:CUDA's,
+to ``herring_double_allreduce_start`` / ``_done``: the same handler code
+(xla_ffi/device_handlers.cc) with the device layer's CPU double as its device
+(xla_ffi/double_handlers.cc). Their done also takes its start's operands
+after the tokens, so that XLA:CPU keeps them while the double's stream may
+still copy them (on XLA:CUDA the stream's order does that).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from herring_jax._src.process import jax_compat
+from herring_jax._src.process import knobs
 from herring_jax._src.process import layout
 from herring_jax._src.process import runtime
 from herring_jax._src.process import timeline
@@ -176,21 +184,34 @@ def join_cpu(ctx, *args):
     return outs
 
 
-def start_cuda(ctx, operands, avals_in, **params):
-    """XLA:CUDA: the start of a reduction (operands all non-empty); its token."""
-    attrs = _attributes(ctx, avals_in, platform="cuda", **params)
-    [token] = _call("herring_allreduce_start", ctx, operands, avals_in, [TOKEN], attrs)
+def _double(platform) -> bool:
+    """Whether `platform`'s reductions lower to XLA:CUDA's start and done run
+    against the CPU double (tests, HERRING_TEST_DEVICE_DOUBLE)."""
+    return platform == "cpu" and knobs.get("HERRING_TEST_DEVICE_DOUBLE")
+
+
+def start_cuda(ctx, operands, avals_in, platform="cuda", **params):
+    """XLA:CUDA (or the CPU double): the start of a reduction (operands all
+    non-empty); its token."""
+    attrs = _attributes(ctx, avals_in, platform=platform, **params)
+    target = "herring_double_allreduce_start" if platform == "cpu" else "herring_allreduce_start"
+    [token] = _call(target, ctx, operands, avals_in, [TOKEN], attrs)
     return token
 
 
-def done_cuda(ctx, tokens, avals_out, *, op, codec, reduced=None):
+def done_cuda(ctx, tokens, avals_out, *, op, codec, reduced=None, platform="cuda",
+              operands=(), avals_in=()):
     """XLA:CUDA: the done of the reduction whose start returned tokens[0], after
     every start that returned the other tokens. `reduced`: the results the
-    start's key describes (with error feedback, avals_out has the losses too)."""
+    start's key describes (with error feedback, avals_out has the losses too).
+    On the CPU double (platform "cpu"), the start's operands follow the tokens."""
     described = avals_out if reduced is None else reduced
     attrs = dict(comm=np.int64(runtime.state().handle), key=np.int64(key(op, described, codec)))
-    return _call("herring_allreduce_done", ctx, tokens, [TOKEN] * len(tokens), avals_out,
-                 attrs)
+    if platform != "cpu":
+        return _call("herring_allreduce_done", ctx, tokens, [TOKEN] * len(tokens), avals_out,
+                     attrs)
+    return _call("herring_double_allreduce_done", ctx, [*tokens, *operands],
+                 [TOKEN] * len(tokens) + list(avals_in), avals_out, attrs)
 
 
 def token_constant():
@@ -209,7 +230,7 @@ _NOT_ON_CUDA = (
 
 def _on_the_wire(platform, collective) -> str:
     wire = _ON_THE_WIRE.get(collective, collective)
-    if platform != "cpu" and wire != "allreduce":
+    if (platform != "cpu" or _double(platform)) and wire != "allreduce":
         raise NotImplementedError(_NOT_ON_CUDA.format(collective=wire.replace("_", "-")))
     return wire
 
@@ -244,7 +265,9 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
     kept_out = [avals_out[i] for i in kept_all]
     params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec, collective=wire,
                   feedback=feedback)
-    if platform == "cpu":
+    # The CPU double's done keeps its start's operands alive (see the top).
+    double = dict(platform="cpu", operands=operands, avals_in=kept_in) if _double(platform) else {}
+    if platform == "cpu" and not double:
         # Tokens order nothing here: XLA:CPU's one call is already asynchronous.
         # A bucket of allreduce_gradients (own tokens) is reduced in place
         # (join_cpu says why); a reduce-scatter or all-gather cannot be (its
@@ -253,11 +276,11 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
                              in_place=bool(own_tokens) and wire == "allreduce", **params)
     elif own_tokens:
         results = done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec,
-                            reduced=kept_out[:len(kept)])
+                            reduced=kept_out[:len(kept)], **double)
     else:
-        token = start_cuda(ctx, operands, kept_in, **params)
+        token = start_cuda(ctx, operands, kept_in, platform=platform, **params)
         results = done_cuda(ctx, [token], kept_out, op=op, codec=codec,
-                            reduced=kept_out[:len(kept)])
+                            reduced=kept_out[:len(kept)], **double)
     for i, r in zip(kept_all, results):
         outs[i] = r
     return outs
@@ -270,8 +293,8 @@ def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, 
     del transpose
     wire = _on_the_wire(platform, collective)
     kept = nonempty(ctx.avals_in)
-    if platform == "cpu" or not kept:
+    if (platform == "cpu" and not _double(platform)) or not kept:
         return [token_constant()]
     return [start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
-                       op=op, axes=axes, groups=groups, root=root, codec=codec,
+                       platform=platform, op=op, axes=axes, groups=groups, root=root, codec=codec,
                        collective=wire, feedback=feedback)]

@@ -74,6 +74,20 @@ def _test_fault(text: str) -> str:
     return value
 
 
+def _device_fault(text: str) -> str:
+    value = text.strip()
+    for rule in filter(None, value.split(",")):
+        parts = rule.split(":")
+        ok = (len(parts) in (3, 4) and parts[0] in ("delay", "fail", "kill")
+              and (len(parts) == 4) == (parts[0] == "delay") and parts[1] in ("host", "device")
+              and parts[2].isdigit() and int(parts[2]) >= 1
+              and (len(parts) == 3 or parts[3].isdigit()))
+        if not ok:
+            raise ValueError(f"expected KIND:WAY:N[:MS] rules (delay:host:2:1500, fail:device:1, "
+                             f"kill:host:3), got {rule!r}")
+    return value
+
+
 def _rows_or_share(text: str) -> int | float:
     if any(c in text for c in ".eE"):
         share = float(text)
@@ -238,6 +252,17 @@ KNOBS: dict[str, Knob] = {
              "withdraw-after-ready (the host stage fails after publishing its result slice "
              "without telling anyone, then overwrites its inputs), bad-alloc (std::bad_alloc "
              "once a reduction over the transport is under way)."),
+        Knob("HERRING_TEST_DEVICE_DOUBLE", False, _bool,
+             "Tests only: reductions on CPU devices lower as on XLA:CUDA (a start and a "
+             "done) to XLA:CUDA's handler code run against the CPU double of its device "
+             "layer (copies on a stream thread of its own, events; xla_ffi/device_double.h) "
+             "instead of herring_allreduce. Read when a reduction is lowered."),
+        Knob("HERRING_TEST_DEVICE_FAULT", "", _device_fault,
+             "Tests only: the CPU double's fault hook (HERRING_TEST_DEVICE_DOUBLE), "
+             "comma-separated KIND:WAY:N[:MS] rules: the N-th copy (from 1, in enqueue order) "
+             "of this process to the host (WAY host: the starts') or to the device (device: "
+             "the dones') is delayed MS ms (delay), fails, its stream's error sticking (fail), "
+             "or kills this process while in flight (kill). E.g. delay:host:2:1500."),
         Knob("HERRING_TEST_FORGE_AS", None, _non_negative_int,
              "Tests only: this process's first host-stage call sends every other rank an "
              "abort, and every other process of its host an arrive, forged to come from this "

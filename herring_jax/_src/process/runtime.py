@@ -78,6 +78,9 @@ def _register_targets() -> None:
     for platform, default in (("cpu", "program"), ("cuda", "launch")):
         chosen = default if identity == "auto" else identity
         _ext.set_launch_identity(platform, chosen == "launch")
+    # Tests: the fault hook of the CPU double that HERRING_TEST_DEVICE_DOUBLE
+    # runs XLA:CUDA's handler code against (lowering.py).
+    _ext.set_device_double_faults(knobs.get("HERRING_TEST_DEVICE_FAULT"))
     if cuda:
         # XLA:CUDA's DeviceOrdinal is the process-local ordinal, which PJRT's
         # GPU client takes from the device it runs on: local_hardware_id.

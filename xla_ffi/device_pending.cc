@@ -1,34 +1,9 @@
-// See cuda_pending.h.
-#include "cuda_pending.h"
+// See device_pending.h.
+#include "device_pending.h"
 
 #include <utility>
 
 namespace herring {
-
-void* PinnedAllocator::Allocate(size_t bytes) {
-  void* p = nullptr;
-  return cudaHostAlloc(&p, bytes, cudaHostAllocPortable) == cudaSuccess ? p : nullptr;
-}
-
-void PinnedAllocator::Free(void* p) { cudaFreeHost(p); }
-
-PinnedPool& Pinned() {
-  static auto* pool = new PinnedPool();  // never destroyed: handlers may run late
-  return *pool;
-}
-
-cudaError_t CreateWaitEvent(cudaEvent_t* event) {
-  return cudaEventCreateWithFlags(event, cudaEventBlockingSync | cudaEventDisableTiming);
-}
-
-cudaError_t WaitAndDestroy(int cuda_device, cudaEvent_t event) {
-  cudaError_t err = cudaSetDevice(cuda_device);
-  if (err == cudaSuccess) err = cudaEventSynchronize(event);
-  // Destroying an event whose work is still pending is allowed (the runtime
-  // releases it once complete), so this is safe on every path.
-  cudaEventDestroy(event);
-  return err;
-}
 
 void PendingReduction::Finish(ffi::Error error) {
   {
@@ -56,10 +31,11 @@ bool PendingReduction::FinishedBefore(std::chrono::steady_clock::time_point t) c
 }
 
 void PendingReduction::Quarantine() {
+  // Kept reachable (a leak checker sees memory in use), never freed, never reused.
   static std::mutex mu;
-  static auto* kept = new std::vector<PinnedBuffer>();  // never freed, never reused
+  static auto* kept = new std::vector<StagingBuffer>();
   std::lock_guard<std::mutex> lock(mu);
-  for (PinnedBuffer& b : staging) kept->push_back(std::move(b));
+  for (StagingBuffer& b : staging) kept->push_back(std::move(b));
   staging.clear();
 }
 

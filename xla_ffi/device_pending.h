@@ -1,6 +1,6 @@
-// Reductions that XLA:CUDA's start handler has begun and its done handler has
-// not yet collected (cuda_handlers.cc), with the pinned host memory they stage
-// their bytes in. Built only with a CUDA toolkit (HERRING_WITH_CUDA).
+// Reductions that a device's start handler has begun and its done handler has
+// not yet collected (device_handlers.cc), with the staging memory they hold
+// their bytes in (device.h: pinned memory on CUDA, the CPU double's own).
 //
 // A start and its done are two custom calls of one device's thunk sequence.
 // The done finds its start's reduction by what XLA hands both: the run id,
@@ -13,10 +13,8 @@
 // the key needs no cross-process agreement: it only pairs calls of one device.
 // (Which reduction it is across processes is decided by the start, as on the
 // CPU: run id, slot, instance; see call_identity.cc.)
-#ifndef HERRING_CUDA_PENDING_H_
-#define HERRING_CUDA_PENDING_H_
-
-#include <cuda_runtime_api.h>
+#ifndef HERRING_DEVICE_PENDING_H_
+#define HERRING_DEVICE_PENDING_H_
 
 #include <chrono>
 #include <condition_variable>
@@ -28,35 +26,12 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/buffer_pool.h"
+#include "device.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace herring {
 
 namespace ffi = xla::ffi;
-
-// Pinned host memory, pooled (engine/buffer_pool.h: reused from call to call,
-// what is kept is bounded): cudaHostAlloc is far too slow per call. Portable:
-// one pool serves every local device (with unified addressing it is anyway).
-struct PinnedAllocator {
-  static void* Allocate(size_t bytes);
-  static void Free(void* p);
-};
-using PinnedPool = engine::BasicBufferPool<PinnedAllocator>;
-using PinnedBuffer = engine::BasicPooledBuffer<PinnedPool>;
-PinnedPool& Pinned();
-
-// An event for a host thread to wait on. BlockingSync: the waiting thread
-// sleeps instead of spinning a core (the context's default, which XLA leaves
-// at CU_CTX_SCHED_AUTO, may spin). No timing: cheaper to record.
-cudaError_t CreateWaitEvent(cudaEvent_t* event);
-
-// Waits on a herring thread for `event` (recorded on `cuda_device`) and
-// destroys it. The device is made current first: the runtime then uses its
-// primary context, which XLA created (it retains primary contexts,
-// stream_executor/cuda/cuda_context.cc, CudaContext::Create), instead of
-// initialising device 0's on a thread that has none.
-cudaError_t WaitAndDestroy(int cuda_device, cudaEvent_t event);
 
 // One started reduction. Written by the start (before it is shared), then by
 // herring's thread that reduces (Finish), read by the done after Wait.
@@ -64,17 +39,18 @@ class PendingReduction {
  public:
   std::string where;    // "herring allreduce on rank R: "
   int64_t key = 0;      // the call's description hash, which the done's must equal
-  int cuda_device = 0;  // the CUDA device of XLA's stream
+  Device* device = nullptr;  // what the copies run on
+  int stream_device = 0;     // the device of XLA's stream (Device::StreamDevice)
   std::vector<ffi::DataType> types;   // each operand's element type
   std::vector<size_t> elements;       // and element count
   std::vector<size_t> bytes;          // and size
   // Staging, two per operand (2k: the copy of operand k, 2k + 1: its sum).
   // Held until the last copy that reads or writes them is known finished.
-  std::vector<PinnedBuffer> staging;
+  std::vector<StagingBuffer> staging;
   // Error feedback (handler_common.h's OpFeedback): one per operand, the
   // loss of its encoding, which the done copies into its results after the
   // reduced buffers; empty otherwise.
-  std::vector<PinnedBuffer> lost;
+  std::vector<StagingBuffer> lost;
 
   // Marks the reduction ended (error: success or why not) and wakes the done.
   void Finish(ffi::Error error);
@@ -83,7 +59,7 @@ class PendingReduction {
   ffi::Error error() const;
   bool FinishedBefore(std::chrono::steady_clock::time_point t) const;
   // A copy into the staging buffers may still be in flight (a failed wait on
-  // the GPU): never hand them to another call.
+  // the device): never hand them to another call.
   void Quarantine();
 
  private:
@@ -95,11 +71,12 @@ class PendingReduction {
 };
 
 struct PendingKey {
+  const Device* on;    // the CUDA device layer, or the CPU double
   int64_t run_id;
   int32_t device;      // XLA's DeviceOrdinal
   uintptr_t token;     // device address of the start's token buffer
   bool operator<(const PendingKey& o) const {
-    return std::tie(run_id, device, token) < std::tie(o.run_id, o.device, o.token);
+    return std::tie(on, run_id, device, token) < std::tie(o.on, o.run_id, o.device, o.token);
   }
 };
 
@@ -131,4 +108,4 @@ class PendingTable {
 
 }  // namespace herring
 
-#endif  // HERRING_CUDA_PENDING_H_
+#endif  // HERRING_DEVICE_PENDING_H_
