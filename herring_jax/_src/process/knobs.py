@@ -362,6 +362,12 @@ def get(name: str) -> Any:
         raise ValueError(f"{name}={text!r} is invalid: {e}. {knob.doc}") from None
 
 
+def get_or(name: str, default: Any) -> Any:
+    """The knob's value, or `default` where it has none (unset, no default)."""
+    value = get(name)
+    return default if value is None else value
+
+
 def markdown_table() -> str:
     """The knob table as Markdown, for docs/guides/knobs.md (tests/test_docs.py)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]

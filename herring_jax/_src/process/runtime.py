@@ -78,8 +78,7 @@ def _register_targets() -> None:
     for platform, default in (("cpu", "program"), ("cuda", "launch")):
         chosen = default if identity == "auto" else identity
         _ext.set_launch_identity(platform, chosen == "launch")
-    # Tests: the fault hook of the CPU double that HERRING_TEST_DEVICE_DOUBLE
-    # runs XLA:CUDA's handler code against (lowering.py).
+    # Tests: the fault hook of the CPU double (HERRING_TEST_DEVICE_DOUBLE).
     _ext.set_device_double_faults(knobs.get("HERRING_TEST_DEVICE_FAULT"))
     if cuda:
         # XLA:CUDA's DeviceOrdinal is the process-local ordinal, which PJRT's
@@ -260,7 +259,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             handle = _ext.create_communicator(
                 rank, size + num_servers, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
                 chunk_bytes, knobs.get("HERRING_SERVER_THREADS"),
-                knobs.get("HERRING_TIMEOUT_S"), _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
+                knobs.get("HERRING_TIMEOUT_S"), knobs.get_or("HERRING_HEARTBEAT_S", -1.0),
                 knobs.get("HERRING_PEER_TIMEOUT_S"), knobs.get("HERRING_MAX_POSTED"),
                 knobs.get("HERRING_TEST_STALE_COPIES"),
                 knobs.get("HERRING_TEST_GATHER_DELAY_MS"),
@@ -270,7 +269,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                 knobs.get("HERRING_TEST_FAULT"),
                 knobs.get("HERRING_TEST_READ_DELAY_MS"),
                 knobs.get("HERRING_TEST_ACTIVATE_DELAY_MS"),
-                _or(knobs.get("HERRING_TEST_FORGE_AS"), -1), host_direct_bytes,
+                knobs.get_or("HERRING_TEST_FORGE_AS", -1), host_direct_bytes,
                 min_chunk_bytes, size if num_servers else 0, server_share, server_min_bytes)
             try:
                 client.key_value_set_bytes(f"{prefix}/addr/{rank}", _ext.address(handle))
@@ -280,7 +279,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                         "provider": provider, "chunk_bytes": chunk_bytes,
                         "min_chunk_bytes": min_chunk_bytes,
                         "timeout_s": knobs.get("HERRING_TIMEOUT_S"),
-                        "heartbeat_s": _or(knobs.get("HERRING_HEARTBEAT_S"), -1.0),
+                        "heartbeat_s": knobs.get_or("HERRING_HEARTBEAT_S", -1.0),
                         "peer_timeout_s": knobs.get("HERRING_PEER_TIMEOUT_S"),
                         "server_share": server_share}
                     servers_lib.publish(client, prefix, size, rendezvous.accept(
@@ -467,10 +466,6 @@ def _before_fast_exit() -> None:
         last_words.say_ending(current.generation, current.rank)
         last_words.outlive_the_others(current.generation, current.rank, current.size,
                                       current.topology)
-
-
-def _or(value, default):
-    return default if value is None else value
 
 
 def _server_gone(handle: int, rank: int, how: str) -> None:
