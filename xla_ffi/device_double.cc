@@ -44,7 +44,7 @@ Counters& Count() {
 // One stream: its work in order, run by a thread of its own.
 class DeviceDouble::DoubleStream {
  public:
-  explicit DoubleStream(int32_t device) : device_(device) {
+  DoubleStream(int32_t device, bool held) : device_(device), held_(held) {
     // Detached and never ended: streams live as long as the process, as the
     // double does (handlers may run late).
     std::thread([this] { Loop(); }).detach();
@@ -72,6 +72,12 @@ class DeviceDouble::DoubleStream {
     return DeviceStatus::Ok();
   }
 
+  void SetHeld(bool held) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = held;
+    cv_.notify_all();
+  }
+
   DeviceStatus Synchronize() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return ops_.empty() && !busy_; });
@@ -82,7 +88,7 @@ class DeviceDouble::DoubleStream {
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
-      cv_.wait(lock, [&] { return !ops_.empty(); });
+      cv_.wait(lock, [&] { return !ops_.empty() && !held_; });
       Op op = std::move(ops_.front());
       ops_.pop_front();
       busy_ = true;
@@ -142,6 +148,7 @@ class DeviceDouble::DoubleStream {
   std::condition_variable cv_;  // work enqueued, or an op ended
   std::deque<Op> ops_;
   bool busy_ = false;  // the thread runs an op taken off ops_
+  bool held_;          // HoldStreams: take up no work
   std::string error_;  // the first failed copy's, sticky
 };
 
@@ -153,7 +160,7 @@ DeviceDouble& DeviceDouble::Get() {
 Device::Stream DeviceDouble::StreamFor(int32_t device) {
   std::lock_guard<std::mutex> lock(mu_);
   std::unique_ptr<DoubleStream>& stream = streams_[device];
-  if (!stream) stream = std::make_unique<DoubleStream>(device);
+  if (!stream) stream = std::make_unique<DoubleStream>(device, held_);
   return stream.get();
 }
 
@@ -221,6 +228,12 @@ void DeviceDouble::ReleaseStaging(void* data, size_t capacity) {
 DeviceStatus DeviceDouble::StreamDevice(Stream stream, int* device) {
   *device = static_cast<DoubleStream*>(stream)->device();
   return DeviceStatus::Ok();
+}
+
+void DeviceDouble::HoldStreams(bool hold) {
+  std::lock_guard<std::mutex> lock(mu_);
+  held_ = hold;
+  for (auto& [device, stream] : streams_) stream->SetHeld(hold);
 }
 
 DeviceStatus DeviceDouble::Copy(void* to, const void* from, size_t bytes, bool to_host,

@@ -51,6 +51,10 @@ class DeviceDouble final : public Device {
   // Returns "" or what is wrong with `spec`.
   std::string SetFaults(const std::string& spec);
   DoubleStats Stats() const;
+  // For tests of timing: while held, no stream takes up work (enqueuing goes
+  // on), so what a test reads of it cannot race a copy; releasing lets every
+  // stream run what waits.
+  void HoldStreams(bool hold);
 
   const char* platform() const override { return "cpu"; }
   const char* name() const override { return "CPU double"; }
@@ -82,6 +86,7 @@ class DeviceDouble final : public Device {
   mutable std::mutex mu_;
   std::map<int32_t, std::unique_ptr<DoubleStream>> streams_;
   std::vector<Fault> faults_;
+  bool held_ = false;  // HoldStreams
   uint64_t enqueued_[2] = {0, 0};  // copies enqueued: [0] to the device, [1] to the host
   engine::BufferPool staging_;
 };

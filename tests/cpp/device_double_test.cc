@@ -22,21 +22,34 @@ int main() {
   DeviceDouble& d = DeviceDouble::Get();
 
   // Order: copy 1 (delayed 300 ms) and copy 2 write the same bytes; copy 2
-  // must land last, and neither before the calls returned.
+  // must land last, and neither before the calls returned. The streams are
+  // held while the test looks, so that no copy can run (and race the reads)
+  // however slow this machine is; the release comes once the wait below has
+  // started, so the wait is one in flight.
   Check(d.SetFaults("delay:host:1:300").empty(), "a delay rule is accepted");
+  d.HoldStreams(true);
   Device::Stream s = d.StreamFor(0);
   std::vector<char> a(1 << 16, 'a'), b(1 << 16, 'b'), out(1 << 16, '0');
+  const uint64_t copied = d.Stats().copies_to_host;
   Check(d.CopyToHost(out.data(), a.data(), a.size(), s).ok(), "copy 1 enqueued");
   Check(d.CopyToHost(out.data(), b.data(), b.size() / 2, s).ok(), "copy 2 enqueued");
-  Check(out[0] == '0', "nothing copied while the first copy is delayed");
+  Check(out[0] == '0' && d.Stats().copies_to_host == copied,
+        "nothing copied when the calls returned");
   Device::Event e = nullptr;
   Check(d.CreateEvent(&e).ok() && e != nullptr, "an event");
   bool reached = true;
   Check(d.QueryEvent(e, &reached).ok() && reached, "an event never recorded is reached");
   Check(d.RecordEvent(e, s).ok(), "recorded");
-  Check(d.QueryEvent(e, &reached).ok() && !reached, "not reached behind the delayed copy");
+  Check(d.QueryEvent(e, &reached).ok() && !reached, "not reached behind the waiting copies");
   const uint64_t waits = d.Stats().waits_in_flight;
+  std::thread release([&] {
+    while (d.Stats().waits_in_flight == waits) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    d.HoldStreams(false);
+  });
   Check(d.WaitAndDestroy(0, e).ok(), "the work before the event ran without error");
+  release.join();
   Check(d.Stats().waits_in_flight == waits + 1, "the wait is counted as one in flight");
   Check(out[0] == 'b' && out[out.size() / 2 - 1] == 'b' && out[out.size() / 2] == 'a',
         "copy 2 landed after copy 1");
