@@ -278,6 +278,23 @@ def test_python_api_argument_errors_and_cli():
     assert sorted(p.stdout.splitlines()) == ["[rank 0] hello from 0", "[rank 1] hello from 1"]
 
 
+def test_a_free_port_is_chosen_below_the_ephemeral_range():
+    # Outgoing connections (gRPC clients, the transport, other jobs) take
+    # their local ports from the ephemeral range, so a coordinator port chosen
+    # there can be taken before rank 0 binds it; one below it cannot.
+    import socket
+
+    from herring_jax._src.process import ports
+
+    lo, _ = ports.ephemeral_range()
+    assert 1024 < lo <= 65535
+    chosen = {ports.free_port() for _ in range(20)}
+    assert all(10000 <= p < lo for p in chosen), (chosen, lo)
+    assert len(chosen) > 1, "a random choice, so that jobs side by side differ"
+    with socket.socket() as s:  # free: it can be bound
+        s.bind(("127.0.0.1", chosen.pop()))
+
+
 def test_ranks_other_than_0_wait_for_the_coordinators_port():
     # herring_jax.initialize() on ranks > 0 waits until process 0's
     # coordination service listens before it calls jax.distributed (whose

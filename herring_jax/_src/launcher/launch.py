@@ -78,7 +78,6 @@ import argparse
 import os
 import re
 import signal
-import socket
 import sys
 import threading
 import time
@@ -86,6 +85,7 @@ import time
 from herring_jax._src.launcher.launch_job import EXIT_TIMEOUT, PROG, _exit_code, _grace_s, _Job
 from herring_jax._src.launcher.launch_restarts import RESTART_ENV, Restarts
 from herring_jax._src.process.exit_status import PREEMPTED_EXIT_CODE
+from herring_jax._src.process.ports import free_port, port_in_use  # noqa: F401 (re-exported)
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -151,13 +151,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(launch_parser=parser)
 
 
-def free_port() -> int:
-    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def child_env(base: dict, rank: int, num_processes: int, port: int,
               devices_per_process: int | None = None, host: str = "127.0.0.1",
               local_rank: int | None = None, restart: int = 0) -> dict:
@@ -192,16 +185,6 @@ def child_env(base: dict, rank: int, num_processes: int, port: int,
         env["XLA_FLAGS"] = f"{flags} {_DEVICE_FLAG}={devices_per_process}".lstrip()
         env.setdefault("JAX_PLATFORMS", "cpu")
     return env
-
-
-def port_in_use(port: int) -> bool:
-    """Whether something listens on (or holds) 127.0.0.1:port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from herring_jax._src.process import jax_compat
 from herring_jax._src.process import knobs
 from herring_jax._src.process import last_words
+from herring_jax._src.process import ports
 from herring_jax._src.process import servers as servers_lib
 from herring_jax._src.process import timeline
 from herring_jax._src.process import topology as topology_lib
@@ -356,7 +357,7 @@ def _join_distributed(coordinator_address, num_processes, process_id) -> None:
           f"for N processes on this machine: herring-jax launch -n N -- python {script}",
           file=sys.stderr, flush=True)
     try:
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{_free_port()}",
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{ports.free_port()}",
                                    num_processes=1, process_id=0)
     except RuntimeError as e:
         raise HerringError(f"jax.distributed.initialize() failed: {e}") from e
@@ -387,12 +388,6 @@ def _turn_off_persistent_cache(rank: int, size: int) -> None:
               "processes: jax writes it from process 0 only, and a program process 0 loads "
               "from it runs under other run ids than the ones the other processes compile, "
               "so their reductions would never pair", file=sys.stderr, flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _under_launcher() -> bool:
