@@ -173,9 +173,13 @@ def test_parts_cross_hosts_in_chunks_of_a_quarter_cut_alike_on_every_process(
         # Per process: its contribution to the other's part and its own
         # part's result, each in `messages` chunks; nothing else (no
         # heartbeats, no control messages in a healthy run, but the receipt
-        # of a peer's kLeave when that peer finished first).
+        # of a peer's kLeave when that peer finished first, and a where-I-wait
+        # notice when the other process started a second late, as it may on a
+        # loaded machine).
         s = r["stats"]
-        assert s["messages_sent"] - s["leave_notices_sent"] == 2 * messages, (rank, s)
+        control = s["leave_notices_sent"] + s["wait_notices_sent"]
+        assert s["messages_sent"] - control == 2 * messages, (rank, s)
+        assert s["wait_notices_sent"] <= 1, (rank, s)
         assert s["leave_notices_sent"] <= 1, (rank, s)
     described = _stats(run, "describe")[1]["describe"].split("; host ")[0]
     if rank0_min_chunk == "16384":

@@ -283,6 +283,7 @@ NB_MODULE(_herring_ffi, m) {
     d["occurrence_entries"] = s.occurrence_entries;
     d["heartbeats_sent"] = s.heartbeats_sent;
     d["leave_notices_sent"] = s.leave_notices_sent;
+    d["wait_notices_sent"] = s.wait_notices_sent;
     d["failed_batches_kept"] = s.failed_batches_kept;
     d["host_stage_calls"] = s.host_stage_calls;
     d["host_bytes_read"] = s.host_bytes_read;

@@ -144,6 +144,7 @@ struct CommStats {
   uint64_t occurrence_entries = 0;  // counters held: bounded, however many runs go by
   uint64_t heartbeats_sent = 0;
   uint64_t leave_notices_sent = 0;  // kLeave and kReceipt (the leave protocol)
+  uint64_t wait_notices_sent = 0;   // kStall: where a waiting reduction waits
   uint64_t failed_batches_kept = 0;  // failed batches whose operations never drained
   uint64_t host_stage_calls = 0;     // calls reduced through the host stage
   uint64_t host_bytes_read = 0;      // bytes read from other processes' memory

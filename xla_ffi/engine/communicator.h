@@ -504,6 +504,7 @@ class Communicator {
   std::atomic<uint64_t> declared_dead_{0};
   std::atomic<uint64_t> heartbeats_sent_{0};
   std::atomic<uint64_t> leave_notices_sent_{0};
+  std::atomic<uint64_t> wait_notices_sent_{0};
   std::atomic<uint64_t> kept_batches_{0};
   std::atomic<uint64_t> host_calls_{0};
   std::atomic<uint64_t> host_direct_calls_{0};

@@ -432,7 +432,10 @@ void Communicator::ReportStalls() {
       stalls.push_back(std::move(stall));
     }
   }
-  if (!notice_to.empty()) TellPeers(MsgKind::kStall, notice, notice_to, 0.0, false);
+  if (!notice_to.empty()) {
+    wait_notices_sent_.fetch_add(notice_to.size());
+    TellPeers(MsgKind::kStall, notice, notice_to, 0.0, false);
+  }
   for (const Stall& stall : stalls) {
     std::fprintf(stderr, "%s\n", stall.text.c_str());
     std::fflush(stderr);

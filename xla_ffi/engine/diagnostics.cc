@@ -320,6 +320,7 @@ CommStats Communicator::Stats() const {
   stats.peers_declared_dead = declared_dead_.load();
   stats.heartbeats_sent = heartbeats_sent_.load();
   stats.leave_notices_sent = leave_notices_sent_.load();
+  stats.wait_notices_sent = wait_notices_sent_.load();
   stats.failed_batches_kept = kept_batches_.load();
   stats.host_stage_calls = host_calls_.load();
   stats.host_bytes_read = host_bytes_read_.load();
