@@ -176,6 +176,7 @@ def _mark(config, items):
         if (item.path.name in EXTENDED or f"{item.path.name}::{item.name}" in EXTENDED_CASES
                 or any(item.path.name == f and p in ids for f, p in EXTENDED_PARAMS)):
             item.add_marker(pytest.mark.extended)
+        _group_by_shared_fixture(item)
     if not LONG_TESTS:
         return
     for item in items:
@@ -183,3 +184,15 @@ def _mark(config, items):
         if marker is not None:
             # First, so that it wins over any timeout marker the test has.
             item.add_marker(pytest.mark.timeout(marker.args[0]), append=False)
+
+
+def _group_by_shared_fixture(item):
+    # A module-scoped fixture (one multi-process job whose results
+    # several tests read) runs once per xdist worker that gets one of its
+    # tests: the tests that share it go to one worker (`--dist loadgroup`,
+    # tests/run.sh), or the job runs twice (30 s of the core tier each).
+    for name in item.fixturenames:
+        defs = item._fixtureinfo.name2fixturedefs.get(name)
+        if defs and defs[-1].scope == "module":
+            item.add_marker(pytest.mark.xdist_group(f"{defs[-1].baseid}::{name}"))
+            return

@@ -20,5 +20,5 @@ bash .ci/install.sh "$purpose"
 # at a time left a third of the 2 cores idle (18.6 min serial on a quiet
 # machine, 2026-11-28). Each test must pass beside another anyway (the suite
 # runs beside a CPU hog); `-n 0` after the command runs one at a time.
-exec python3 -P -m pytest tests -q -rfEs --durations=30 -n 2 \
+exec python3 -P -m pytest tests -q -rfEs --durations=30 -n 2 --dist loadgroup \
   -m "not extended" "$@"
