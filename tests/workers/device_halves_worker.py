@@ -1,23 +1,28 @@
-"""The two halves (reduce-scatter, all-gather) through XLA:CUDA's start/done
-handler code (xla_ffi/device_handlers.cc) run on CPU devices against the
-device layer's CPU double (HERRING_TEST_DEVICE_DOUBLE=1, set by the test).
-Usage: device_double_halves_worker.py MODE [RANK:FAULT ...], each FAULT the
+"""The two halves (reduce-scatter, all-gather) through the start/done handler
+code of a device with a stream (xla_ffi/device_handlers.cc): XLA:CUDA's on a
+GPU (the GPU check, tests/gpu/), the device layer's CPU double on CPU devices
+(HERRING_TEST_DEVICE_DOUBLE=1, set by the caller). Usage:
+device_halves_worker.py MODE [RANK:FAULT ...], each FAULT the
 HERRING_TEST_DEVICE_FAULT (the double's fault hook) of that rank.
 
   collectives: reduce_scatter (sum; mean for float32) and allgather of 6
     dtypes at sizes 1, 1001 and 4099 (uneven for 2 and 3 processes), and
     psum_scatter / all_gather (tiled) inside jax.shard_map, bitwise against
-    numpy; each program must lower to the double's start and done, and the
-    double must have copied every operand to the host and every result, of
-    its own size (an all-gather's N times its operand), back.
-  sharded: sharded_optimizer (ZeRO-1) and fully_sharded (ZeRO-3) with adam
-    on a small model, 2 steps, through the double and then without it: the
-    parameters must be bitwise equal, the first run's bytes must all have
-    gone through the double (copies each way, one back for each in) and the
-    second's none.
-  gather-fault: allgather until HerringError, one rank's copy failed by the
-    fault hook (set by the test); that rank lets its error go uncaught, so
-    that its process fails and aborts the job; every rank reports its error.
+    numpy; each program must lower to the device's start and done. On the
+    double, also: it must have copied every operand to the host and every
+    result, of its own size (an all-gather's N times its operand), back.
+  sharded (the double only): sharded_optimizer (ZeRO-1; also with the int8
+    codec and error feedback) and fully_sharded (ZeRO-3) with adam on a small
+    model, 2 steps, through the double and then
+    without it: the parameters must be bitwise equal, the first run's bytes
+    must all have gone through the double (copies each way, one back for each
+    in) and the second's none.
+  flax: sharded_optimizer and fully_sharded with adam on a small Flax Linen
+    MLP against optax.chain(allreduce_gradients(), adam), 4 steps, bitwise.
+  gather-fault (the double only): allgather until HerringError, one rank's
+    copy failed by the fault hook (set by the caller); that rank lets its
+    error go uncaught, so that its process fails and aborts the job; every
+    rank reports its error.
 """
 
 from __future__ import annotations
@@ -35,12 +40,25 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import common  # noqa: E402
 import herring_jax  # noqa: E402
 from herring_jax import _herring_ffi  # noqa: E402
-from device_double_worker import DTYPES, check, failing, inputs, lowered_by_the_double  # noqa: E402
+from device_double_worker import DTYPES, check, failing, inputs  # noqa: E402
 from process_collectives_worker import part  # noqa: E402
 from sharded_worker import batch, flat, loss_fn, make_params  # noqa: E402
 
 SIZES = (1, 1001, 4099)
 STEPS = 2
+
+
+def on_the_double() -> bool:
+    return jax.default_backend() == "cpu"
+
+
+def lowered_to_the_pair(fn, *args) -> bool:
+    """Whether `fn` lowers to this platform's start and done (the double's on
+    CPU devices, XLA:CUDA's on a GPU) and no XLA:CPU call."""
+    prefix = "herring_double_allreduce" if on_the_double() else "herring_allreduce"
+    text = jax.jit(fn).lower(*args).as_text()
+    return (f"@{prefix}_start(" in text and f"@{prefix}_done(" in text
+            and "@herring_allreduce(" not in text)
 
 
 def stats_delta(before: dict) -> dict:
@@ -58,15 +76,17 @@ def collectives(rank: int, n: int) -> None:
                 fn = jax.jit(lambda v, op=op: herring_jax.reduce_scatter(v, op))
                 want = part(common.reference(dtype, op, [[x] for x in xs]), rank, n)
                 got = fn(xs[rank])
-                check(f"reduce_scatter-{dtype}-{count}-{op}", got, want,
-                      double=lowered_by_the_double(fn, xs[rank]))
+                # No digest: each rank's part differs.
+                common.report(f"reduce_scatter-{dtype}-{count}-{op}",
+                              common.bitwise_equal(np.asarray(got), want),
+                              paired=lowered_to_the_pair(fn, xs[rank]))
                 # The operand, padded to N parts; the part back.
                 to_host += n * np.asarray(got).nbytes
                 to_device += np.asarray(got).nbytes
             fn = jax.jit(herring_jax.allgather)
             got = fn(xs[rank])
             check(f"allgather-{dtype}-{count}", got, np.stack(xs),
-                  double=lowered_by_the_double(fn, xs[rank]))
+                  paired=lowered_to_the_pair(fn, xs[rank]))
             to_host += xs[rank].nbytes
             to_device += n * xs[rank].nbytes  # the whole gathered array back
 
@@ -85,19 +105,21 @@ def collectives(rank: int, n: int) -> None:
     ok = (common.bitwise_equal(scattered, total[6 * rank:6 * (rank + 1)])
           and common.bitwise_equal(gathered, np.concatenate([v[:5] for v in xs])))
     common.report("shard_map-psum_scatter-all_gather", ok,
-                  double=lowered_by_the_double(smap, x))
+                  paired=lowered_to_the_pair(smap, x))
     to_host += xs[rank].nbytes + 5 * 4
     to_device += 6 * 4 + 5 * 4 * n
 
+    if not on_the_double():
+        return
     delta = stats_delta(before)
     common.report("double-copied", delta["bytes_to_host"] == to_host
                   and delta["bytes_to_device"] == to_device and delta["failed"] == 0,
                   to_host=to_host, to_device=to_device, **delta)
 
 
-def train_sharded(rank: int):
+def train_sharded(rank: int, compression: str = "none"):
     params = make_params("float32")
-    tx = herring_jax.sharded_optimizer(optax.adam(1e-2))
+    tx = herring_jax.sharded_optimizer(optax.adam(1e-2), compression=compression)
     state = tx.init(params)
 
     @jax.jit
@@ -128,6 +150,8 @@ def train_fully_sharded(rank: int):
 
 def sharded(rank: int) -> None:
     for name, train in (("sharded_optimizer", train_sharded),
+                        # Error feedback: each reduce-scatter also returns its losses.
+                        ("sharded_optimizer-int8", lambda r: train_sharded(r, "int8")),
                         ("fully_sharded", train_fully_sharded)):
         runs = {}
         for double in (True, False):
@@ -138,17 +162,38 @@ def sharded(rank: int) -> None:
             got, text = train(rank)
             runs[double] = (got, text, stats_delta(before))
         (got, text, through), (want, plain, around) = runs[True], runs[False]
+        # One copy back per copy in, and with error feedback each
+        # reduce-scatter's losses too.
+        losses = STEPS * text.count("collective = 1 :") if name.endswith("int8") else 0
         ok = (common.bitwise_equal(got, want)
               and "herring_double_allreduce_start" in text and "@herring_allreduce(" not in text
               and "herring_double_allreduce_start" not in plain and "@herring_allreduce(" in plain
               and through["copies_to_host"] > 0
-              and through["copies_to_host"] == through["copies_to_device"]
+              and through["copies_to_device"] == through["copies_to_host"] + losses
               and through["failed"] == 0
               and around["copies_to_host"] == around["copies_to_device"] == 0)
         common.report(name, ok, digest=common.digest(got),
-                      max_diff=float(np.max(np.abs(got - want))), through=through,
-                      around=around)
+                      max_diff=float(np.max(np.abs(got - want))), losses=losses,
+                      through=through, around=around)
     os.environ["HERRING_TEST_DEVICE_DOUBLE"] = "1"
+
+
+def flax(rank: int) -> None:
+    from fully_sharded_worker import flax_models, train_fully_sharded as train_fs
+    from sharded_worker import train
+
+    params, loss = flax_models()["linen"]
+    ref, _ = train(optax.chain(herring_jax.allreduce_gradients(), optax.adam(1e-2)), params,
+                   rank, loss_fn=loss)
+    runs = {"sharded_optimizer": train(herring_jax.sharded_optimizer(optax.adam(1e-2)),
+                                       params, rank, loss_fn=loss)[0],
+            "fully_sharded": train_fs(herring_jax.fully_sharded(optax.adam(1e-2)), params, rank,
+                                      False, loss_fn=loss)[0]}
+    want = flat(ref)
+    for name, got in runs.items():
+        got = flat(got)
+        common.report(f"flax/{name}", common.bitwise_equal(got, want),
+                      digest=common.digest(got), max_diff=float(np.max(np.abs(got - want))))
 
 
 def main() -> int:
@@ -164,6 +209,8 @@ def main() -> int:
         collectives(rank, n)
     elif mode == "sharded":
         sharded(rank)
+    elif mode == "flax":
+        flax(rank)
     elif mode == "gather-fault":
         bad = 1
         gather = jax.jit(lambda v: herring_jax.allgather(v) + 1)
