@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Compiles herring_jax's XLA:CUDA handlers (xla_ffi/cuda_handlers.cc, the
 # device layer's CUDA implementation device_cuda.cc, and the logic they share
-# with the CPU double, device_handlers.cc and device_pending.cc) against
+# with the CPU double, device_handlers.cc and device_pending.cc, with
+# scatter_gather.cc, where the reduce-scatter's and all-gather's blocks and
+# the group's size that sizes their staging are, shared with XLA:CPU) against
 # CUDA 12's runtime headers, with every warning an
 # error, without a GPU or a CUDA toolkit. (The package build compiles them
 # against the machine's toolkit when it has one, CUDA 13 on this project's CI
@@ -39,7 +41,7 @@ done
 xla_inc=$(python3 -P -c 'import jax.ffi; print(jax.ffi.include_dir())')
 cxx=${CXX:-g++}
 for src in xla_ffi/cuda_handlers.cc xla_ffi/device_cuda.cc xla_ffi/device_handlers.cc \
-           xla_ffi/device_pending.cc; do
+           xla_ffi/device_pending.cc xla_ffi/scatter_gather.cc; do
   echo "== $cxx -fsyntax-only $src"
   "$cxx" -std=c++17 -fsyntax-only -Wall -Wextra -Werror -DHERRING_WITH_CUDA \
     -Ixla_ffi -isystem "$xla_inc" -isystem "$runtime_inc" -isystem "$crt_inc" "$src"

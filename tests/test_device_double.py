@@ -26,7 +26,7 @@ def test_cuda_handler_code_on_the_double_reduces_bitwise_like_numpy(nproc, ident
     digests = assert_all_ok(run, expected_cases=27)
     assert all(len(d) == 1 for d in digests.values()), digests
     for results in run.results.values():
-        assert all(r.get("double", True) for r in results), results
+        assert all(r.get("double", True) and r.get("paired", True) for r in results), results
         [copied] = [r for r in results if r["case"] == "double-copied"]
         assert copied["copies_to_host"] == copied["copies_to_device"] == 30, copied
 
@@ -103,3 +103,51 @@ def test_the_double_fault_hook_refuses_what_it_cannot_do():
             knobs.KNOBS["HERRING_TEST_DEVICE_FAULT"].parse(bad)
     _herring_ffi.set_device_double_faults("delay:host:2:10,fail:device:1,kill:host:9")
     _herring_ffi.set_device_double_faults("")
+
+
+def _halves(mode, nproc, faults=(), env=None):
+    return launch("device_halves_worker.py", [mode, *faults], nproc=nproc,
+                  env={**DOUBLE, **(env or {})}, timeout=240)
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_reduce_scatter_and_all_gather_on_the_double_match_numpy_bitwise(nproc):
+    # 6 dtypes x 3 sizes (1, 1001, 4099: uneven parts), reduce_scatter (+ mean)
+    # and allgather, and the lax drop-ins in shard_map: each lowered to the
+    # double's start and done, every operand copied to the host and every
+    # result, at its own size, back (an all-gather's N times its operand).
+    run = _halves("collectives", nproc)
+    digests = assert_all_ok(run, expected_cases=3 * 13 + 2)
+    assert all(len(d) == 1 for c, d in digests.items() if c.startswith("allgather")), digests
+    for results in run.results.values():
+        assert all(r.get("double", True) and r.get("paired", True) for r in results), results
+        [copied] = [r for r in results if r["case"] == "double-copied"]
+        assert copied["copies_to_host"] == copied["copies_to_device"] == 3 * 13 + 2, copied
+
+
+def test_sharded_optimizer_and_fully_sharded_on_the_double_equal_the_runs_without_it():
+    # adam on a small model, 2 steps, once through the double and once
+    # without it: bitwise equal parameters; every byte of the first through
+    # the double, none of the second. sharded_optimizer also with the int8
+    # codec, whose error feedback returns each reduce-scatter's losses.
+    run = _halves("sharded", 2)
+    digests = assert_all_ok(run, expected_cases=3)
+    assert all(len(d) == 1 for d in digests.values()), digests
+    for results in run.results.values():
+        for r in results:
+            assert r["through"]["copies_to_host"] > 0 and r["around"]["copies_to_host"] == 0, r
+
+
+@pytest.mark.parametrize("way", ["host", "device"])
+def test_a_failed_copy_of_a_gather_fails_every_rank_with_a_clear_error(way):
+    # Rank 1's second gather fails its copy to the host (its operand) or back
+    # to the device (the gathered result, N times the operand): rank 1 raises
+    # the double's error uncaught, and rank 0 fails at once naming rank 1.
+    run = _halves("gather-fault", 2, [f"1:fail:{way}:2"], env={"HERRING_TIMEOUT_S": "60"})
+    assert run.returncode != 0, run.explain()
+    [own] = run.results[1]
+    assert own["ok"] and own["step"] == 1, (own, run.explain())
+    assert f"copy 2 to the {way} failed (the CPU double's fault hook" in own["message"], own
+    [other] = run.results[0]
+    assert other["ok"] and other["step"] in (1, 2) and other["seconds"] < 30, (other,
+                                                                                run.explain())

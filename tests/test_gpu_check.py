@@ -21,7 +21,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = ["preflight", "extension", "one-process", "reduce-memory", "reduce-transport",
          "mean-in-place", "identity", "identity-extra-launch", "flax-step", "overlap",
-         "failures"]
+         "halves", "sharded-flax", "halves-timing", "failures"]
+# Not yet run on a GPU: the summary says so.
+NEW_STEPS = {"halves", "sharded-flax", "halves-timing"}
 
 
 @pytest.mark.timeout(600)
@@ -43,6 +45,9 @@ def test_dry_run_passes_every_step_on_cpu(tmp_path):
     assert "CPU dry run" in lines["preflight"][1], summary
     assert "CPU dry run" in lines["overlap"][1], summary
     assert "installed" in lines["extension"][1], summary
+    assert {s for s, (_, text) in lines.items() if text.startswith("[new] ")} == NEW_STEPS, summary
+    # The dry run takes the halves through the CPU double's start/done.
+    assert "the CPU double" in lines["halves"][1], summary
     # The expected first-run problems are printed for whoever runs it.
     assert "Expected first-run problems" in proc.stdout
     assert (tmp_path / "out" / "logs.tar.gz").exists()

@@ -1,4 +1,5 @@
-// The allreduce handlers for XLA's CUDA platform: a start and a done, so that
+// The collective handlers for XLA's CUDA platform (all-reduce, reduce-scatter
+// and all-gather, the call's collective attribute): a start and a done, so that
 // the bytes move while the GPU computes. Built only when CMake finds a CUDA
 // toolkit (HERRING_WITH_CUDA); compile-checked in CI, run on one H200 by the
 // GPU check (docs/guides/gpus.md). Their logic is device_handlers.cc, written
@@ -117,7 +118,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::RunId>()                         // this execution (pairs with the start)
         .Ctx<ffi::DeviceOrdinal>()                 // the calling device (pairs too)
         .RemainingArgs()   // its start's token, then the other buckets' (order only)
-        .RemainingRets()   // reduced device buffers, the start's operands' types
+        .RemainingRets()   // device results, the start's operands' types (a
+                           // reduce-scatter's 1/G of their size, an all-gather's G times)
         .Attr<int64_t>("comm")   // communicator handle, for the rank in messages
         .Attr<int64_t>("key"));  // the start's description hash, checked
 

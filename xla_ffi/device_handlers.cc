@@ -4,6 +4,7 @@
 // double_handlers.cc binds it to XLA:CPU with the CPU double as its device.
 #include "device_handlers.h"
 
+#include <algorithm>
 #include <exception>
 #include <memory>
 #include <string>
@@ -96,9 +97,16 @@ ffi::Error StartOnDevice(Device& on, Device::Stream stream, int64_t run_id, int3
     // Here, on the thread that launches the program: launches come in order.
     error = IdentityRun(run_id, device, *instruction, where, &task->run_id);
     if (error.failure()) return error;
+    // The results' sizes: the start returns only a token, and the reduction
+    // (on herring's thread, before the done is called) needs its results'
+    // staging now.
+    size_t blocks = 1;
     if (attrs.collective != kCollectiveAllReduce) {
-      return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                        where + "reduce-scatter and all-gather run on XLA:CPU only so far");
+      CallPlace place;
+      error = LocateCall(attrs.View(), device, task->call, &place);
+      if (error.failure()) return error;
+      blocks = GroupBlocks(attrs.View(), place);
+      if (blocks == 0) return ffi::Error::InvalidArgument(where + "the group has no devices");
     }
     if (rets.size() != 1) {
       return ffi::Error::InvalidArgument(where + "the start returns one token buffer");
@@ -123,15 +131,35 @@ ffi::Error StartOnDevice(Device& on, Device::Stream stream, int64_t run_id, int3
       if (feedback && in->element_type() != ffi::DataType::F32) {
         return ffi::Error::InvalidArgument(where + "error feedback takes float32 operands only");
       }
+      // A reduce-scatter's operand holds G blocks (lowering.py gives it the
+      // shape (G, ...)); an all-gather's result does.
+      size_t out_elements = in->element_count();
+      if (attrs.collective == kCollectiveReduceScatter) {
+        if (out_elements % blocks != 0) {
+          return ffi::Error::InvalidArgument(
+              where + "a reduce-scatter's operand " + std::to_string(k) + " has " +
+              std::to_string(out_elements) + " elements, not a multiple of the group's " +
+              std::to_string(blocks) + " devices; this is a herring_jax bug: please report it");
+        }
+        out_elements /= blocks;
+      } else if (attrs.collective == kCollectiveAllGather) {
+        out_elements *= blocks;
+      }
+      const size_t per = std::max<size_t>(1, in->element_count());  // the lowering's are > 0
+      const size_t out_bytes = bytes / per * out_elements;
       pending->types.push_back(in->element_type());
       pending->elements.push_back(in->element_count());
       pending->bytes.push_back(bytes);
+      pending->out_elements.push_back(out_elements);
+      pending->out_bytes.push_back(out_bytes);
+      task->call.out_counts.push_back(task->call.counts[k] / per * out_elements);
       pending->staging.emplace_back(&on, bytes);
-      pending->staging.emplace_back(&on, bytes);
+      pending->staging.emplace_back(&on, out_bytes);  // an all-gather's: larger
       if (feedback) pending->lost.emplace_back(&on, bytes);
       if (!pending->staging[2 * k].ok() || !pending->staging[2 * k + 1].ok() ||
           (feedback && !pending->lost[k].ok())) {
-        return ffi::Error::Internal(where + "staging memory of " + std::to_string(bytes) +
+        return ffi::Error::Internal(where + "staging memory of " +
+                                    std::to_string(bytes + out_bytes) +
                                     " bytes could not be had (" + on.StagingError() +
                                     "): lower the fusion buffer size or free host memory");
       }
@@ -213,13 +241,20 @@ ffi::Error DoneOnDevice(Device& on, Device::Stream stream, int64_t run_id, int32
       return ffi::Error::Internal(where + "this done does not match the reduction its token "
                                   "started; this is a herring_jax bug: please report it");
     }
+    // What the done copies into result k: the reduced buffers (their own
+    // sizes), then the losses (error feedback: float32 of their operands' sizes).
+    auto result_elements = [&](size_t k) {
+      return k < num ? pending->out_elements[k] : pending->elements[k - num];
+    };
+    auto result_bytes = [&](size_t k) {
+      return k < num ? pending->out_bytes[k] : pending->bytes[k - num];
+    };
     std::vector<void*> results;
     for (size_t k = 0; k < rets.size(); ++k) {
       auto out = rets.get<ffi::AnyBuffer>(k);
       if (out.has_error()) return out.error();
-      // The losses (error feedback) are float32 of their operands' sizes.
       if ((*out)->element_type() != pending->types[k % num] ||
-          (*out)->element_count() != pending->elements[k % num]) {
+          (*out)->element_count() != result_elements(k)) {
         return ffi::Error::Internal(where + "result " + std::to_string(k) +
                                     " does not match its start's operand; this is a "
                                     "herring_jax bug: please report it");
@@ -245,10 +280,10 @@ ffi::Error DoneOnDevice(Device& on, Device::Stream stream, int64_t run_id, int32
       return e;
     };
     for (size_t k = 0; k < results.size(); ++k) {
-      if (pending->bytes[k % num] == 0) continue;
+      if (result_bytes(k) == 0) continue;
       const void* from = k < num ? pending->staging[2 * k + 1].data()
                                  : pending->lost[k - num].data();
-      DeviceStatus status = on.CopyToDevice(results[k], from, pending->bytes[k % num], stream);
+      DeviceStatus status = on.CopyToDevice(results[k], from, result_bytes(k), stream);
       if (!status.ok()) {
         return release_after_stream(DeviceError(where, "the copy to the device", status));
       }

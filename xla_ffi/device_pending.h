@@ -44,8 +44,14 @@ class PendingReduction {
   std::vector<ffi::DataType> types;   // each operand's element type
   std::vector<size_t> elements;       // and element count
   std::vector<size_t> bytes;          // and size
-  // Staging, two per operand (2k: the copy of operand k, 2k + 1: its sum).
-  // Held until the last copy that reads or writes them is known finished.
+  // Each result's element count and size: its operand's for an all-reduce,
+  // 1/G of it for a reduce-scatter, G times it for an all-gather (G the
+  // group's devices, handler_common.h's GroupBlocks).
+  std::vector<size_t> out_elements;
+  std::vector<size_t> out_bytes;
+  // Staging, two per operand (2k: the copy of operand k, 2k + 1: its result,
+  // out_bytes[k]). Held until the last copy that reads or writes them is
+  // known finished.
   std::vector<StagingBuffer> staging;
   // Error feedback (handler_common.h's OpFeedback): one per operand, the
   // loss of its encoding, which the done copies into its results after the

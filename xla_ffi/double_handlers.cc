@@ -108,7 +108,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::DeviceOrdinal>()  // the calling device (pairs too)
         .RemainingArgs()   // its start's token, the other starts' tokens, then its
                            // start's operands (kept alive, never read)
-        .RemainingRets()   // reduced buffers, the start's operands' types
+        .RemainingRets()   // results, the start's operands' types (a reduce-scatter's
+                           // 1/G of their size, an all-gather's G times)
         .Attr<int64_t>("comm")
         .Attr<int64_t>("key"));
 

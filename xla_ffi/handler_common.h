@@ -281,6 +281,12 @@ ffi::Error DecodeOperands(ffi::RemainingArgs args, const CallAttrs& attrs, Decod
 ffi::Error ReduceCall(int64_t run_id, int32_t device, const InstructionState& instruction,
                       const CallAttrs& attrs, DecodedCall& call);
 
+// G, the blocks of a reduce-scatter's operand (an all-gather's result) in
+// `place`'s group: one per device of the group (scatter_gather.cc). A start
+// that returns a token (XLA:CUDA's) sizes the results' staging by it: a
+// reduce-scatter's result is its operand / G, an all-gather's its operand x G.
+size_t GroupBlocks(const CallAttrs& attrs, const CallPlace& place);
+
 // A reduce-scatter or all-gather of the local devices' arrivals (`all`, in
 // local position order) across the processes of `place`'s group
 // (scatter_gather.cc); the ReduceAll of those collectives.

@@ -114,6 +114,16 @@ engine::Status MakeLayout(const CallAttrs& attrs, const CallPlace& place, int me
 
 }  // namespace
 
+size_t GroupBlocks(const CallAttrs& attrs, const CallPlace& place) {
+  size_t count = 0;
+  for (size_t j = 0; j < attrs.device_procs.size() && j < attrs.device_groups.size(); ++j) {
+    if (attrs.device_groups[j] != place.group) continue;
+    // kEveryProcess: one device on each process of the group (MakeLayout).
+    count += attrs.device_procs[j] == kEveryProcess ? place.ranks.size() : 1;
+  }
+  return count;
+}
+
 engine::Status ScatterGatherAll(engine::Communicator& comm, const CallAttrs& attrs,
                                 const CallPlace& place, int64_t run_id, uint32_t instance,
                                 const DecodedCall& call,

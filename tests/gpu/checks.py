@@ -473,6 +473,9 @@ STEPS = {
 
 
 def main() -> int:
+    # The halves' steps (their own module, which imports this one's helpers).
+    import halves_checks
+    STEPS.update(halves_checks.STEPS)
     if len(sys.argv) != 2 or sys.argv[1] not in STEPS:
         print(f"usage: {sys.argv[0]} STEP, one of: {' '.join(STEPS)}", file=sys.stderr)
         return 2

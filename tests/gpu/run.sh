@@ -31,11 +31,16 @@ GPU_PAYLOAD=${GPU_CHECK_PAYLOAD:-$GPU_PAYLOAD}
 GPU_DEBIAN=$GPU_PAYLOAD/debian GPU_EXT=$GPU_PAYLOAD/ext
 
 ALL_STEPS=(preflight extension one-process reduce-memory reduce-transport mean-in-place
-           identity identity-extra-launch flax-step overlap failures)
+           identity identity-extra-launch flax-step overlap halves sharded-flax halves-timing
+           failures)
 # Each step's own limit in seconds (its usual time on the GPU is well below).
 declare -A LIMIT=([preflight]=90 [extension]=360 [one-process]=120 [reduce-memory]=180
                   [reduce-transport]=200 [mean-in-place]=150 [identity]=150
-                  [identity-extra-launch]=90 [flax-step]=200 [overlap]=30 [failures]=200)
+                  [identity-extra-launch]=90 [flax-step]=200 [overlap]=30 [halves]=200
+                  [sharded-flax]=200 [halves-timing]=150 [failures]=200)
+# Steps that have not yet run on a GPU (tests/gpu/halves_checks.py): their
+# summary lines say "[new]", so that a reader knows what this run verified first.
+NEW_STEPS=" halves sharded-flax halves-timing "
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 for s in "$@"; do
   [ -n "${LIMIT[$s]:-}" ] || { echo "run.sh: unknown step $s; steps: ${ALL_STEPS[*]}" >&2; exit 2; }
@@ -103,6 +108,14 @@ cat <<EOF
   4. Exit-time crashes with herring threads inside CUDA calls: the workers report
      their results before shutdown, so such a step is a WARN (results right, exit
      code apart), not a FAIL.
+  5. The [new] steps have never run on a GPU. If "halves" fails while the all-reduce
+     steps pass, suspect the results' staging: a reduce-scatter's result is 1/G of its
+     operand, an all-gather's G times it (device_handlers.cc sizes it from the group).
+     "halves-timing"'s lax peer may fail at once: NCCL refuses two ranks on one GPU;
+     herring's times are still reported, with NCCL's error.
+  6. "sharded-flax" compares programs compiled apart: XLA:CUDA may choose other
+     kernels for the gradient in each (as in flax-step's first run). A FAIL there with
+     tiny differences while "halves" passes is that, not the reduction.
 EOF
 
 # -- the carried libraries -----------------------------------------------------
@@ -137,8 +150,9 @@ declare -a SUMMARY=()
 failed=0
 stop_reason=
 record() {  # step status seconds text
-  local line
-  line=$(printf '%-5s %-22s %6ss  %s' "$2" "$1" "$3" "$4")
+  local line text=$4
+  [[ $NEW_STEPS == *" $1 "* ]] && text="[new] $text"
+  line=$(printf '%-5s %-22s %6ss  %s' "$2" "$1" "$3" "$text")
   SUMMARY+=("$line")
   last_text=$4
   echo "$line"

@@ -13,6 +13,9 @@ lowering is unchanged.
     without the split (reductions bound one by one) there are the same calls
     with neither the aliases nor the join.
   direct: herring_jax.allreduce in jit lowers to a start followed by its done.
+  halves: reduce_scatter, allgather and sharded_optimizer's step lower to the
+    same starts and dones (collective attribute 1 and 2), every done paired
+    with one start and carrying its start's key.
   pairs: in every CUDA program above and in a loop, an inlined helper called
     twice and a value_and_grad through the step, every done's first operand is
     a start's token and every start's token is the first operand of exactly one
@@ -29,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 
 import common  # noqa: E402
 import herring_jax  # noqa: E402
@@ -68,6 +72,23 @@ def pairing_problems(calls) -> list[str]:
     for s in starts:
         if firsts.count(s) != 1:
             problems.append(f"start {s} is the own token of {firsts.count(s)} dones")
+    return problems
+
+
+def key_problems(text: str) -> list[str]:
+    """Dones whose key attribute is not their own start's."""
+    keys, problems = {}, []
+    for line in text.splitlines():
+        m = _CALL.search(line)
+        key = re.search(r"\bkey = (-?\d+)", line)
+        if not m or m.group(2) not in (START, DONE) or not key:
+            continue
+        if m.group(2) == START:
+            keys[m.group(1).split(":")[0]] = key.group(1)
+            continue
+        own = m.group(3).split(",")[0].strip()
+        if keys.get(own) != key.group(1):
+            problems.append(f"done key {key.group(1)}, its start's {keys.get(own)}")
     return problems
 
 
@@ -144,6 +165,31 @@ def main() -> int:
                   [t for _, t, _ in direct_calls] == [START, DONE]
                   and direct_calls[1][2] == [direct_calls[0][0]],
                   calls=[t for _, t, _ in direct_calls])
+
+    # The two halves lower to the same pair, the collective attribute saying
+    # which; each done's key is its own start's (its handler checks that),
+    # though its results are of another size than the start's operands.
+    sharded_tx = herring_jax.sharded_optimizer(optax.sgd(0.1))
+
+    def sharded_step(p, s, v):
+        return sharded_tx.update(jax.grad(loss)(p, v), s, p)[0]
+
+    halves = {
+        "reduce_scatter": jax.jit(herring_jax.reduce_scatter).trace(jnp.ones(5)),
+        "allgather": jax.jit(herring_jax.allgather).trace(jnp.ones(5)),
+        "sharded_optimizer": jax.jit(sharded_step).trace(params, sharded_tx.init(params), x),
+    }
+    seen = {}
+    for name, traced in halves.items():
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        calls = custom_calls(text)
+        seen[name] = (sorted(set(re.findall(r"collective = (\d+)", text))),
+                      pairing_problems(calls) + key_problems(text), len(calls))
+    common.report("halves",
+                  seen["reduce_scatter"][0] == ["1"] and seen["allgather"][0] == ["2"]
+                  and seen["sharded_optimizer"][0] == ["1", "2"]
+                  and not any(problems for _, problems, _ in seen.values())
+                  and all(count >= 2 for _, _, count in seen.values()), seen=seen)
 
     @jax.jit
     def helper(v):

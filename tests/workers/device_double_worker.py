@@ -137,10 +137,10 @@ def delayed(rank: int, n: int) -> None:
     common.report("delay-fired", stats["delayed"] == (1 if fault else 0) and waited, **stats)
 
 
-def failing(rank: int, n: int, case: str, expect: str):
-    """Reduces until HerringError; reports whether its message has `expect`
-    and returns the error."""
-    fn = jax.jit(lambda v: herring_jax.allreduce(v))
+def failing(rank: int, n: int, case: str, expect: str, fn=None):
+    """Reduces (`fn`, by default a jitted allreduce) until HerringError;
+    reports whether its message has `expect` and returns the error."""
+    fn = fn or jax.jit(lambda v: herring_jax.allreduce(v))
     for step in range(10):
         start = time.monotonic()
         try:

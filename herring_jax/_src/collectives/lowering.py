@@ -16,7 +16,10 @@ tokens it must wait for, and returns the reduced buffers. A reduction lowered
 on its own emits its start and, right after it, its done; allreduce_gradients
 emits every bucket's start first and makes every done take every start's
 token (see allreduce.split_reductions), so that no done can be scheduled
-before the last bucket's start.
+before the last bucket's start. Reduce-scatters and all-gathers take the
+same pair, their collective attribute saying which: the done returns results
+of another size than the start's operands (1/G or G times them), which the
+start's handler sizes its staging by.
 
 Tests: under HERRING_TEST_DEVICE_DOUBLE=1 the XLA:CPU lowering is XLA:CUDA's,
 to ``herring_double_allreduce_start`` / ``_done``: the same handler code
@@ -199,14 +202,16 @@ def start_cuda(ctx, operands, avals_in, platform="cuda", **params):
     return token
 
 
-def done_cuda(ctx, tokens, avals_out, *, op, codec, reduced=None, platform="cuda",
-              operands=(), avals_in=()):
+def done_cuda(ctx, tokens, avals_out, *, op, codec, described, collective="allreduce",
+              platform="cuda", operands=(), avals_in=()):
     """XLA:CUDA: the done of the reduction whose start returned tokens[0], after
-    every start that returned the other tokens. `reduced`: the results the
-    start's key describes (with error feedback, avals_out has the losses too).
-    On the CPU double (platform "cpu"), the start's operands follow the tokens."""
-    described = avals_out if reduced is None else reduced
-    attrs = dict(comm=np.int64(runtime.state().handle), key=np.int64(key(op, described, codec)))
+    every start that returned the other tokens. `described`: the start's
+    operands, which its key describes (avals_out are the results: another size
+    for a reduce-scatter or all-gather, and with error feedback the losses
+    follow). On the CPU double (platform "cpu"), the start's operands follow
+    the tokens."""
+    attrs = dict(comm=np.int64(runtime.state().handle),
+                 key=np.int64(key(op, described, codec, collective)))
     if platform != "cpu":
         return _call("herring_allreduce_done", ctx, tokens, [TOKEN] * len(tokens), avals_out,
                      attrs)
@@ -221,18 +226,11 @@ def token_constant():
 
 # -- the primitives' lowering rules (registered by allreduce.py) --------------
 
-_NOT_ON_CUDA = (
-    "herring_jax's {collective} (psum_scatter, all_gather, reduce_scatter, allgather) runs "
-    "on XLA:CPU only for now: its XLA:CUDA handlers do not implement it yet. On GPUs use "
-    "jax.lax.psum_scatter / jax.lax.all_gather (NCCL), or place this computation on CPU "
-    "devices")
 
-
-def _on_the_wire(platform, collective) -> str:
-    wire = _ON_THE_WIRE.get(collective, collective)
-    if (platform != "cpu" or _double(platform)) and wire != "allreduce":
-        raise NotImplementedError(_NOT_ON_CUDA.format(collective=wire.replace("_", "-")))
-    return wire
+def _on_the_wire(collective) -> str:
+    """The collective attribute's name: XLA:CUDA's start and done run all
+    three as XLA:CPU's call does (xla_ffi/device_handlers.cc)."""
+    return _ON_THE_WIRE.get(collective, collective)
 
 
 def _lower_transposed(ctx, *args, op):
@@ -252,7 +250,7 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
     avals_in, avals_out = ctx.avals_in[tokens:], ctx.avals_out
     if transpose:
         return _lower_transposed(ctx.replace(avals_in=avals_in), *args, op=op)
-    wire = _on_the_wire(platform, collective)
+    wire = _on_the_wire(collective)
     num = len(avals_in)
     kept = nonempty(avals_in)
     # With error feedback the losses follow the results, one per operand.
@@ -274,13 +272,10 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
         # result has another size).
         results = reduce_cpu(ctx, operands, kept_in, kept_out,
                              in_place=bool(own_tokens) and wire == "allreduce", **params)
-    elif own_tokens:
-        results = done_cuda(ctx, own_tokens, kept_out, op=op, codec=codec,
-                            reduced=kept_out[:len(kept)], **double)
     else:
-        token = start_cuda(ctx, operands, kept_in, platform=platform, **params)
-        results = done_cuda(ctx, [token], kept_out, op=op, codec=codec,
-                            reduced=kept_out[:len(kept)], **double)
+        tokens = own_tokens or [start_cuda(ctx, operands, kept_in, platform=platform, **params)]
+        results = done_cuda(ctx, tokens, kept_out, op=op, codec=codec, described=kept_in,
+                            collective=wire, **double)
     for i, r in zip(kept_all, results):
         outs[i] = r
     return outs
@@ -291,7 +286,7 @@ def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, 
     """herring_allreduce_start on `platform`: its token."""
     op = reduction
     del transpose
-    wire = _on_the_wire(platform, collective)
+    wire = _on_the_wire(collective)
     kept = nonempty(ctx.avals_in)
     if (platform == "cpu" and not _double(platform)) or not kept:
         return [token_constant()]

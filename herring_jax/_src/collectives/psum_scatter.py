@@ -30,8 +30,9 @@ all_gather_reduced; composite.py), so remat policies treat them as lax's.
 Not supported (each raises, saying what to do instead): axis_index_groups
 with to='invarying' or 'reduced', or with an unreduced operand (as in lax),
 both over an axis bound by jax.vmap together with mesh axes (as in lax),
-axis_index_groups over a vmapped axis (as in lax), and XLA:CUDA (use lax
-there for now).
+and axis_index_groups over a vmapped axis (as in lax). On XLA:CUDA they lower
+to the start/done pair of the all-reduce (lowering.py), not yet verified on a
+GPU (docs/guides/gpus.md).
 """
 
 from __future__ import annotations
