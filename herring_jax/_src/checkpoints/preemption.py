@@ -65,7 +65,7 @@ _installed: _Preemption | None = None
 def _rank() -> int:
     # Never imports the runtime (and jax) from a signal handler: that takes seconds.
     runtime = sys.modules.get("herring_jax._src.process.runtime")
-    current = getattr(runtime, "_state", None)
+    current = runtime.current() if runtime is not None else None
     return current.rank if current is not None else int(os.environ.get("HERRING_PROCESS_ID", 0))
 
 
@@ -133,13 +133,14 @@ def preemption_requested() -> bool:
     from herring_jax._src.process import runtime
     from herring_jax._src.collectives.allreduce import allreduce
 
-    if runtime._state is None:
+    current = runtime.current()
+    if current is None:
         raise RuntimeError("preemption_requested() agrees with the other processes: call "
                            "herring_jax.initialize() first")
     if _installed is None:
         catch_preemption()
     flag = np.int32(_installed.signalled_at is not None)
-    if runtime._state.size > 1:
+    if current.size > 1:
         flag = allreduce(flag, "max")
     if int(flag):
         if not _installed.agreed:
