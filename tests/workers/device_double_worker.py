@@ -155,15 +155,20 @@ def failing(rank: int, n: int, case: str, expect: str, fn=None):
     return None
 
 
-def main() -> int:
-    mode = sys.argv[1]
-    for arg in sys.argv[2:]:
+def start(argv: list[str]) -> tuple[str, int, int]:
+    """The mode (argv[1]), after each RANK:FAULT argument set this rank's fault
+    hook, and herring_jax initialized: (mode, rank, processes)."""
+    for arg in argv[2:]:
         who, _, fault = arg.partition(":")
         if int(who) == int(os.environ["HERRING_PROCESS_ID"]):
             os.environ["HERRING_TEST_DEVICE_FAULT"] = fault
     jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
     herring_jax.initialize()
-    rank, n = jax.process_index(), jax.process_count()
+    return argv[1], jax.process_index(), jax.process_count()
+
+
+def main() -> int:
+    mode, rank, n = start(sys.argv)
     if mode == "allreduce":
         allreduce(rank, n)
     elif mode == "delayed":

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import common  # noqa: E402
 import herring_jax  # noqa: E402
 from herring_jax import _herring_ffi  # noqa: E402
-from device_double_worker import DTYPES, check, failing, inputs  # noqa: E402
+from device_double_worker import DTYPES, check, failing, inputs, start  # noqa: E402
 from process_collectives_worker import part  # noqa: E402
 from sharded_worker import batch, flat, loss_fn, make_params  # noqa: E402
 
@@ -197,14 +197,7 @@ def flax(rank: int) -> None:
 
 
 def main() -> int:
-    mode = sys.argv[1]
-    for arg in sys.argv[2:]:
-        who, _, fault = arg.partition(":")
-        if int(who) == int(os.environ["HERRING_PROCESS_ID"]):
-            os.environ["HERRING_TEST_DEVICE_FAULT"] = fault
-    jax.config.update("jax_enable_x64", True)  # float64 and int64 cases
-    herring_jax.initialize()
-    rank, n = jax.process_index(), jax.process_count()
+    mode, rank, n = start(sys.argv)
     if mode == "collectives":
         collectives(rank, n)
     elif mode == "sharded":
