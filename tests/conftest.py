@@ -181,6 +181,11 @@ def pytest_collection_modifyitems(config, items):
                    {n.split("[")[0] for n in collected} and c not in collected)
     if stale:
         raise pytest.UsageError(f"tests/conftest.py EXTENDED_CASES names no test: {stale}")
+    # LONGEST names a test function or one case of it.
+    names = collected | {f"{item.path.name}::{item.originalname}" for item in items}
+    stale = sorted(c for c in LONGEST if c.split("::")[0] in files and c not in names)
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py LONGEST names no test: {stale}")
     _mark(config, items)
 
 
@@ -208,8 +213,9 @@ def _mark(config, items):
 # out in collection order, so one of these collected last kept a worker busy
 # while the other had nothing left: about 25 s of idle tail on average, 50 s
 # one run in ten (a simulation of --dist loadgroup over those durations,
-# each varied by 30%); started first, under 5 s. (A renamed test only loses
-# its place here. Their cases in the core tier start first there too.)
+# each varied by 30%); started first, under 5 s. (A name here that names no
+# test stops the run, as a stale EXTENDED_CASES entry does. Their cases in the
+# core tier start first there too.)
 LONGEST = {
     # (Apart: two of the CPU hog's tests side by side would load the machine
     # twice as much as each was written for.)
