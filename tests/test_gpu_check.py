@@ -21,9 +21,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS = ["preflight", "extension", "one-process", "reduce-memory", "reduce-transport",
          "mean-in-place", "identity", "identity-extra-launch", "flax-step", "overlap",
-         "halves", "sharded-flax", "halves-timing", "failures"]
+         "halves", "sharded-flax", "halves-timing", "restart", "failures"]
 # Not yet run on a GPU: the summary says so.
-NEW_STEPS = {"halves", "sharded-flax", "halves-timing"}
+NEW_STEPS = {"halves", "sharded-flax", "halves-timing", "restart"}
 
 
 @pytest.mark.timeout(600)

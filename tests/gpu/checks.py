@@ -473,9 +473,12 @@ STEPS = {
 
 
 def main() -> int:
-    # The halves' steps (their own module, which imports this one's helpers).
+    # The halves' and the restart's steps (modules of their own, which import
+    # this one's helpers).
     import halves_checks
+    import restart_checks
     STEPS.update(halves_checks.STEPS)
+    STEPS.update(restart_checks.STEPS)
     if len(sys.argv) != 2 or sys.argv[1] not in STEPS:
         print(f"usage: {sys.argv[0]} STEP, one of: {' '.join(STEPS)}", file=sys.stderr)
         return 2

@@ -32,15 +32,16 @@ GPU_DEBIAN=$GPU_PAYLOAD/debian GPU_EXT=$GPU_PAYLOAD/ext
 
 ALL_STEPS=(preflight extension one-process reduce-memory reduce-transport mean-in-place
            identity identity-extra-launch flax-step overlap halves sharded-flax halves-timing
-           failures)
+           restart failures)
 # Each step's own limit in seconds (its usual time on the GPU is well below).
 declare -A LIMIT=([preflight]=90 [extension]=360 [one-process]=120 [reduce-memory]=180
                   [reduce-transport]=200 [mean-in-place]=150 [identity]=150
                   [identity-extra-launch]=90 [flax-step]=200 [overlap]=30 [halves]=200
-                  [sharded-flax]=200 [halves-timing]=150 [failures]=200)
-# Steps that have not yet run on a GPU (tests/gpu/halves_checks.py): their
-# summary lines say "[new]", so that a reader knows what this run verified first.
-NEW_STEPS=" halves sharded-flax halves-timing "
+                  [sharded-flax]=200 [halves-timing]=150 [restart]=240 [failures]=200)
+# Steps that have not yet run on a GPU (tests/gpu/halves_checks.py,
+# restart_checks.py): their summary lines say "[new]", so that a reader knows
+# what this run verified first.
+NEW_STEPS=" halves sharded-flax halves-timing restart "
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 for s in "$@"; do
   [ -n "${LIMIT[$s]:-}" ] || { echo "run.sh: unknown step $s; steps: ${ALL_STEPS[*]}" >&2; exit 2; }
@@ -116,6 +117,9 @@ cat <<EOF
   6. "sharded-flax" compares programs compiled apart: XLA:CUDA may choose other
      kernels for the gradient in each (as in flax-step's first run). A FAIL there with
      tiny differences while "halves" passes is that, not the reduction.
+  7. "restart" [new] trains examples/train_lm.py twice on 2 ranks (once killed and
+     restarted): with fully_sharded where orbax is missing, so a FAIL there while
+     "sharded-flax" fails too is the halves, not the restart.
 EOF
 
 # -- the carried libraries -----------------------------------------------------
