@@ -155,6 +155,18 @@ def failing(rank: int, n: int, case: str, expect: str, fn=None):
     return None
 
 
+def fails_on(bad: int, rank: int, n: int, fn=None) -> None:
+    """Rank `bad`'s copy fails (its fault hook): that rank raises the error
+    uncaught, so that its process fails telling every other rank first; the
+    others report the error naming it. (One call site on every rank: jax's
+    lowering records where the jitted function was called, and under the
+    program identity the ranks' programs must be the same.)"""
+    error = failing(rank, n, "own" if rank == bad else "other",
+                    "the CPU double's fault hook" if rank == bad else f"rank {bad} failed", fn=fn)
+    if rank == bad:
+        raise error or SystemExit(1)
+
+
 def start(argv: list[str]) -> tuple[str, int, int]:
     """The mode (argv[1]), after each RANK:FAULT argument set this rank's fault
     hook, and herring_jax initialized: (mode, rank, processes)."""
@@ -176,15 +188,7 @@ def main() -> int:
     elif mode == "killed":
         failing(rank, n, "killed", "rank 2")
     elif mode in ("abort", "fail-back"):
-        bad = 1 if mode == "abort" else 0
-        # One call site on every rank: jax's lowering records where the jitted
-        # function was called, and under the program identity the ranks'
-        # programs must be the same.
-        error = failing(rank, n, "own" if rank == bad else "other",
-                        "the CPU double's fault hook" if rank == bad else f"rank {bad} failed")
-        if rank == bad:
-            # Uncaught: the process fails, telling every other rank first.
-            raise error or SystemExit(1)
+        fails_on(1 if mode == "abort" else 0, rank, n)
     elif mode == "timeout":
         failing(rank, n, "timeout", "has not reached its copy to the host" if rank == 0
                 else "rank 0")

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import common  # noqa: E402
 import herring_jax  # noqa: E402
 from herring_jax import _herring_ffi  # noqa: E402
-from device_double_worker import DTYPES, check, failing, inputs, start  # noqa: E402
+from device_double_worker import DTYPES, check, fails_on, inputs, start  # noqa: E402
 from process_collectives_worker import part  # noqa: E402
 from sharded_worker import batch, flat, loss_fn, make_params  # noqa: E402
 
@@ -205,13 +205,7 @@ def main() -> int:
     elif mode == "flax":
         flax(rank)
     elif mode == "gather-fault":
-        bad = 1
-        gather = jax.jit(lambda v: herring_jax.allgather(v) + 1)
-        error = failing(rank, n, "own" if rank == bad else "other",
-                        "the CPU double's fault hook" if rank == bad else f"rank {bad} failed",
-                        fn=gather)
-        if rank == bad:
-            raise error or SystemExit(1)
+        fails_on(1, rank, n, fn=jax.jit(lambda v: herring_jax.allgather(v) + 1))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     herring_jax.shutdown()
