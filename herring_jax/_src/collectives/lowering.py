@@ -202,7 +202,7 @@ def start_cuda(ctx, operands, avals_in, platform="cuda", **params):
     return token
 
 
-def done_cuda(ctx, tokens, avals_out, *, op, codec, described, collective="allreduce",
+def done_cuda(ctx, tokens, avals_out, *, op, codec, described, collective,
               platform="cuda", operands=(), avals_in=()):
     """XLA:CUDA: the done of the reduction whose start returned tokens[0], after
     every start that returned the other tokens. `described`: the start's
