@@ -112,8 +112,12 @@ def test_a_killed_creator_leaves_nothing_after_the_next_run():
                           timeout=60)
     stale = proc.stdout.strip()
     assert proc.returncode == -signal.SIGKILL and stale in netns.leftovers()
-    with SimulatedNetwork(1):
-        pass  # creating a network removes what dead creators left
+    assert stale in netns.orphans()
+    with SimulatedNetwork(1) as net:
+        # creating a network removes what dead creators left; a live one's is
+        # no orphan
+        assert stale not in netns.leftovers()
+        assert net.switch in netns.leftovers() and net.switch not in netns.orphans()
     assert stale not in netns.leftovers()
 
 

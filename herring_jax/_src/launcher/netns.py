@@ -173,12 +173,18 @@ class SimulatedNetwork:
                    for name in existing):
                 continue
             path = os.path.join(_LOCK_DIR, str(k))
+            # The lock appears with its pid already in it (written aside, then
+            # linked): an empty lock would read as a dead creator's to another
+            # run's _remove_stale().
+            draft = os.path.join(_LOCK_DIR, f"draft.{os.getpid()}")
+            with open(draft, "w") as f:
+                f.write(str(os.getpid()))
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                os.link(draft, path)
             except FileExistsError:
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
+            finally:
+                os.unlink(draft)
             self.index, self._lock_path = k, path
             return
         raise NetnsError(f"all {SUBNETS} subnets of {SUPERNET} are in use by live runs")
@@ -285,6 +291,16 @@ def _delete_index(k: int) -> None:
         pass
 
 
+def _owner_alive(k: int) -> bool:
+    """Whether subnet k's lock names a live process (its creator, still running)."""
+    try:
+        with open(os.path.join(_LOCK_DIR, str(k))) as f:
+            pid = int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        pid = 0
+    return bool(pid) and _pid_alive(pid)
+
+
 def _remove_stale() -> None:
     """Removes networks whose creator died without cleaning up (e.g. SIGKILL)."""
     try:
@@ -292,16 +308,8 @@ def _remove_stale() -> None:
     except FileNotFoundError:
         return
     for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(os.path.join(_LOCK_DIR, entry)) as f:
-                pid = int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            pid = 0
-        if pid and _pid_alive(pid):
-            continue
-        _delete_index(int(entry))
+        if entry.isdigit() and not _owner_alive(int(entry)):
+            _delete_index(int(entry))
 
 
 def leftovers() -> list[str]:
@@ -309,4 +317,16 @@ def leftovers() -> list[str]:
     return [n for n in _namespaces() if re.match(rf"^{_PREFIX}\d+(sw|h\d+)$", n)]
 
 
-__all__ = ["SimulatedNetwork", "NetnsError", "parse_rate", "leftovers"]
+def orphans() -> list[str]:
+    """Namespaces of this module whose creator is gone: what a finished run left
+    behind. Unlike leftovers(), a network that another live run (a test beside
+    this one) holds is not among them."""
+    found = []
+    for name in leftovers():
+        k = int(re.match(rf"^{_PREFIX}(\d+)", name).group(1))
+        if not _owner_alive(k):
+            found.append(name)
+    return found
+
+
+__all__ = ["SimulatedNetwork", "NetnsError", "parse_rate", "leftovers", "orphans"]
