@@ -10,7 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
+import time
 
 import ml_dtypes
 import numpy as np
@@ -182,3 +185,27 @@ def _complex_sum(inputs, hosts):
     re = reference(real, "sum", [[x.real.copy() for x in xs] for xs in inputs], hosts)
     im = reference(real, "sum", [[x.imag.copy() for x in xs] for xs in inputs], hosts)
     return (re + 1j * im).astype(inputs[0][0].dtype)
+
+
+def exit_together(tag: str, ranks: list[int], timeout: float = 60.0) -> None:
+    """Waits (at most `timeout` s) until every rank in `ranks` has called this
+    with the same tag, then returns. For survivors of a failure that report
+    and exit: the first to exit would end the job's jax coordination service
+    (hosted by rank 0), whose clients then terminate the others' processes,
+    perhaps before they have reported. Marker files in a folder of this job
+    (named by its coordinator's address); the last rank to see them all
+    removes it."""
+    address = os.environ.get("HERRING_COORDINATOR_ADDRESS", "job").replace(":", "-")
+    folder = os.path.join(tempfile.gettempdir(), f"herring-test-{tag}-{address}")
+    os.makedirs(folder, exist_ok=True)
+    me = int(os.environ["HERRING_PROCESS_ID"])
+    open(os.path.join(folder, f"here.{me}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(folder, f"here.{r}")) for r in ranks):
+            break
+        time.sleep(0.05)
+    open(os.path.join(folder, f"seen.{me}"), "w").close()
+    if all(os.path.exists(os.path.join(folder, f"seen.{r}")) for r in ranks):
+        shutil.rmtree(folder, ignore_errors=True)
+

@@ -274,6 +274,7 @@ def main() -> int:
     if sys.argv[1:2] == ["killed-peer"]:
         killed_peer(rank, caught=sys.argv[2:] != ["uncaught"])
         sys.stdout.flush()
+        common.exit_together("killed-peer", [0, 1])
         os._exit(0)
     if sys.argv[1:] == ["leader-fails-first"]:
         leader_fails_first(rank)  # raises on every rank
