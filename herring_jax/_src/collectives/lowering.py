@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
+from herring_jax._src.collectives import local_sum
 from herring_jax._src.process import jax_compat
 from herring_jax._src.process import knobs
 from herring_jax._src.process import layout
@@ -263,6 +264,14 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
     kept_out = [avals_out[i] for i in kept_all]
     params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec, collective=wire,
                   feedback=feedback)
+    split = local_sum.split_for(ctx, kept_in, on_device=platform != "cpu" or _double(platform),
+                                **params)
+    if split is not None:
+        results = _lower_local_sum(ctx, split, operands, kept_in, kept_out, own_tokens,
+                                   platform, params)
+        for i, r in zip(kept_all, results):
+            outs[i] = r
+        return outs
     # The CPU double's done keeps its start's operands alive (see the top).
     double = dict(platform="cpu", operands=operands, avals_in=kept_in) if _double(platform) else {}
     if platform == "cpu" and not double:
@@ -281,6 +290,28 @@ def lower(ctx, *args, platform, reduction, axes, groups, transpose, root, codec,
     return outs
 
 
+def _lower_local_sum(ctx, split, operands, avals_in, avals_out, own_tokens, platform, params):
+    """A reduction summed inside each process on its devices first
+    (local_sum.py): the reduce-scatter, herring's start and done on the
+    slices across processes, the all-gather. Where lower_start emitted the
+    reduce-scatter and the start (XLA:CUDA's buckets), only the done and the
+    all-gather."""
+    mid = local_sum.middle(split, params)
+    parts_in = local_sum.slice_avals(split, avals_in)
+    done = dict(op=mid["op"], codec=mid["codec"], described=parts_in, collective=mid["collective"])
+    if own_tokens and not _double(platform):
+        parts = done_cuda(ctx, own_tokens, parts_in, **done)
+    else:
+        axes, op = params["axes"], params["op"]
+        sliced = local_sum.scatter(ctx, split, axes, op, operands, avals_in,
+                                   cpu=_double(platform))
+        token = start_cuda(ctx, sliced, parts_in, platform=platform, **mid)
+        double = (dict(platform="cpu", operands=sliced, avals_in=parts_in)
+                  if _double(platform) else {})
+        parts = done_cuda(ctx, [token], parts_in, **done, **double)
+    return local_sum.gather(ctx, split, params["axes"], params["op"], parts, avals_out)
+
+
 def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, codec, collective,
                 feedback):
     """herring_allreduce_start on `platform`: its token."""
@@ -290,6 +321,14 @@ def lower_start(ctx, *args, platform, reduction, axes, groups, transpose, root, 
     kept = nonempty(ctx.avals_in)
     if (platform == "cpu" and not _double(platform)) or not kept:
         return [token_constant()]
-    return [start_cuda(ctx, [args[i] for i in kept], [ctx.avals_in[i] for i in kept],
-                       platform=platform, op=op, axes=axes, groups=groups, root=root, codec=codec,
-                       collective=wire, feedback=feedback)]
+    operands, avals = [args[i] for i in kept], [ctx.avals_in[i] for i in kept]
+    params = dict(op=op, axes=axes, groups=groups, root=root, codec=codec, collective=wire,
+                  feedback=feedback)
+    split = local_sum.split_for(ctx, avals, on_device=True, **params)
+    if split is not None:
+        if _double(platform):
+            return [token_constant()]  # the done lowers it all (local_sum.py says why)
+        sliced = local_sum.scatter(ctx, split, axes, op, operands, avals, cpu=False)
+        return [start_cuda(ctx, sliced, local_sum.slice_avals(split, avals), platform=platform,
+                           **local_sum.middle(split, params))]
+    return [start_cuda(ctx, operands, avals, platform=platform, **params)]

@@ -404,6 +404,24 @@ def manual_mesh(ctx):
     return None
 
 
+def reduce_scatter_hlo(ctx, x, reducer, *, axes, groups, size):
+    """A tiled reduce-scatter of 1-D `x` along dimension 0 over `groups`
+    (axis_index_groups of `axes`, each of `size` devices), as lax lowers
+    psum_scatter: XLA's own collective (NCCL on XLA:CUDA). `reducer`: lax's
+    add_p, max_p or min_p. ctx's avals are x's and the result's."""
+    return _parallel._reduce_scatter_lowering(
+        reducer, ctx, x, scatter_dimension=0, axis_name=tuple(axes),
+        axis_index_groups=groups, axis_size=size, tiled=True)
+
+
+def all_gather_hlo(ctx, x, *, axes, groups, size):
+    """A tiled all-gather of 1-D `x` along dimension 0 over `groups`, as lax
+    lowers all_gather (reduce_scatter_hlo's other half)."""
+    return _parallel._all_gather_lowering(
+        ctx, x, all_gather_dimension=0, axis_name=tuple(axes), axis_index_groups=groups,
+        axis_size=size, tiled=True)
+
+
 def auto_axes(ctx) -> tuple:
     """The enclosing shard_map's mesh axes (of more than one device) that it
     leaves to the partitioner (not manual: axis_names= naming only some),

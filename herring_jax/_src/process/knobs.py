@@ -139,6 +139,12 @@ KNOBS: dict[str, Knob] = {
              "for it (the GPU may take that long to reach the start's copy to the host) "
              "before it fails; lower it where a start whose done never pairs must not "
              "hold the job for long (the GPU check, tests/gpu/run.sh)."),
+        Knob("HERRING_DEVICE_LOCAL_SUM", False, _bool,
+             "XLA:CUDA: a psum over D >= 2 GPUs on each of P >= 2 processes sums inside "
+             "each process on the GPUs first (XLA's reduce-scatter and all-gather) and "
+             "copies 1/D of each buffer to the host per GPU, instead of every GPU's whole "
+             "buffer; not bitwise the host path's sum (docs/guides/gpus.md). Off until "
+             "verified on GPUs. Read when a reduction is lowered."),
         Knob("HERRING_PEER_TIMEOUT_S", 30.0, _positive_float,
              "A rank a reduction waits for that has sent nothing (data or heartbeat) "
              "for this long is declared dead: every surviving rank raises HerringError "

@@ -180,6 +180,63 @@ def _across_axes(mesh, axes: tuple, groups, platform: str) -> Plan:
                 [block_of[idx] for idx in np.ndindex(*mesh.devices.shape)])
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalSplit:
+    """A psum's devices as D devices on each of P processes, the same way for
+    every coordinate of the other mesh axes, in axis-index terms (lax's
+    axis_index_groups over the reduced axes): `local` has one group per
+    process (its D indices, in order), `across` one per local position d (the
+    d-th index of every process, in process order)."""
+    local: list[list[int]]
+    across: list[list[int]]
+
+    @property
+    def per_process(self) -> int:
+        return len(self.local[0])
+
+    @property
+    def contributors(self) -> int:
+        return len(self.local) * len(self.local[0])
+
+
+def local_split(ctx, axes, groups) -> LocalSplit | None:
+    """How a psum over `axes` of the enclosing shard_map splits into a sum
+    inside each process and one across processes, or None where it does not:
+    axis_index_groups given, a process with one device (or all devices on one
+    process), or processes holding different numbers of the group's devices,
+    or a placement that differs between the other axes' coordinates."""
+    if axes is None or groups is not None:
+        return None
+    mesh = jax_compat.manual_mesh(ctx)
+    if mesh is None:
+        return None
+    names = list(mesh.axis_names)
+    if any(a not in names for a in axes):
+        return None
+    reduced = [names.index(a) for a in axes]
+    others = [i for i in range(len(names)) if i not in reduced]
+    sizes = [mesh.devices.shape[i] for i in reduced]
+    pattern = None
+    for base in np.ndindex(*[mesh.devices.shape[i] for i in others]):
+        by_process: dict[int, list[int]] = {}
+        for index, coords in enumerate(np.ndindex(*sizes)):
+            idx = [0] * len(names)
+            for i, b in zip(others, base):
+                idx[i] = b
+            for i, c in zip(reduced, coords):
+                idx[i] = c
+            by_process.setdefault(mesh.devices[tuple(idx)].process_index, []).append(index)
+        local = sorted(by_process.values())
+        if pattern is not None and local != pattern:
+            return None
+        pattern = local
+    if pattern is None or len(pattern) < 2 or len(pattern[0]) < 2:
+        return None
+    if any(len(g) != len(pattern[0]) for g in pattern):
+        return None
+    return LocalSplit(pattern, [[g[d] for g in pattern] for d in range(len(pattern[0]))])
+
+
 def _index_group(groups, index: int, size: int) -> int:
     for g, group in enumerate(groups):
         if index in group:
