@@ -68,6 +68,7 @@ tests=(
   "tests/test_allreduce.py::test_every_dtype_op_and_size[2-2]"
   "tests/test_groupings.py::test_interleaved_groupings_match_lax[2-2]"
   tests/test_topk.py           # psum over a mesh axis inside a transform
+  tests/test_local_sum.py      # jax's reduce-scatter and all-gather lowering rules (jax_compat)
   tests/test_powersgd.py
   "tests/test_optax.py::test_training_matches_lax_pmean_on_every_process[2-None]"
   "tests/test_optax.py::test_buckets_follow_the_backward_pass_not_pytree_order"
