@@ -23,9 +23,11 @@ from herring_jax._src.launcher.netns import SimulatedNetwork
 
 @pytest.fixture(autouse=True)
 def _nothing_left_behind():
-    before = set(netns.leftovers())
+    # orphans(), not leftovers(): a network that a test beside this one (another
+    # xdist worker) holds while this one runs is not this test's.
+    before = set(netns.orphans())
     yield
-    assert set(netns.leftovers()) <= before, "namespaces left behind"
+    assert set(netns.orphans()) <= before, "namespaces left behind"
 
 
 def _in(net, host, *cmd):
