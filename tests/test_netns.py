@@ -21,6 +21,12 @@ from herring_jax._src.launcher import netns
 from herring_jax._src.launcher.netns import SimulatedNetwork
 
 
+# On one xdist worker, one after another: the killed-creator test leaves an
+# orphan on purpose until its next network removes it, which another of these
+# tests' fixture, running beside it, would take for its own.
+pytestmark = pytest.mark.xdist_group("test_netns")
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_behind():
     # orphans(), not leftovers(): a network that a test beside this one (another
