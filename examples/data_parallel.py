@@ -20,6 +20,25 @@ import herring_jax
 from checkpointing import Checkpoints, FullyShardedCheckpoints
 
 
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected steps like 100,150, got {text!r}") from None
+    if any(s <= 0 for s in steps) or list(steps) != sorted(set(steps)):
+        raise argparse.ArgumentTypeError(f"expected increasing positive steps, got {text!r}")
+    return steps
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+    """What follows the gradient reduction: --optimizer at --lr, dropped 10x
+    at each of --lr-drops (optax counts the updates, so a resumed run keeps
+    its place in the schedule)."""
+    lr = (optax.piecewise_constant_schedule(args.lr, {s: 0.1 for s in args.lr_drops})
+          if args.lr_drops else args.lr)
+    return optax.sgd(lr, momentum=0.9) if args.optimizer == "sgd" else optax.adamw(lr)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce", choices=["herring", "native", "none"], default="herring",
                         help="herring: herring_jax.allreduce_gradients; native: jax.lax.pmean; "
@@ -74,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr-drops", type=_steps, default=(), metavar="STEP[,STEP...]",
+                        help="a step-decay schedule: the learning rate is multiplied by 0.1 "
+                             "from each of these steps on (e.g. 100,150)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                         help="what follows the gradient reduction in the optax chain (sgd: "
                              "with momentum 0.9, the setting of the PowerSGD paper; give it "
@@ -231,8 +253,7 @@ def make_fully_sharded_trainer(mesh, args, loss_fn, init_fn):
         raise SystemExit("--fully-sharded runs one device per process; this process has "
                          f"{len(mesh.local_devices)} (unset XLA_FLAGS' "
                          "--xla_force_host_platform_device_count)")
-    optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
-                 else optax.adamw(args.lr))
+    optimizer = make_optimizer(args)
     fs = herring_jax.fully_sharded(optimizer, compression=args.compression,
                                    error_feedback=not args.no_error_feedback,
                                    reshard_after_forward=args.reshard_after_forward,
@@ -284,8 +305,7 @@ def make_trainer(mesh, args, loss_fn, init_fn):
         grad_tx = optax.identity()
         def mean(x, _axis):
             return x
-    optimizer = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
-                 else optax.adamw(args.lr))
+    optimizer = make_optimizer(args)
     tx = optax.chain(grad_tx, optimizer)
     state_spec = P()
     if args.sharded_optimizer:
@@ -345,8 +365,7 @@ def make_local_sgd_trainer(mesh, args, loss_fn, init_fn):
             or args.sharded_optimizer or args.local_steps < 0):
         raise SystemExit("--local-steps takes a positive count and --reduce herring, without "
                          "--topk-fraction, --powersgd-rank or --sharded-optimizer")
-    inner = (optax.sgd(args.lr, momentum=0.9) if args.optimizer == "sgd"
-             else optax.adamw(args.lr))
+    inner = make_optimizer(args)
     # A delayed fragment's reduction outlives the step, which herring does
     # across processes only: with one device per process the processes are
     # the workers, inside the shard_map as outside it.

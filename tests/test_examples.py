@@ -164,3 +164,29 @@ def test_no_command_takes_a_prefix_of_a_flag_for_the_flag():
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "unrecognized arguments: --step 1" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_lr_drops_multiply_the_learning_rate_by_a_tenth_from_each_step():
+    import argparse
+    import importlib
+
+    import jax.numpy as jnp
+    import optax
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        data_parallel = importlib.import_module("data_parallel")
+    finally:
+        sys.path.pop(0)
+    plain = data_parallel.make_optimizer(argparse.Namespace(lr=0.1, lr_drops=(), optimizer="sgd"))
+    dropped = data_parallel.make_optimizer(
+        argparse.Namespace(lr=0.1, lr_drops=(3, 5), optimizer="sgd"))
+    params = {"w": jnp.ones(4)}
+    s1, s2 = plain.init(params), dropped.init(params)
+    ratios = []
+    for _ in range(7):
+        u1, s1 = plain.update({"w": jnp.ones(4)}, s1, params)
+        u2, s2 = dropped.update({"w": jnp.ones(4)}, s2, params)
+        ratios.append(float(u2["w"][0] / u1["w"][0]))
+    # The same momentum trace; the rate 0.1 before step 3, 0.01 from 3, 0.001 from 5.
+    assert ratios == pytest.approx([1, 1, 1, 0.1, 0.1, 0.01, 0.01], rel=1e-5), ratios
