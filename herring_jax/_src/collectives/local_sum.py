@@ -141,8 +141,7 @@ def gather(ctx, split: layout.LocalSplit, axes, op, parts, avals_out) -> list:
     devices and cut back to the results' shapes (a mean divided)."""
     d = split.per_process
     out = []
-    for part, a in zip(parts, avals_out):
-        s = jax.core.ShapedArray((-(-a.size // d),), a.dtype)
+    for part, a, s in zip(parts, avals_out, slice_avals(split, avals_out)):
         padded = jax.core.ShapedArray((s.shape[0] * d,), a.dtype)
         [whole] = jax_compat.all_gather_hlo(
             ctx.replace(avals_in=[s], avals_out=[padded]), part, axes=axes,

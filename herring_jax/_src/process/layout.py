@@ -138,28 +138,36 @@ _ONE_PER_PROCESS = (
     "psum_scatter / all_gather over a mesh axis)")
 
 
+def _places(mesh, axes: tuple) -> list[tuple[tuple, tuple, int]]:
+    """(mesh index, coordinates on the other axes, index along the reduced
+    axes as lax's axis_index numbers it) of every device, in mesh order."""
+    names = list(mesh.axis_names)
+    reduced = [names.index(a) for a in axes]
+    others = [i for i in range(len(names)) if i not in reduced]
+    sizes = [mesh.devices.shape[i] for i in reduced]
+    return [(idx, tuple(idx[i] for i in others),
+             int(np.ravel_multi_index([idx[i] for i in reduced], sizes)))
+            for idx in np.ndindex(*mesh.devices.shape)]
+
+
 def _across_axes(mesh, axes: tuple, groups, platform: str) -> Plan:
     names = list(mesh.axis_names)
     missing = [a for a in axes if a not in names]
     if missing:
         raise NameError(f"unbound axis name(s) {missing}; the mesh has axes {names}")
-    reduced = [names.index(a) for a in axes]
-    others = [i for i in range(len(names)) if i not in reduced]
-    sizes = [mesh.devices.shape[i] for i in reduced]
+    size = int(np.prod([mesh.shape[a] for a in axes]))
     # A group: the devices that share their coordinates on the other axes; with
     # axis_index_groups, split further by the index along the reduced axes (in
     # the order given, as lax numbers it).
     group_of = {}
     block_of = {}
     members: dict[tuple, list] = {}
-    for idx in np.ndindex(*mesh.devices.shape):
-        base = tuple(idx[i] for i in others)
-        index = int(np.ravel_multi_index([idx[i] for i in reduced], sizes))
+    for idx, base, index in _places(mesh, axes):
         if groups is None:
             key = base
             block_of[idx] = index
         else:
-            g = _index_group(groups, index, int(np.prod(sizes)))
+            g = _index_group(groups, index, size)
             key = base + (g,)
             block_of[idx] = list(groups[g]).index(index)
         members.setdefault(key, []).append(mesh.devices[idx])
@@ -210,27 +218,19 @@ def local_split(ctx, axes, groups) -> LocalSplit | None:
     mesh = jax_compat.manual_mesh(ctx)
     if mesh is None:
         return None
-    names = list(mesh.axis_names)
-    if any(a not in names for a in axes):
+    if any(a not in mesh.axis_names for a in axes):
         return None
-    reduced = [names.index(a) for a in axes]
-    others = [i for i in range(len(names)) if i not in reduced]
-    sizes = [mesh.devices.shape[i] for i in reduced]
-    pattern = None
-    for base in np.ndindex(*[mesh.devices.shape[i] for i in others]):
-        by_process: dict[int, list[int]] = {}
-        for index, coords in enumerate(np.ndindex(*sizes)):
-            idx = [0] * len(names)
-            for i, b in zip(others, base):
-                idx[i] = b
-            for i, c in zip(reduced, coords):
-                idx[i] = c
-            by_process.setdefault(mesh.devices[tuple(idx)].process_index, []).append(index)
-        local = sorted(by_process.values())
-        if pattern is not None and local != pattern:
-            return None
-        pattern = local
-    if pattern is None or len(pattern) < 2 or len(pattern[0]) < 2:
+    # Per coordinate of the other axes: each process's indices along the
+    # reduced axes, in order.
+    by_base: dict[tuple, dict[int, list[int]]] = {}
+    for idx, base, index in _places(mesh, axes):
+        by_process = by_base.setdefault(base, {})
+        by_process.setdefault(mesh.devices[idx].process_index, []).append(index)
+    patterns = {tuple(sorted(tuple(sorted(g)) for g in p.values())) for p in by_base.values()}
+    if len(patterns) != 1:
+        return None
+    pattern = [list(g) for g in patterns.pop()]
+    if len(pattern) < 2 or len(pattern[0]) < 2:
         return None
     if any(len(g) != len(pattern[0]) for g in pattern):
         return None
