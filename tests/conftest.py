@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # HERRING_LONG_TESTS=1 turns the soak and chaos tests into their long runs
-# (docs/development.md), which take far longer than the 300 s pytest timeout that
+# (docs/development.md), which take far longer than the 900 s pytest timeout that
 # pyproject.toml gives every test.
 LONG_TESTS = os.environ.get("HERRING_LONG_TESTS") == "1"
 

@@ -41,13 +41,16 @@ def _mode() -> tuple[list[str], str]:
 
 
 def _train(ckpt: str, launch: list[str], extra: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", "2", "--timeout", "150", *launch,
+    # run.sh's GPU_CHECK_TIME_SCALE (the CPU dry run on a slow machine).
+    scale = int(os.environ.get("GPU_CHECK_TIME_SCALE", "1"))
+    cmd = [sys.executable, "-m", "herring_jax.launch", "-n", "2", "--timeout", str(150 * scale),
+           *launch,
            "--", sys.executable, "train_lm.py", *LM_ARGS, "--checkpoint-dir", ckpt, *extra]
     print("-- " + " ".join(cmd), flush=True)
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=EXAMPLES, env={**os.environ, **RANK_ENV,
                                                   "HERRING_LAUNCH_GRACE_S": "5"},
-                          capture_output=True, text=True, timeout=200)
+                          capture_output=True, text=True, timeout=200 * scale)
     print(f"   exit {proc.returncode} after {time.monotonic() - start:.1f} s\n"
           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}", flush=True)
     return proc
