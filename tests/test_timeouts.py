@@ -1,13 +1,17 @@
 """pytest timeouts follow the test mode: the long soak and chaos runs
 (HERRING_LONG_TESTS=1) get the time they need, every other test keeps the
-300 s of pyproject.toml."""
+timeout of pyproject.toml."""
 
 import os
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 from multiproc import ROOT
+
+DEFAULT = float(tomllib.loads((ROOT / "pyproject.toml").read_text())
+                ["tool"]["pytest"]["ini_options"]["timeout"])
 
 # A plugin that prints, after collection, the timeout pytest-timeout will
 # apply to each test: its closest `timeout` marker, else the ini value.
@@ -50,9 +54,9 @@ def test_long_mode_gives_soak_and_chaos_their_time(tmp_path):
     # 20 kills and 5 partitions, each allowed the survivors' 43 s deadlines.
     assert kills >= 20 * 3 * 43 and partitions >= 5 * 4 * 43, found
     others = {k: v for k, v in found.items() if k.startswith("tests/test_launch.py::")}
-    assert others and set(others.values()) == {300.0}, found
+    assert others and set(others.values()) == {DEFAULT}, found
 
 
 def test_short_mode_keeps_the_default(tmp_path):
     found = _timeouts(tmp_path, long_tests=False)
-    assert len(found) > 3 and set(found.values()) == {300.0}, found
+    assert len(found) > 3 and set(found.values()) == {DEFAULT}, found
