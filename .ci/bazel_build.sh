@@ -21,11 +21,17 @@ ln -sfn "$(python3 -P -c 'import nanobind, os; print(os.path.dirname(nanobind.__
 ln -sfn "$(python3 -P -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" "$local_dir/python_include"
 
 output_base=/tmp/herring_jax_bazel
-echo "== bazel build (output base $output_base)"
+# Bazel's disk cache keys each action on its inputs' digests and its command
+# line (paths inside the workspace are relative), so a new clone rebuilds
+# only what changed; HERRING_BAZEL_DISK_CACHE= (empty) turns it off.
+disk_cache=${HERRING_BAZEL_DISK_CACHE-$HOME/.cache/herring_jax_bazel_disk}
+cache_flags=()
+[ -n "$disk_cache" ] && cache_flags=(--disk_cache="$disk_cache")
+echo "== bazel build (output base $output_base${disk_cache:+, disk cache $disk_cache})"
 start=$(date +%s)
 # standalone: the linux-sandbox prints ~45 debug lines per action on this kernel.
 bazel --output_base="$output_base" build --symlink_prefix=/ --spawn_strategy=standalone \
-  //:herring_engine //:herring_handlers //:_herring_ffi.so
+  "${cache_flags[@]}" //:herring_engine //:herring_handlers //:_herring_ffi.so
 so="$(bazel --output_base="$output_base" info --symlink_prefix=/ bazel-bin 2>/dev/null)/_herring_ffi.so"
 echo "== built in $(( $(date +%s) - start )) s: $so"
 

@@ -40,6 +40,8 @@ if ((level >= 2)); then
   # units); the runtime is only a recommendation of clang's, so it is named.
   command -v clang++ >/dev/null || apt_pkgs+=(clang)
   dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || apt_pkgs+=(libclang-rt-14-dev)
+  # ccache: CI builds the C++ several ways from a new clone (.ci/ccache.sh).
+  command -v ccache >/dev/null || apt_pkgs+=(ccache)
 fi
 if ((${#apt_pkgs[@]})); then
   echo "== apt-get install ${apt_pkgs[*]}"
@@ -124,5 +126,6 @@ if ((level >= 3)); then
 fi
 
 echo "== building herring_jax (CMake via scikit-build-core)"
+source .ci/ccache.sh
 pip_install --no-build-isolation .
 python3 -P -c "import herring_jax, herring_jax._herring_ffi; print('herring_jax', herring_jax.__version__, 'installed')"

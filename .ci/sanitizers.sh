@@ -123,6 +123,7 @@ runtime_of() {  # the runtime libraries $cxx links, colon-separated, in order
   (IFS=:; echo "${paths[*]}")
 }
 
+source .ci/ccache.sh
 status=0
 for name in "${which_sanitizers[@]}"; do
   start=$(date +%s)

@@ -21,20 +21,38 @@ def _build_and_run(source: str, sanitizer: str, marker: str, extra_sources=(),
                    libs=()) -> None:
     clang = shutil.which("clang++")
     assert clang, "clang++ is missing: bash .ci/install.sh installs it"
+    options = ["-std=c++17", "-g", *_sanitize(sanitizer)]
     with tempfile.TemporaryDirectory(prefix="herring_cpp_") as tmp:
         binary = os.path.join(tmp, source)
-        build = subprocess.run(
-            [clang, "-std=c++17", "-g", *_sanitize(sanitizer),
-             "-I", os.path.join(ROOT, "xla_ffi"),
-             os.path.join(ROOT, "tests", "cpp", source + ".cc"),
-             *[os.path.join(ROOT, "xla_ffi", s) for s in extra_sources], "-o", binary,
-             *libs, "-lpthread"], capture_output=True, text=True, timeout=240)
-        assert build.returncode == 0, build.stderr[-4000:]
+        objects = []
+        for path in [os.path.join("tests", "cpp", source + ".cc"),
+                     *[os.path.join("xla_ffi", s) for s in extra_sources]]:
+            objects.append(os.path.join(tmp, f"{len(objects)}.o"))
+            _run_compiler([*_cached(clang), *options, "-I", "xla_ffi", "-c", path, "-o",
+                           objects[-1]])
+        _run_compiler([clang, *options, *objects, "-o", binary, *libs, "-lpthread"])
         run = subprocess.run([binary], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "TSAN_OPTIONS": "halt_on_error=1",
                                   "ASAN_OPTIONS": "detect_leaks=1"})
     assert run.returncode == 0, run.stdout + run.stderr[-6000:]
     assert marker in run.stdout, run.stdout + run.stderr
+
+
+def _cached(compiler: str) -> list[str]:
+    """The compiler through ccache where it is installed (.ci/ccache.sh
+    says why): each source compiles on its own, from the checkout's root with
+    relative paths, so that a clone elsewhere finds the same entries."""
+    ccache = shutil.which("ccache")
+    if ccache is None or os.environ.get("HERRING_CCACHE") == "0":
+        return [compiler]
+    return [ccache, compiler]
+
+
+def _run_compiler(command: list[str]) -> None:
+    env = {**os.environ, "CCACHE_BASEDIR": ROOT, "CCACHE_NOHASHDIR": "1"}
+    build = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=240)
+    assert build.returncode == 0, " ".join(command) + "\n" + build.stderr[-4000:]
 
 
 def _sanitize(sanitizer: str) -> list[str]:
