@@ -89,4 +89,6 @@ tests=(
 )
 (($# > 0)) && tests=("$@")
 echo "== the suite's Python 3.12 part: $(python3 -c 'import jax, sys; print("Python", sys.version.split()[0], "jax", jax.__version__)')"
-python3 -P -m pytest "${tests[@]}" -q -rfEs --durations=10
+# Two tests at a time, as tests/run.sh: one at a time left the 2 cores idle
+# while a test's processes started and waited on each other.
+python3 -P -m pytest "${tests[@]}" -q -rfEs --durations=10 -n 2 --dist loadgroup

@@ -14,7 +14,8 @@
 # installed: each build goes to build/sanitize-<name>/, and the tests import
 # it from a package directory assembled there (build/sanitize-<name>/pkg: the
 # sanitized _herring_ffi next to a copy of herring_jax/'s Python files), first
-# on PYTHONPATH. About 4.5 min for both on 2 busy cores, builds included.
+# on PYTHONPATH. About 9 min for both on a slow 2-core machine, 2 min of it the builds
+# (seconds from ccache's entries: .ci/ccache.sh).
 #
 # Compilers: ThreadSanitizer with g++ (12), because clang 14's shared TSan
 # runtime crashes while it loads into any program that links libstdc++ (its
@@ -205,7 +206,11 @@ suppressions=$root/.ci/sanitizers/tsan.supp ${HERRING_TSAN_OPTIONS:-}")
 
   echo "== [$name] ${#tests[@]} tests"
   test_status=0
+  # Two tests at a time, as tests/run.sh: 216 s against 290 s one at a time
+  # under ThreadSanitizer (2026-11-29, 2 cores); HERRING_SANITIZER_WORKERS=0
+  # runs them one at a time.
   env "${san_env[@]//$'\n'/ }" "$py" -P -m pytest "${tests[@]}" -q -rfEs -p no:cacheprovider \
+    -n "${HERRING_SANITIZER_WORKERS:-2}" --dist loadgroup \
     --durations=0 "${pytest_args[@]}" || test_status=$?
 
   loaded=$(find "$marks" -type f | wc -l)
