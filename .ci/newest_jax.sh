@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The suite's second setup: Python 3.12 with the newest jax herring_jax
 # supports (0.12.x), beside the README's command on python3 (3.11, jax 0.10).
-# Makes its own venv, build/venv-py3.12 (kept between runs: pip then installs
-# only what is missing), installs into it what .ci/install.sh installs for
+# Makes its own venv, $HERRING_PY312_VENV or else build/venv-py3.12 (kept
+# between runs: pip then installs only what is missing; .ci/run keeps it
+# under ~/.cache, where a new clone finds it), installs into it what .ci/install.sh installs for
 # 3.12, builds herring_jax there, and runs the tests below: about 5 min on 2
 # cores (2 to make the venv and build, 3 of tests), measured with a new venv
 # and pip's cache warm.
@@ -36,13 +37,21 @@ if ! py312=$(find_python312); then
   exit 1
 fi
 
-venv=build/venv-py3.12
+venv=${HERRING_PY312_VENV:-build/venv-py3.12}
+# A venv whose interpreter is gone (pyenv's 3.12 replaced) is made again.
+if [ -d "$venv" ] && ! "$venv/bin/python3" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' \
+    2>/dev/null; then
+  echo "== $venv does not run Python 3.12: making it again"
+  rm -rf "$venv"
+fi
 if [ ! -x "$venv/bin/python3" ]; then
   echo "== creating $venv with $py312"
+  mkdir -p "$(dirname "$venv")"
   "$py312" -m venv "$venv"
 fi
+venv=$(cd "$venv" && pwd)
 # install.sh and the tests run the venv's python3 (and herring-jax).
-export PATH="$PWD/$venv/bin:$PATH"
+export PATH="$venv/bin:$PATH"
 bash .ci/install.sh
 
 # Not the whole suite: a second full run would take CI past its budget of
