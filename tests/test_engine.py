@@ -171,14 +171,17 @@ def test_parts_cross_hosts_in_chunks_of_a_quarter_cut_alike_on_every_process(
     assert all(len(d) == 1 for case, d in digests.items() if case not in ("stats", "describe"))
     for rank, r in _stats(run).items():
         # Per process: its contribution to the other's part and its own
-        # part's result, each in `messages` chunks; nothing else (no
-        # heartbeats, no control messages in a healthy run, but the receipt
-        # of a peer's kLeave when that peer finished first, and a where-I-wait
-        # notice when the other process started a second late, as it may on a
-        # loaded machine).
+        # part's result, each in `messages` chunks, and no heartbeats. Of
+        # control messages in a healthy run, only the receipt of a peer's
+        # kLeave when that peer finished first, and a where-I-wait notice when
+        # the other process started a second late, as it may on a loaded
+        # machine. The data messages have a counter of their own: a snapshot
+        # taken while a receipt is being sent could count it in
+        # messages_sent before leave_notices_sent (CI, 2026-11-29).
         s = r["stats"]
-        control = s["leave_notices_sent"] + s["wait_notices_sent"]
-        assert s["messages_sent"] - control == 2 * messages, (rank, s)
+        assert s["data_messages_sent"] == 2 * messages, (rank, s)
+        assert s["messages_sent"] >= s["data_messages_sent"], (rank, s)
+        assert s["heartbeats_sent"] == 0, (rank, s)
         assert s["wait_notices_sent"] <= 1, (rank, s)
         assert s["leave_notices_sent"] <= 1, (rank, s)
     described = _stats(run, "describe")[1]["describe"].split("; host ")[0]

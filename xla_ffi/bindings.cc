@@ -296,6 +296,7 @@ NB_MODULE(_herring_ffi, m) {
     d["duplicate_completions"] = s.transport.duplicate_completions;
     d["queue_errors"] = s.transport.queue_errors;
     d["messages_sent"] = s.transport.sends;
+    d["data_messages_sent"] = s.transport.data_sends;
     d["bytes_sent"] = s.transport.send_bytes;
     return d;
   });

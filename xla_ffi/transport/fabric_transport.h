@@ -138,7 +138,7 @@ class FabricTransport final : public Transport {
 
   TransportStats Stats() const override {
     return TransportStats{posts_queued_.load(), duplicates_.load(), queue_errors_.load(),
-                          sends_.load(), send_bytes_.load()};
+                          sends_.load(), send_bytes_.load(), data_sends_.load()};
   }
 
  private:
@@ -215,6 +215,7 @@ class FabricTransport final : public Transport {
   std::atomic<uint64_t> posts_queued_{0};
   std::atomic<uint64_t> sends_{0};
   std::atomic<uint64_t> send_bytes_{0};
+  std::atomic<uint64_t> data_sends_{0};
 
   std::atomic<uint64_t> duplicates_{0};
   std::atomic<uint64_t> queue_errors_{0};

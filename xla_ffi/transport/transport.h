@@ -90,6 +90,11 @@ struct TransportStats {
   uint64_t queue_errors = 0;           // completion-queue errors without an operation
   uint64_t sends = 0;                  // messages handed to Send/TrySend (data and control)
   uint64_t send_bytes = 0;             // their bytes, headers included
+  // Of `sends`, those handed to Send (the data path's chunks and the host
+  // stage's messages; control messages go through SendControl and TrySend).
+  // A counter of its own: a snapshot of two counters can split a control
+  // send that one has counted and the other not yet.
+  uint64_t data_sends = 0;
 };
 
 class Transport {
