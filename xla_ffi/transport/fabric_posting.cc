@@ -15,7 +15,7 @@ Status FabricTransport::Send(int peer, uint64_t tag, const IoVec* iov, size_t io
   if (peer < 0 || static_cast<size_t>(peer) >= peers_.size())
     return Status::Error("send to unknown rank " + std::to_string(peer));
   CountSend(iov, iov_count);
-  data_sends_.fetch_add(1, std::memory_order_relaxed);
+  data_sends_.fetch_add(1);  // after sends_ (Stats reads them the other way round)
   return Post(/*is_recv=*/false, peers_[peer], tag, 0, iov, iov_count, std::move(done),
               /*background=*/false, peer, /*may_queue=*/true);
 }

@@ -137,8 +137,11 @@ class FabricTransport final : public Transport {
   size_t Outstanding() const override { return outstanding_.load(); }
 
   TransportStats Stats() const override {
+    // data_sends_ first: Send counts in sends_ and then (seq_cst) in
+    // data_sends_, so a snapshot never holds more data sends than sends.
+    const uint64_t data_sends = data_sends_.load();
     return TransportStats{posts_queued_.load(), duplicates_.load(), queue_errors_.load(),
-                          sends_.load(), send_bytes_.load(), data_sends_.load()};
+                          sends_.load(), send_bytes_.load(), data_sends};
   }
 
  private:
