@@ -16,6 +16,7 @@
 #include "engine/cross_memory.h"
 #include "engine/host_topology.h"
 #include "engine/registry.h"
+#include "engine/served.h"
 #include "engine/wire.h"
 #include "engine/timeline.h"
 #include "device_double.h"
@@ -249,6 +250,11 @@ NB_MODULE(_herring_ffi, m) {
       "Maps the host board of the process `pid` (its descriptor `fd`), the `host_index`-th "
       "process of this host; returns \"\" or why it could not.");
 
+  m.def("server_share", &engine::ServerShare, nb::arg("workers"), nb::arg("servers"),
+        nb::arg("requested") = -1.0,
+        "The share of an all-reduce's buffer that `servers` server-only processes take among "
+        "`workers` workers (or hosts): `requested` where it is in [0, 1], else the split the "
+        "engine uses (engine/served.h).");
   m.def("memory_probe", []() {
     return nb::make_tuple(reinterpret_cast<uint64_t>(&ProbeWord()), ProbeWord());
   }, "(address, value) of this process's probe word, for other processes to read.");

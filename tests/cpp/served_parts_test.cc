@@ -38,11 +38,26 @@ void CheckLayout(size_t count, int n, int k, double share, size_t align) {
 }  // namespace
 
 int main() {
-  // The split at which workers' and servers' links finish together.
-  Check(Near(ServerShare(4, 2, -1.0), 0.6), "n=4, k=2: 0.6");
+  // The split that loads every flow of a worker alike.
+  Check(Near(ServerShare(4, 1, -1.0), 1.0 / 3), "n=4, k=1: a third");
+  Check(Near(ServerShare(4, 2, -1.0), 0.5), "n=4, k=2: half");
+  Check(Near(ServerShare(4, 3, -1.0), 0.6), "n=4, k=3: 0.6");
   Check(Near(ServerShare(4, 4, -1.0), 1.0), "n=4, k=4: all");
   Check(Near(ServerShare(4, 8, -1.0), 1.0), "n=4, k=8: all");
   Check(Near(ServerShare(2, 1, -1.0), 0.5), "n=2, k=1: half");
+  Check(Near(ServerShare(2, 2, -1.0), 2.0 / 3), "n=2, k=2: a tie, the split of more flows");
+  Check(Near(ServerShare(8, 7, -1.0), 1.0), "n=8, k=7: all (8/7 of the buffer per server)");
+  for (int n = 2; n <= 16; ++n) {
+    for (int k = 1; k <= 16; ++k) {
+      const double x = ServerShare(n, k, -1.0);
+      const std::string what = "n=" + std::to_string(n) + " k=" + std::to_string(k);
+      Check(x > 0.0 && x <= 1.0, what + ": a share in (0, 1]");
+      // Every flow a worker sends carries the same bytes: x / k to each
+      // server and, unless the servers take everything, 2 (1 - x) / n to
+      // each other worker.
+      Check(x == 1.0 || Near(x / k, 2.0 * (1.0 - x) / n), what + ": equal flows");
+    }
+  }
   Check(Near(ServerShare(4, 2, 0.25), 0.25), "a requested share holds");
   Check(Near(ServerShare(4, 0, -1.0), 0.0), "no servers, no share");
   for (size_t count : {size_t{1}, size_t{7}, size_t{16}, size_t{4097}, size_t{1} << 20}) {

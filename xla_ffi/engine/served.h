@@ -20,19 +20,37 @@
 
 namespace herring::engine {
 
+// Bytes each host sends per byte of the buffer, for a share `x` on `k`
+// servers among `n` workers: a worker sends x / k to each server and
+// 2 (1 - x) / n to each other worker (its contributions to their parts and
+// its part's results), a server n x / k. The larger of the two, the time on
+// links of one rate with no cap per flow.
+inline double ServedLoad(int n, int k, double x) {
+  const double worker = x + 2.0 * (1.0 - x) * (n - 1) / n;
+  const double server = static_cast<double>(n) * x / k;
+  return std::max(worker, server);
+}
+
 // The share of each buffer that `k` server-only processes take in a group of
-// `n` workers: `requested` where it is in [0, 1], else the split at which the
-// workers' and the servers' links finish together (links of one rate). A
-// worker sends and receives x B to the servers and 2 (1 - x) (n - 1) / n B
-// for the workers' own parts; a server moves n x B / k. Equal when
-// x = a / (n / k - 1 + a) with a = 2 (n - 1) / n: n = 4, k = 2 gives 0.6,
-// k >= n gives 1 (every byte through the servers, each worker's traffic B
-// instead of 2 (n - 1) / n B).
+// `n` workers: `requested` where it is in [0, 1], else a split that gives
+// every flow a worker sends the same bytes. A host's link is shared alike by
+// the flows that cross it (TCP, and the simulated network's classes), so a
+// split that loads some flows more than others finishes with those alone,
+// each at its per-flow cap, and leaves the link idle: the split at which the
+// workers' and the servers' links would finish together (a / (n / k - 1 + a),
+// a = 2 (n - 1) / n; 0.6 for n = 4, k = 2) measured 12% slower than raw TCP's
+// equal flows at 0.5 on 4 hosts of 1 Gbit/s with 250 Mbit/s flows, and
+// herring 1.37x against 1.54x over no servers (docs/guides/servers.md). Two
+// splits load every flow alike: x = 2 k / (n + 2 k), where the n - 1 flows
+// to workers and the k to servers each carry 2 / (n + 2 k) of the buffer, and
+// x = 1, where only the k flows to servers carry it. Of the two, the one
+// with the smaller ServedLoad; on a tie the first, whose flows are more and
+// each carry less. n = 4: k = 1 1/3, k = 2 0.5, k = 3 0.6, k >= 4 1.
 inline double ServerShare(int n, int k, double requested) {
   if (requested >= 0.0 && requested <= 1.0) return requested;
   if (k <= 0 || n <= 1) return 0.0;
-  const double a = 2.0 * (n - 1) / n;
-  return std::clamp(a / (static_cast<double>(n) / k - 1.0 + a), 0.0, 1.0);
+  const double even = 2.0 * k / (n + 2.0 * k);
+  return ServedLoad(n, k, 1.0) < ServedLoad(n, k, even) - 1e-12 ? 1.0 : even;
 }
 
 // Where each part of an all-reduce of `count` elements begins (n + k + 1

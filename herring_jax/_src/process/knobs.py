@@ -201,10 +201,11 @@ KNOBS: dict[str, Knob] = {
              "0's value holds for the whole job."),
         Knob("HERRING_SERVER_SHARE", None, _share,
              "The share (0 to 1) of each all-reduce buffer that goes to the server-only "
-             "processes; the rest goes to the workers' own server shards. Unset: the split "
-             "at which the workers' and the servers' links finish together (n workers, k "
-             "servers: a / (n/k - 1 + a) with a = 2(n-1)/n; 0.6 for n = 4, k = 2; 1 for "
-             "k >= n). Rank 0's value holds for the whole job."),
+             "processes; the rest goes to the workers' own server shards. Unset: a split "
+             "that gives every flow a worker sends the same bytes (n workers, k servers: "
+             "2k / (n + 2k), or 1 where that moves fewer bytes per host, as for k >= n > 2; "
+             "n = 4: 1/3, 0.5, 0.6, 1 for k = 1, 2, 3, 4; docs/guides/servers.md). Rank "
+             "0's value holds for the whole job."),
         Knob("HERRING_SERVER_MIN_BYTES", 4 << 20, _non_negative_int,
              "The smallest all-reduce buffer, in bytes (as they travel: encoded, with a wire "
              "codec), that places parts on the server-only processes; smaller ones stay on "
