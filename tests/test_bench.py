@@ -195,6 +195,73 @@ def test_a_wrong_run_fails_the_report_naming_run_size_peer_and_rank():
         "WRONG RESULT: peer mpi4py, 1 MiB, timed run 2 of 2, rank 1: x"]
 
 
+def test_flow_bound_of_each_server_layout():
+    """The servers' bound (ceiling.py): a host's flows share its link alike, each
+    capped; unequal flows end with the larger ones alone at the cap."""
+    from herring_jax import _herring_ffi
+    from herring_jax._src.tools.bench import ceiling
+    # Two flows of 1 and 3 bytes on a link of 32 bit/s: 16 each for 0.5 s, then the
+    # second alone; capped at 16 bit/s, it cannot take the link the first left.
+    assert ceiling.fair_time_s([1, 3], 32, 1e9) == pytest.approx(1.0)
+    assert ceiling.fair_time_s([1, 3], 32, 16) == pytest.approx(1.5)
+    assert ceiling.fair_time_s([0, 0], 32, 16) == 0
+    host, flow, b = 1e9, 250e6, 64 * 2**20
+    unit = b * 8 / host  # B / H
+    # 4 workers, no servers: 3 flows of B/2 each way at the flow cap, 2 B/H.
+    assert ceiling.flow_bound_s(4, 0, 0.0, b, host, flow) == pytest.approx(2 * unit)
+    # 4 servers taking everything: 4 flows of B/4 at the cap, B/H (2.0x).
+    assert ceiling.flow_bound_s(4, 4, 1.0, b, host, flow) == pytest.approx(unit)
+    # 2 servers: at 0.6 the flows to the servers carry 0.3 B against 0.2 B to the
+    # workers, so all 5 share the link (1.0 B/H) and then the 2 alone run at the
+    # cap (0.4 B/H); the equal flows of 0.5 take 1.25 B/H.
+    assert ceiling.flow_bound_s(4, 2, 0.6, b, host, flow) == pytest.approx(1.4 * unit)
+    assert ceiling.flow_bound_s(4, 2, 0.5, b, host, flow) == pytest.approx(1.25 * unit)
+    plan = ceiling.flow_bytes(4, 2, 0.5, b)
+    assert plan[0] == [0, b / 4, b / 4, b / 4, b / 4, b / 4]  # every flow of a worker alike
+    assert plan[4] == [b / 4] * 4 + [0, 0]  # a server to the workers only
+    # The engine's default split is that of equal flows: the best of the fair model.
+    for k in (1, 2, 3):
+        x = _herring_ffi.server_share(4, k)
+        row = [v for v in ceiling.flow_bytes(4, k, x, b)[0] if v]
+        assert max(row) == pytest.approx(min(row)), (k, x, row)
+        best = min(ceiling.flow_bound_s(4, k, s / 100, b, host, flow) for s in range(101))
+        assert ceiling.flow_bound_s(4, k, x, b, host, flow) <= best * 1.0001, k
+    assert _herring_ffi.server_share(4, 4) == 1.0
+    assert _herring_ffi.server_share(4, 2, 0.25) == 0.25
+
+
+def test_bench_ceiling_times_raw_tcp_in_the_servers_layout(tmp_path):
+    """--ceiling: raw TCP moves the layout's bytes on the simulated network after
+    herring's runs; its times respect the flow bound (the shaping holds), and the
+    all-reduce's bound is the servers' layout's."""
+    from herring_jax._src.launcher import netns
+    from herring_jax._src.tools.bench import ceiling
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "herring_jax.bench", "-n", "2", "--netns",
+         "--host-rate", "1gbit", "--flow-rate", "250mbit", "--servers", "1",
+         "--sizes-mib", "1,4", "--iters", "2", "--warmup", "1", "--peers", "herring",
+         "--ceiling", "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "network ceiling: raw TCP between 2 worker hosts" in proc.stdout, proc.stdout
+    data = json.loads(out.read_text())
+    assert all(r["correct"] for r in data["results"])
+    big, small = data["ceiling"]["4.0"], data["ceiling"]["1.0"]
+    # 4 MiB reaches the servers (HERRING_SERVER_MIN_BYTES, 4 MiB): n = 2, k = 1
+    # puts half on the server; 1 MiB stays on the workers.
+    assert (big["servers"], big["share"]) == (1, 0.5)
+    assert (small["servers"], small["share"]) == (0, 0.0)
+    bound = ceiling.flow_bound_s(2, 1, 0.5, 4 * 2**20, 1e9, 250e6)
+    assert big["flow_bound_s"] == pytest.approx(bound)
+    assert data["bound_s"]["4.0"] == pytest.approx(bound)
+    assert data["bound_s"]["1.0"] == pytest.approx(ceiling.flow_bound_s(2, 0, 0, 2**20, 1e9,
+                                                                          250e6))
+    # No run beats the shaped bound by more than htb's bursts allow.
+    assert len(big["runs_s"]) == 2 and min(big["runs_s"]) >= 0.9 * bound, big
+    assert not netns.orphans()
+
+
 def test_bench_netns_smoke(tmp_path):
     """The simulated-network mode: 2 hosts of 2 processes, shaped links, the
     bound from the shaped rates and the hosts, and nothing left behind."""

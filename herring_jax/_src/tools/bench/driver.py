@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 
@@ -63,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also start K server-only processes (herring-jax launch "
                              "--servers; with --netns each on a host of its own), which sum "
                              "part of herring's all-reduces; the peers do not use them")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="after herring, time raw TCP moving the all-reduce's bytes "
+                             "between the same simulated hosts (with --servers, in their "
+                             "layout), nothing summed and no flow waiting for another: what "
+                             "the network allows (needs --netns and --host-rate)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--link-source", default="--link-gbps", help=argparse.SUPPRESS)
     parser.add_argument("--bound-kind", default="link", help=argparse.SUPPRESS)
@@ -104,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
     if args.servers < 0:
         print(f"herring-jax bench: --servers must be at least 0, got {args.servers}",
               file=sys.stderr)
+        return 2
+    if args.ceiling and not (args.netns and args.host_rate and
+                             args.num_processes // args.processes_per_host >= 2):
+        print("herring-jax bench: --ceiling needs --netns, --host-rate and at least 2 "
+              "simulated hosts", file=sys.stderr)
         return 2
     bound_kind = "link"
     if args.link_gbps:
@@ -151,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
             worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}",
                        "--bound-kind", bound_kind]
         worker += ["--processes-per-host", str(per_host)]
+        model = _server_model(args) if args.servers and args.netns and args.host_rate else None
+        if model:
+            worker += ["--server-model", json.dumps(model)]
+        if json_path is None and args.ceiling:
+            json_path = os.path.join(scratch, "bench.json")
         if json_path:
             worker += ["--json", json_path]
         network = "loopback"
@@ -184,10 +200,73 @@ def run(args: argparse.Namespace) -> int:
         else:
             from herring_jax._src.tools.bench.workers import launch
             code = launch(args, worker, env)
+        if code == 0 and args.ceiling:
+            code = _ceiling(args, json_path, model)
         if code == 0 and args.plot and json_path:
             from herring_jax._src.tools.bench.plot import plot
             plot(json_path, args.plot)
     return code
+
+
+def _server_model(args: argparse.Namespace) -> dict:
+    """The layout the workers' rank 0 places on the servers (its HERRING_SERVER_SHARE
+    and HERRING_SERVER_MIN_BYTES, or the engine's split) and the shaped rates."""
+    from herring_jax import _herring_ffi
+    from herring_jax._src.launcher.netns import parse_rate
+    from herring_jax._src.process import knobs
+    hosts = args.num_processes // max(1, args.processes_per_host)
+    requested = knobs.get("HERRING_SERVER_SHARE")
+    host_bps = parse_rate(args.host_rate)
+    return {"hosts": hosts, "servers": args.servers,
+            "share": _herring_ffi.server_share(hosts, args.servers,
+                                               -1.0 if requested is None else requested),
+            "min_bytes": knobs.get("HERRING_SERVER_MIN_BYTES"), "host_bps": host_bps,
+            "flow_bps": parse_rate(args.flow_rate) if args.flow_rate else host_bps}
+
+
+def _ceiling(args: argparse.Namespace, json_path: str, model: dict | None) -> int:
+    """Times the network's ceiling for the all-reduce (ceiling.py), prints it beside
+    herring's times from the report and adds it to the JSON; returns an exit code."""
+    from herring_jax._src.launcher.netns import parse_rate
+    from herring_jax._src.tools.bench import ceiling
+    with open(json_path) as f:
+        report = json.load(f)
+    hosts = args.num_processes // max(1, args.processes_per_host)
+    host_bps = parse_rate(args.host_rate)
+    flow_bps = parse_rate(args.flow_rate) if args.flow_rate else host_bps
+    servers, share = (model["servers"], model["share"]) if model else (0, 0.0)
+    print(f"\nnetwork ceiling: raw TCP between {hosts} worker hosts"
+          f"{f' and {servers} server hosts (share {share:.3g})' if servers else ''}, the "
+          f"all-reduce's bytes per flow, nothing summed, {args.iters} timed runs", flush=True)
+    by_size = {}
+    for mib in (float(m) for m in args.sizes_mib.split(",") if m):
+        # A buffer below HERRING_SERVER_MIN_BYTES stays on the workers.
+        k = servers if model and mib * 2**20 >= model["min_bytes"] else 0
+        used = share if k else 0.0
+        try:
+            runs = ceiling.measure(hosts, k, used, [mib], args.host_rate, args.flow_rate,
+                                   args.iters)[mib]
+        except (RuntimeError, OSError) as e:
+            print(f"herring-jax bench: the network ceiling failed: {e}", file=sys.stderr)
+            return 1
+        bound = ceiling.flow_bound_s(hosts, k, used, mib * 2**20, host_bps, flow_bps)
+        line = (f"  {mib:g} MiB: ceiling median {statistics.median(runs) * 1e3:.1f} ms "
+                f"(min {min(runs) * 1e3:.1f}), {bound / min(runs):.0%} of the flow bound "
+                f"{bound * 1e3:.1f} ms")
+        mine = [r for r in report["results"] if r["peer"] == "herring"
+                and r.get("collective", "allreduce") == "allreduce" and r["mib"] == mib]
+        if mine:
+            line += (f"; herring median {mine[0]['median_s'] * 1e3:.1f} ms = "
+                     f"{statistics.median(runs) / mine[0]['median_s']:.0%} of the ceiling's "
+                     f"median (min {min(runs) / mine[0]['min_s']:.0%})")
+        print(line, flush=True)
+        by_size[str(mib)] = {"runs_s": runs, "flow_bound_s": bound, "share": used,
+                             "servers": k}
+    report["ceiling"] = by_size
+    if args.json:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import platform
 import statistics
 
 from herring_jax._src.collectives import codecs
+from herring_jax._src.tools.bench import ceiling
 from herring_jax._src.tools.bench import collectives as coll
 from herring_jax._src.tools.bench.peers import PEERS
 
@@ -73,11 +74,20 @@ def wrong_lines(per_rank) -> list[str]:
 
 
 def _bound(args, n: int):
-    """collectives.bound_s for this run's figures: (collective, nbytes) -> seconds or None."""
+    """collectives.bound_s for this run's figures: (collective, nbytes) -> seconds or None.
+    With server-only processes (--server-model) an all-reduce's is the flow bound of
+    its layout (ceiling.flow_bound_s)."""
     kind = getattr(args, "bound_kind", "link")
     hosts = n // max(1, getattr(args, "processes_per_host", 1))
-    return lambda collective, nbytes: coll.bound_s(collective, nbytes, n, args.link_gbps, kind,
-                                                   hosts)
+    model = json.loads(getattr(args, "server_model", None) or "null")
+
+    def bound(collective: str, nbytes: float) -> float | None:
+        if model and collective == "allreduce":
+            share = model["share"] if nbytes >= model["min_bytes"] else 0.0
+            return ceiling.flow_bound_s(model["hosts"], model["servers"], share, nbytes,
+                                        model["host_bps"], model["flow_bps"])
+        return coll.bound_s(collective, nbytes, n, args.link_gbps, kind, hosts)
+    return bound
 
 
 def wire_fraction(peer: str) -> float:
@@ -148,7 +158,14 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     results = summarize(cases(collectives, sizes, names), per_rank)
     bound = _bound(args, n)
     memory = getattr(args, "bound_kind", "link") == "memory"
-    formulas = coll.MEMORY_FORMULAS if memory else coll.LINK_FORMULAS
+    formulas = dict(coll.MEMORY_FORMULAS if memory else coll.LINK_FORMULAS)
+    model = json.loads(getattr(args, "server_model", None) or "null")
+    if model:
+        formulas["allreduce"] = (
+            f"bound = the busiest host's sends with {model['servers']} server-only "
+            f"process{'es' if model['servers'] > 1 else ''} taking {model['share']:.3g} of "
+            f"each buffer of at least {model['min_bytes']} bytes (a host's flows share its "
+            f"link alike, each at most the flow rate: ceiling.py)")
     rate = (f"{'memory' if memory else 'link'} = {args.link_gbps:.2f} GB/s from "
             f"{args.link_source}" if args.link_gbps else "no rate (pass --link-gbps)")
     unsupported = {c: {p: PEERS[p].describe(c) for p in names if not PEERS[p].has(c)}

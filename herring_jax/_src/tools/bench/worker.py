@@ -32,6 +32,8 @@ def worker_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-source", default="--link-gbps")
     p.add_argument("--bound-kind", default="link", choices=("link", "memory"))
     p.add_argument("--processes-per-host", type=int, default=1)
+    p.add_argument("--server-model", default=None,
+                   help="JSON: the servers' layout for the all-reduce's bound (driver.py)")
     p.add_argument("--json", default=None)
     p.add_argument("--missing", default="{}", help="JSON: peers that could not run, and why")
     return p
