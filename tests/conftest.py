@@ -102,14 +102,9 @@ EXTENDED_CASES = {
     "test_local_sgd.py::test_train_bench_runs_diloco_against_allreduce_and_compute",
     # Restarts of train_lm on 4 processes (several runs each, minutes); the
     # launcher's own restart tests stay in the core tier.
-    "test_restarts.py::test_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
-    "[allreduce]",
-    "test_restarts.py::test_kills_under_max_restarts_end_with_the_uninterrupted_parameters"
-    "[sharded]",
+    "test_restarts.py::test_kills_under_max_restarts_end_with_the_uninterrupted_parameters",
     "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
-    "finishes[allreduce]",
-    "test_restarts.py::test_a_process_failing_after_its_first_restart_is_left_out_and_the_job_"
-    "finishes[sharded]",
+    "finishes",
     "test_restarts.py::test_sigterm_to_one_rank_saves_every_rank_at_one_step_and_resumes_bitwise",
     "test_restarts.py::test_fully_sharded_resumes_bitwise_and_onto_fewer_processes",
     # Streaming DiLoCo's resume through train_lm (two runs, about a minute);

@@ -134,12 +134,14 @@ def assert_all_ok(run: Run, expected_cases: int | None = None) -> dict[str, set[
 def train_bench_codecs(tmp_path: Path, codecs: str, steps: int, timeout: float = 600,
                        nproc: int = 2) -> tuple[subprocess.CompletedProcess, dict]:
     """`herring-jax train-bench --codecs` on a tiny train_lm (nproc processes
-    over the transport, a held-out loss every 2 steps): the finished process
+    over the transport, a held-out loss every 2 steps, compiled at XLA's
+    optimization level 0, as every test's processes are): the finished process
     (asserted to have succeeded) and its JSON results by codec name."""
     out = tmp_path / "codecs.json"
     proc = subprocess.run(
         [sys.executable, "-m", "herring_jax._src.tools.train_bench", "-n", str(nproc),
-         "--steps", str(steps), "--codecs", codecs, "--log-every", "2", "--script",
+         "--steps", str(steps), "--codecs", codecs, "--log-every", "2",
+         f"--xla-flags={FAST_COMPILE}", "--script",
          str(ROOT / "examples" / "train_lm.py"), "--json", str(out), "--", "--dim", "32",
          "--layers", "1", "--text-bytes", str(1 << 18)],
         cwd=tmp_path, capture_output=True, text=True, timeout=timeout, check=False)

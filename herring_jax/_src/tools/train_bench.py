@@ -114,9 +114,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--overlap: timeline PNG to write; --codecs: held-out loss PNG")
     parser.add_argument("--simulated-accelerator", action="store_true",
                         help="scaling of simulated-accelerator training (see below)")
+    parser.add_argument("--xla-flags", default=None, metavar="FLAGS",
+                        help="XLA_FLAGS for every run (default: none; the caller's XLA_FLAGS "
+                             "are dropped, so that a forced device count does not change "
+                             "the layout), e.g. --xla-flags=--xla_backend_optimization_level=0 "
+                             "to compile faster and step slower")
     parser.add_argument("script_args", nargs="*",
                         help="extra options for the script or, with --overlap, the overlap "
                              "worker (--layers, --width, --batch, --steps, --pin, ...)")
+
+
+def _run_env(args) -> dict:
+    """The environment of every run: the caller's without its XLA_FLAGS, and
+    --xla-flags' in their place."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    if getattr(args, "xla_flags", None):
+        env["XLA_FLAGS"] = args.xla_flags
+    return env
 
 
 def _run_script(args, n: int, script_args: list[str], env: dict | None = None):
@@ -127,8 +142,7 @@ def _run_script(args, n: int, script_args: list[str], env: dict | None = None):
            str(int(args.timeout)), *args.launch_args.split(), "--", sys.executable, script,
            *script_args, *args.script_args]
     if env is None:
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
+        env = _run_env(args)
     return subprocess.run(cmd, cwd=os.path.dirname(script), env=env, capture_output=True,
                           text=True, timeout=args.timeout + 60, check=False)
 
@@ -291,8 +305,7 @@ def run_codecs(args: argparse.Namespace) -> int:
             print("herring-jax train-bench: give the seeds with --seeds, not as the script's "
                   "--seed", file=sys.stderr)
             return 2
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = _run_env(args)
     where = "over the simulated network"
     if "--netns" not in args.launch_args.split():
         env["HERRING_HOST_STAGE"] = "0"
@@ -366,8 +379,7 @@ def _launch_worker(args, n: int, launch_args: str, module: str, worker_args: lis
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(n), "--timeout",
            str(int(args.timeout)), *launch_args.split(), "--", sys.executable, "-m", module,
            *worker_args]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    env = _run_env(args)
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=args.timeout + 60, check=False)
     lines = [ln.split(marker + " ", 1)[1] for ln in proc.stdout.splitlines()
