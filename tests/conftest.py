@@ -90,9 +90,10 @@ EXTENDED_CASES = {
                    "mnist-powersgd", "mnist-topk", "mnist-compute-only", "lm-diloco-int8",
                    "lm-slowmo", "lm-localsgd-streaming-delay", "lm-fully-sharded-reshard",
                    "lm-native", "lm-any-batch", "lm-accordion")),
-    # Flax NNX: the core tier keeps the example's allreduce_gradients run (about
-    # 16 s); every transformation inside nnx.Optimizer and the NNX checkpoint
-    # recipes (2 processes, then a resume on 3) take 1.5-3 min.
+    # Flax NNX, all of it here (the example's allreduce_gradients run, about
+    # 16 s, left the core tier with the cases at the top): every
+    # transformation inside nnx.Optimizer and the NNX checkpoint recipes (2
+    # processes, then a resume on 3) take 1.5-3 min.
     "test_nnx.py::test_herring_inside_nnx_optimizer_on_two_processes",
     "test_nnx.py::test_the_nnx_example_matches_one_process[sharded]",
     # Local SGD: the core tier keeps the 2-process run of every case (about
