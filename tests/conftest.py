@@ -116,6 +116,10 @@ EXTENDED_CASES = {
     # with a server (tests/test_servers.py kills one in the core tier); on
     # this host, and on simulated hosts (--netns), where the restart's ports
     # follow the first run's in the same namespaces.
+    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
+    "[--sharded-optimizer]",
+    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
+    "[--fully-sharded]",
     "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"
     "parameters[local]",
     "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"

@@ -492,6 +492,25 @@ def test_local_sgd_resumes_on_fewer_processes(tmp_path):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["--sharded-optimizer", "--fully-sharded"])
+def test_sharded_training_beside_a_server_ends_bitwise_as_without_it(tmp_path, mode):
+    # sharded_optimizer's and fully_sharded's reduce-scatters and all-gathers
+    # stay on the workers (docs/guides/servers.md); the job's all-reduces
+    # (every size, HERRING_SERVER_MIN_BYTES 0) go through the server. The
+    # trained parameters are bitwise those of the same job without it.
+    env = {"HERRING_HOST_STAGE": "0", "HERRING_SERVER_MIN_BYTES": "0"}
+    without = _lm(tmp_path / "without", n=2, extra=[mode], env=env)
+    assert without.returncode == 0, _out(without)
+    served = _lm(tmp_path / "served", n=2, launch=["--servers", "1"], extra=[mode], env=env)
+    assert served.returncode == 0, _out(served)
+    [line] = re.findall(r"^\[rank 2\] HERRING_RESULT (.*)$", served.stdout, re.M)
+    # The server summed the loss's all-reduce of every step.
+    assert json.loads(line)["ok"] and json.loads(line)["served_chunks"] >= 16, line
+    assert "done: reduce=herring processes=2 " in served.stdout, _out(served)
+    assert _digest(served) == _digest(without), _out(served)
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("network", ["local", "netns"])
 def test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_parameters(
         tmp_path, network):
