@@ -116,14 +116,17 @@ EXTENDED_CASES = {
     # with a server (tests/test_servers.py kills one in the core tier); on
     # this host, and on simulated hosts (--netns), where the restart's ports
     # follow the first run's in the same namespaces.
-    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
-    "[--sharded-optimizer]",
-    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
-    "[--fully-sharded]",
     "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"
     "parameters[local]",
     "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"
     "parameters[netns]",
+    # sharded_optimizer and fully_sharded beside a server-only process: two
+    # train_lm runs of 2 processes each (tests/test_servers.py sums through
+    # servers bitwise in the core tier).
+    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
+    "[--sharded-optimizer]",
+    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
+    "[--fully-sharded]",
     # Moved when the core tier, two tests at a time, took 12.2 min on a quiet
     # machine (2026-11-28): fallbacks and guards whose feature keeps its main
     # test in the core tier (the first and last also run under the sanitizers).

@@ -238,6 +238,7 @@ def test_a_process_that_does_not_stop_within_the_preemption_grace_exits_1_saying
 
 _DIGEST = re.compile(r"params sha256 ([0-9a-f]{16})")
 _RESUMED = re.compile(r"\] resumed from the checkpoint after step (\d+)")
+_LOSSES = re.compile(r"^\[rank 0\] step +\d+  loss (\S+)", re.M)
 # sharded_optimizer's state is what the left-out test reshards and what the
 # SIGTERM test saves and resumes. The kill test runs allreduce_gradients
 # with two kills: a restart of a run that was itself
@@ -504,8 +505,10 @@ def test_sharded_training_beside_a_server_ends_bitwise_as_without_it(tmp_path, m
     served = _lm(tmp_path / "served", n=2, launch=["--servers", "1"], extra=[mode], env=env)
     assert served.returncode == 0, _out(served)
     [line] = re.findall(r"^\[rank 2\] HERRING_RESULT (.*)$", served.stdout, re.M)
-    # The server summed the loss's all-reduce of every step.
+    # The server summed the loss's all-reduce of every step, to the same bits.
     assert json.loads(line)["ok"] and json.loads(line)["served_chunks"] >= 16, line
+    losses = [_LOSSES.findall(p.stdout) for p in (served, without)]
+    assert len(losses[0]) == 16 and losses[0] == losses[1], _out(served)
     assert "done: reduce=herring processes=2 " in served.stdout, _out(served)
     assert _digest(served) == _digest(without), _out(served)
 

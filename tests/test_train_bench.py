@@ -189,7 +189,8 @@ def test_train_bench_with_servers_sends_less_and_trains_the_same(tmp_path):
         proc = subprocess.run(
             [sys.executable, "-P", "-m", "herring_jax._src.cli", "train-bench", "-n", "3",
              "--steps", "6", "--codecs", "none", "--launch-args", launch_args, "--json",
-             str(out), f"--xla-flags={FAST_COMPILE}", "--", "--dim", "32", "--layers", "1", "--text-bytes", str(1 << 18)],
+             str(out), f"--xla-flags={FAST_COMPILE}", "--", "--dim", "32", "--layers", "1",
+             "--text-bytes", str(1 << 18)],
             cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
             env={**os.environ, "HERRING_HOST_STAGE": "0", "HERRING_SERVER_MIN_BYTES": "0"})
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -38,9 +38,10 @@ inline double ServedLoad(int n, int k, double x) {
 // split that loads some flows more than others finishes with those alone,
 // each at its per-flow cap, and leaves the link idle: the split at which the
 // workers' and the servers' links would finish together (a / (n / k - 1 + a),
-// a = 2 (n - 1) / n; 0.6 for n = 4, k = 2) measured 12% slower than raw TCP's
-// equal flows at 0.5 on 4 hosts of 1 Gbit/s with 250 Mbit/s flows, and
-// herring 1.37x against 1.54x over no servers (docs/guides/servers.md). Two
+// a = 2 (n - 1) / n; 0.6 for n = 4, k = 2) took raw TCP 804-806 ms against
+// 728-750 at 0.5, equal flows, on 4 hosts of 1 Gbit/s with 250 Mbit/s flows
+// (64 MiB), and herring 1.36x against 1.53-1.54x over no servers
+// (docs/guides/servers.md). Two
 // splits load every flow alike: x = 2 k / (n + 2 k), where the n - 1 flows
 // to workers and the k to servers each carry 2 / (n + 2 k) of the buffer, and
 // x = 1, where only the k flows to servers carry it. Of the two, the one

@@ -43,7 +43,7 @@ def flow_bytes(hosts: int, servers: int, share: float, nbytes: float) -> list[li
                 continue
             if i < hosts and j < hosts:
                 out[i][j] = 2 * (1 - share) * nbytes / hosts
-            else:
+            elif share > 0:
                 out[i][j] = share * nbytes / servers
     return out
 

@@ -116,6 +116,11 @@ def run(args: argparse.Namespace) -> int:
         print("herring-jax bench: --ceiling needs --netns, --host-rate and at least 2 "
               "simulated hosts", file=sys.stderr)
         return 2
+    if args.ceiling and per_host > 1 and env.get("HERRING_HOST_STAGE") == "0":
+        print("herring-jax bench: --ceiling takes one flow per pair of hosts, as the host "
+              "stage sends; with HERRING_HOST_STAGE=0 every process crosses on its own",
+              file=sys.stderr)
+        return 2
     bound_kind = "link"
     if args.link_gbps:
         link_gbps, link_source = args.link_gbps, "--link-gbps"
@@ -162,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
             worker += ["--link-gbps", repr(link_gbps), f"--link-source={link_source}",
                        "--bound-kind", bound_kind]
         worker += ["--processes-per-host", str(per_host)]
-        model = _server_model(args) if args.servers and args.netns and args.host_rate else None
+        model = _server_model(args, env) if args.servers and args.netns and args.host_rate \
+            else None
         if model:
             worker += ["--server-model", json.dumps(model)]
         if json_path is None and args.ceiling:
@@ -208,12 +214,16 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _server_model(args: argparse.Namespace) -> dict:
+def _server_model(args: argparse.Namespace, env: dict) -> dict | None:
     """The layout the workers' rank 0 places on the servers (its HERRING_SERVER_SHARE
-    and HERRING_SERVER_MIN_BYTES, or the engine's split) and the shaped rates."""
+    and HERRING_SERVER_MIN_BYTES, or the engine's split) and the shaped rates; None
+    where the processes of a host cross on their own (HERRING_HOST_STAGE=0), whose
+    split is over processes, not hosts."""
     from herring_jax import _herring_ffi
     from herring_jax._src.launcher.netns import parse_rate
     from herring_jax._src.process import knobs
+    if args.processes_per_host > 1 and env.get("HERRING_HOST_STAGE") == "0":
+        return None
     hosts = args.num_processes // max(1, args.processes_per_host)
     requested = knobs.get("HERRING_SERVER_SHARE")
     host_bps = parse_rate(args.host_rate)
@@ -240,28 +250,29 @@ def _ceiling(args: argparse.Namespace, json_path: str, model: dict | None) -> in
           f"all-reduce's bytes per flow, nothing summed, {args.iters} timed runs", flush=True)
     by_size = {}
     for mib in (float(m) for m in args.sizes_mib.split(",") if m):
-        # A buffer below HERRING_SERVER_MIN_BYTES stays on the workers.
-        k = servers if model and mib * 2**20 >= model["min_bytes"] else 0
-        used = share if k else 0.0
+        # A buffer below HERRING_SERVER_MIN_BYTES stays on the workers; the
+        # server hosts are there all the same, as in herring's run (each
+        # flow's guaranteed share of its host's link counts every host).
+        used = share if model and mib * 2**20 >= model["min_bytes"] else 0.0
         try:
-            runs = ceiling.measure(hosts, k, used, [mib], args.host_rate, args.flow_rate,
-                                   args.iters)[mib]
+            runs = ceiling.measure(hosts, servers, used, [mib], args.host_rate,
+                                   args.flow_rate, args.iters)[mib]
         except (RuntimeError, OSError) as e:
             print(f"herring-jax bench: the network ceiling failed: {e}", file=sys.stderr)
             return 1
-        bound = ceiling.flow_bound_s(hosts, k, used, mib * 2**20, host_bps, flow_bps)
+        bound = ceiling.flow_bound_s(hosts, servers, used, mib * 2**20, host_bps, flow_bps)
         line = (f"  {mib:g} MiB: ceiling median {statistics.median(runs) * 1e3:.1f} ms "
                 f"(min {min(runs) * 1e3:.1f}), {bound / min(runs):.0%} of the flow bound "
                 f"{bound * 1e3:.1f} ms")
         mine = [r for r in report["results"] if r["peer"] == "herring"
                 and r.get("collective", "allreduce") == "allreduce" and r["mib"] == mib]
         if mine:
-            line += (f"; herring median {mine[0]['median_s'] * 1e3:.1f} ms = "
+            line += (f"; herring median {mine[0]['median_s'] * 1e3:.1f} ms, at "
                      f"{statistics.median(runs) / mine[0]['median_s']:.0%} of the ceiling's "
-                     f"median (min {min(runs) / mine[0]['min_s']:.0%})")
+                     f"speed (minima {min(runs) / mine[0]['min_s']:.0%})")
         print(line, flush=True)
         by_size[str(mib)] = {"runs_s": runs, "flow_bound_s": bound, "share": used,
-                             "servers": k}
+                             "servers": servers}
     report["ceiling"] = by_size
     if args.json:
         with open(json_path, "w") as f:

@@ -81,10 +81,13 @@ def _bound(args, n: int):
     hosts = n // max(1, getattr(args, "processes_per_host", 1))
     model = json.loads(getattr(args, "server_model", None) or "null")
 
-    def bound(collective: str, nbytes: float) -> float | None:
+    def bound(collective: str, nbytes: float, peer: str = "herring") -> float | None:
         if model and collective == "allreduce":
-            share = model["share"] if nbytes >= model["min_bytes"] else 0.0
-            return ceiling.flow_bound_s(model["hosts"], model["servers"], share, nbytes,
+            # The engine judges a buffer by its bytes on the wire (encoded,
+            # with a codec): HERRING_SERVER_MIN_BYTES.
+            served = nbytes * wire_fraction(peer) >= model["min_bytes"]
+            return ceiling.flow_bound_s(model["hosts"], model["servers"],
+                                        model["share"] if served else 0.0, nbytes,
                                         model["host_bps"], model["flow_bps"])
         return coll.bound_s(collective, nbytes, n, args.link_gbps, kind, hosts)
     return bound
@@ -112,7 +115,7 @@ def table(results, n, bound) -> str:
         algbw = nbytes / r["median_s"] / 1e9
         herring = by.get((r["mib"], "herring"))
         speedup = f"{r['median_s'] / herring['median_s']:.2f}" if herring else "-"
-        limit = bound(collective, nbytes)
+        limit = bound(collective, nbytes, r["peer"])
         limit = None if limit is None else limit * wire_fraction(r["peer"])
         # "!" marks a run faster than the bound: then the rate is not what the
         # transport (or memory) can carry, and the bound is no bound.
@@ -131,7 +134,7 @@ def _notes(results, n, bound) -> list[str]:
     lines = []
     for r in results:
         collective = r.get("collective", "allreduce")
-        limit = bound(collective, _nbytes(r, n))
+        limit = bound(collective, _nbytes(r, n), r["peer"])
         if limit and r["peer"].startswith("herring"):
             limit *= wire_fraction(r["peer"])
             lines.append(f"{r['peer']} at {r['mib']:g} MiB: {limit / r['median_s']:.0%} of the "
@@ -164,8 +167,8 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
         formulas["allreduce"] = (
             f"bound = the busiest host's sends with {model['servers']} server-only "
             f"process{'es' if model['servers'] > 1 else ''} taking {model['share']:.3g} of "
-            f"each buffer of at least {model['min_bytes']} bytes (a host's flows share its "
-            f"link alike, each at most the flow rate: ceiling.py)")
+            f"each buffer of at least {model['min_bytes']} bytes on the wire (a host's flows "
+            f"share its link alike, each at most the flow rate: ceiling.py)")
     rate = (f"{'memory' if memory else 'link'} = {args.link_gbps:.2f} GB/s from "
             f"{args.link_source}" if args.link_gbps else "no rate (pass --link-gbps)")
     unsupported = {c: {p: PEERS[p].describe(c) for p in names if not PEERS[p].has(c)}
@@ -188,8 +191,8 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     if rss:
         print(f"peak memory per process (every peer's buffers, jax and the libraries): "
               f"{min(rss):.0f} to {max(rss):.0f} MiB")
-    if any(r["median_s"] < (bound(r["collective"], _nbytes(r, n)) or 0) * wire_fraction(r["peer"])
-           for r in results):
+    if any(r["median_s"] < (bound(r["collective"], _nbytes(r, n), r["peer"]) or 0)
+           * wire_fraction(r["peer"]) for r in results):
         print("!: faster than the bound: the rate given is below what the transport (or "
               "memory) carries, so this bound is no bound")
     wrong = wrong_lines(per_rank)
