@@ -183,7 +183,7 @@ def _flow_worker(me: int, addrs: list[str], plan: dict, iters: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--flow-worker", nargs=4, metavar=("ME", "ADDRS", "PLAN", "ITERS"),
                         required=True)
     args = parser.parse_args(argv)
