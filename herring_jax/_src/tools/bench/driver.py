@@ -220,30 +220,35 @@ def _server_model(args: argparse.Namespace, env: dict) -> dict | None:
     where the processes of a host cross on their own (HERRING_HOST_STAGE=0), whose
     split is over processes, not hosts."""
     from herring_jax import _herring_ffi
-    from herring_jax._src.launcher.netns import parse_rate
     from herring_jax._src.process import knobs
     if args.processes_per_host > 1 and env.get("HERRING_HOST_STAGE") == "0":
         return None
     hosts = args.num_processes // max(1, args.processes_per_host)
     requested = knobs.get("HERRING_SERVER_SHARE")
-    host_bps = parse_rate(args.host_rate)
+    host_bps, flow_bps = _rates(args)
     return {"hosts": hosts, "servers": args.servers,
             "share": _herring_ffi.server_share(hosts, args.servers,
                                                -1.0 if requested is None else requested),
             "min_bytes": knobs.get("HERRING_SERVER_MIN_BYTES"), "host_bps": host_bps,
-            "flow_bps": parse_rate(args.flow_rate) if args.flow_rate else host_bps}
+            "flow_bps": flow_bps}
+
+
+def _rates(args: argparse.Namespace) -> tuple[float, float]:
+    """(host egress, per-flow cap) in bits per second; the flow's is the host's unless
+    given."""
+    from herring_jax._src.launcher.netns import parse_rate
+    host_bps = parse_rate(args.host_rate)
+    return host_bps, parse_rate(args.flow_rate) if args.flow_rate else host_bps
 
 
 def _ceiling(args: argparse.Namespace, json_path: str, model: dict | None) -> int:
     """Times the network's ceiling for the all-reduce (ceiling.py), prints it beside
     herring's times from the report and adds it to the JSON; returns an exit code."""
-    from herring_jax._src.launcher.netns import parse_rate
     from herring_jax._src.tools.bench import ceiling
     with open(json_path) as f:
         report = json.load(f)
     hosts = args.num_processes // max(1, args.processes_per_host)
-    host_bps = parse_rate(args.host_rate)
-    flow_bps = parse_rate(args.flow_rate) if args.flow_rate else host_bps
+    host_bps, flow_bps = _rates(args)
     servers, share = (model["servers"], model["share"]) if model else (0, 0.0)
     print(f"\nnetwork ceiling: raw TCP between {hosts} worker hosts"
           f"{f' and {servers} server hosts (share {share:.3g})' if servers else ''}, the "

@@ -73,13 +73,12 @@ def wrong_lines(per_rank) -> list[str]:
     return lines
 
 
-def _bound(args, n: int):
+def _bound(args, n: int, model: dict | None):
     """collectives.bound_s for this run's figures: (collective, nbytes) -> seconds or None.
-    With server-only processes (--server-model) an all-reduce's is the flow bound of
-    its layout (ceiling.flow_bound_s)."""
+    With server-only processes (`model`, from --server-model) an all-reduce's is the
+    flow bound of its layout (ceiling.flow_bound_s)."""
     kind = getattr(args, "bound_kind", "link")
     hosts = n // max(1, getattr(args, "processes_per_host", 1))
-    model = json.loads(getattr(args, "server_model", None) or "null")
 
     def bound(collective: str, nbytes: float, peer: str = "herring") -> float | None:
         if model and collective == "allreduce":
@@ -159,10 +158,10 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     per_rank = [[r for r in records if r.get("peer") != PROCESS_RECORD] for records in per_rank]
     collectives = coll.parse(getattr(args, "collective", "allreduce"))
     results = summarize(cases(collectives, sizes, names), per_rank)
-    bound = _bound(args, n)
+    model = json.loads(getattr(args, "server_model", None) or "null")
+    bound = _bound(args, n, model)
     memory = getattr(args, "bound_kind", "link") == "memory"
     formulas = dict(coll.MEMORY_FORMULAS if memory else coll.LINK_FORMULAS)
-    model = json.loads(getattr(args, "server_model", None) or "null")
     if model:
         formulas["allreduce"] = (
             f"bound = the busiest host's sends with {model['servers']} server-only "
