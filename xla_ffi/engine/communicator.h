@@ -372,6 +372,9 @@ class Communicator {
   void Fail(Batch* batch, const std::string& why, bool tell_peers = true);
   // Breaks the communicator and fails every batch in flight with `why`.
   void FailAll(const std::string& why, bool tell_peers);
+  // Records `why` as the communicator's failure unless it failed before;
+  // returns the first failure, which is what the peers are told.
+  std::string FirstFailure(const std::string& why);
   // Shutting down (the destructor runs): failures of background posts are
   // expected then, not errors.
   bool ShuttingDown();

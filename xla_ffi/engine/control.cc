@@ -122,11 +122,18 @@ void Communicator::BroadcastAbort(const std::string& why) {
   std::call_once(abort_once_, [&] { TellPeers(MsgKind::kAbort, why, AllPeers(), 0.0, true); });
 }
 
+// The first failure of this communicator: what its abort tells the peers.
+// Every later one follows from it (StopWaiting fails the queued sends "after
+// a failure"); were one of those told, a peer that hears this rank before the
+// failed one would report the echo and never the cause.
+std::string Communicator::FirstFailure(const std::string& why) {
+  std::lock_guard<std::mutex> lock(broken_mu_);
+  if (broken_.empty()) broken_ = why;
+  return broken_;
+}
+
 void Communicator::FailAll(const std::string& why, bool tell_peers) {
-  {
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    if (broken_.empty()) broken_ = why;
-  }
+  const std::string first = FirstFailure(why);
   transport_->StopWaiting();
   {
     std::lock_guard<std::mutex> lock(active_mu_);
@@ -134,7 +141,7 @@ void Communicator::FailAll(const std::string& why, bool tell_peers) {
   }
   if (tell_peers && connected_) {
     abort_owed_ = true;
-    Enqueue([this, why] { BroadcastAbort(why); });
+    Enqueue([this, first] { BroadcastAbort(first); });
   }
 }
 
@@ -147,10 +154,7 @@ void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
     }
   }
   batch->cv.notify_all();
-  {
-    std::lock_guard<std::mutex> lock(broken_mu_);
-    if (broken_.empty()) broken_ = why;
-  }
+  const std::string first = FirstFailure(why);
   // The communicator is unusable from here on: a post waiting for room in a
   // queue (e.g. to a dead rank that this batch's failure did not name) must
   // give up now, or the caller's thread stays in StartJob until the timeout.
@@ -159,7 +163,7 @@ void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
   // must never wait on the transport's queues itself.
   if (tell_peers && connected_) {
     abort_owed_ = true;
-    Enqueue([this, why] { BroadcastAbort(why); });
+    Enqueue([this, first] { BroadcastAbort(first); });
   }
 }
 
