@@ -109,8 +109,12 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
     *why = "wrong job token (a process of another job or an old run)";
     return HeaderVerdict::kStranger;
   }
+  // The part is not in the tag: it is compared after the identity, since a
+  // reduction whose tag bits collide with this one's may number its parts
+  // otherwise (a block's server parts, Job::WirePart), and must fail the job
+  // as a collision rather than be dropped.
   if (h.kind != static_cast<uint8_t>(want.kind) || h.src_rank != want.src_rank ||
-      h.stream != want.stream || h.part != want.part || h.chunk != want.chunk) {
+      h.stream != want.stream || h.chunk != want.chunk) {
     auto fields = [](uint32_t kind, uint32_t src, uint32_t stream, uint32_t part,
                      uint32_t chunk) {
       return "kind " + std::to_string(kind) + " from rank " + std::to_string(src) +
@@ -129,7 +133,7 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
       Describe(static_cast<DType>(h.dtype), h.total_elems, static_cast<ReduceOp>(h.op), h.key);
   const std::string what_mine = Describe(want.dtype, want.total_elems, want.op, want.key);
   if (theirs != want.id) {
-    // Same token, sender, stream, part and chunk as the tag, other identity:
+    // Same token, sender, stream and chunk as the tag, other identity:
     // the tag bits of two reductions in flight at once collided. The message
     // belongs to another reduction that now never gets it: fail, never drop.
     *why = "tag collision: rank " + std::to_string(h.src_rank) + " sent " + what_theirs +
@@ -138,6 +142,12 @@ HeaderVerdict CheckHeader(const void* header, size_t len, const Expectation& wan
            DescribeIdentity(want.id) + "); two reductions in flight at once share their "
            "30-bit tag hash. Rerunning will most likely not collide again";
     return HeaderVerdict::kCollision;
+  }
+  if (h.part != want.part) {
+    *why = "header names part " + std::to_string(h.part) + " where the receive it matched "
+           "(from rank " + std::to_string(want.src_rank) + ", chunk " +
+           std::to_string(want.chunk) + ") is for part " + std::to_string(want.part);
+    return HeaderVerdict::kStranger;
   }
   if (h.codec != static_cast<uint8_t>(want.codec)) {
     *why = "rank " + std::to_string(h.src_rank) + " sends " + what_theirs + " with codec " +
