@@ -96,9 +96,11 @@ tests=(
   # slices (a posting never found must never be read).
   "tests/test_collectives.py::test_process_collectives_on_one_host_through_the_boards"
   # Server-only processes: the workers' parts summed on a server (served.cc),
-  # bitwise against the same job without it; a killed server.
+  # bitwise against the same job without it; a killed server; reduce-scatters
+  # and all-gathers block by block through two servers.
   "tests/test_servers.py::test_two_workers_and_a_server_sum_bitwise_as_without_it"
   "tests/test_servers.py::test_a_killed_server_fails_every_worker_fast_naming_it"
+  "tests/test_servers.py::test_reduce_scatter_and_allgather_through_the_servers_are_bitwise_as_without_them"
   # XLA:CUDA's handler code on the CPU double (its stream threads, events,
   # the done's wait on herring's thread): copies delayed each way; a failed
   # copy whose error sticks and whose process aborts the job.

@@ -120,12 +120,12 @@ EXTENDED_CASES = {
     "parameters[local]",
     "test_restarts.py::test_a_killed_server_under_max_restarts_resumes_to_the_uninterrupted_"
     "parameters[netns]",
-    # sharded_optimizer and fully_sharded beside a server-only process: two
+    # sharded_optimizer and fully_sharded through a server-only process: two
     # train_lm runs of 2 processes each (tests/test_servers.py sums through
     # servers bitwise in the core tier).
-    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
+    "test_restarts.py::test_sharded_training_through_a_server_ends_bitwise_as_without_it"
     "[--sharded-optimizer]",
-    "test_restarts.py::test_sharded_training_beside_a_server_ends_bitwise_as_without_it"
+    "test_restarts.py::test_sharded_training_through_a_server_ends_bitwise_as_without_it"
     "[--fully-sharded]",
     # Moved when the core tier, two tests at a time, took 12.2 min on a quiet
     # machine (2026-11-28): fallbacks and guards whose feature keeps its main
@@ -149,6 +149,8 @@ EXTENDED_CASES = {
     "test_servers.py::test_the_host_stage_sums_across_hosts_through_the_servers_bitwise_as_"
     "without_them",
     "test_servers.py::test_the_host_stage_sends_encoded_slices_through_the_servers_bitwise_as_"
+    "without_them",
+    "test_servers.py::test_the_host_stage_sends_encoded_blocks_through_the_servers_bitwise_as_"
     "without_them",
     "test_codecs.py::test_error_feedback_keeps_what_the_engine_encoding_lost[1x2-sharded]",
     "test_codecs.py::test_error_feedback_keeps_what_the_engine_encoding_lost[2x1-allreduce]",

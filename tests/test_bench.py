@@ -230,6 +230,41 @@ def test_flow_bound_of_each_server_layout():
     assert _herring_ffi.server_share(4, 2, 0.25) == 0.25
 
 
+def test_flow_bound_of_reduce_scatter_and_all_gather_through_servers():
+    """A reduce-scatter's or all-gather's layout with servers (ceiling.flow_bytes):
+    a share of each block, its sums to the owner alone or its owner's share on to the
+    others; the bounds the servers guide quotes, and the engine's block split the
+    fastest of the fair model for a reduce-scatter."""
+    from herring_jax import _herring_ffi
+    from herring_jax._src.tools.bench import ceiling
+    host, flow, b = 1e9, 250e6, 64 * 2**20
+    unit = b * 8 / host  # B / H
+    block = b / 4
+    for c in ("reduce_scatter", "all_gather"):
+        # No servers: 3 flows of a block at the cap, B/H.
+        assert ceiling.flow_bound_s(4, 0, 0.0, b, host, flow, c) == pytest.approx(unit)
+    rs = ceiling.flow_bytes(4, 4, 0.5, b, "reduce_scatter")
+    assert rs[0] == [0] + [block / 2] * 3 + [block / 2] * 4  # to owners, to servers: alike
+    assert rs[4] == [block / 8] * 4 + [0] * 4  # each owner its block's eighth
+    ag = ceiling.flow_bytes(4, 4, 0.5, b, "all_gather")
+    assert ag[0] == [0] + [block / 2] * 3 + [block / 8] * 4
+    assert ag[4] == [3 * block / 8] * 4 + [0] * 4  # the 3 other blocks' eighths
+    bound = {(c, k): ceiling.flow_bound_s(4, k, _herring_ffi.block_share(4, k), b, host, flow,
+                                          c)
+             for c in ("reduce_scatter", "all_gather") for k in (2, 4)}
+    assert bound["reduce_scatter", 2] == pytest.approx(5 / 6 * unit)  # 1.2x
+    assert bound["reduce_scatter", 4] == pytest.approx(0.875 * unit)  # 1.14x
+    assert bound["all_gather", 2] == pytest.approx(0.7083 * unit, rel=1e-3)  # 1.41x
+    assert bound["all_gather", 4] == pytest.approx(0.59375 * unit)  # 1.68x
+    for k in (1, 2, 4):
+        x = _herring_ffi.block_share(4, k)
+        assert x == pytest.approx(k / (4 + k))
+        best = min(ceiling.flow_bound_s(4, k, s / 100, b, host, flow, "reduce_scatter")
+                   for s in range(101))
+        assert ceiling.flow_bound_s(4, k, x, b, host, flow, "reduce_scatter") <= best * 1.0001
+    assert _herring_ffi.block_share(4, 2, 0.25) == 0.25
+
+
 def test_bench_ceiling_times_raw_tcp_in_the_servers_layout(tmp_path):
     """--ceiling: raw TCP moves the layout's bytes on the simulated network after
     herring's runs; its times respect the flow bound (the shaping holds), and the

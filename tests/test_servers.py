@@ -152,6 +152,51 @@ def test_the_host_stage_sends_encoded_slices_through_the_servers_bitwise_as_with
         assert result["ok"] and result["served_chunks"] > 0, result
 
 
+def _halves_match(run, without, ranks, expected):
+    """Every case of served_halves_worker.py ok, with the digests of the job
+    without servers, and each buffer through the servers."""
+    for rank in ranks:
+        got, want = _cases(run, rank), _cases(without, rank)
+        assert got.keys() == want.keys() and len(got) == expected, (got.keys(), want.keys())
+        for name, case in got.items():
+            assert case["ok"], (name, case)
+            assert case["digest"] == want[name]["digest"], (name, case, want[name])
+            assert case["served"] == 1 and want[name]["served"] == 0, (name, case)
+
+
+def test_reduce_scatter_and_allgather_through_the_servers_are_bitwise_as_without_them():
+    # 3 workers, 2 servers: each block (a worker's part) goes 2/5 through the
+    # servers, which sum a reduce-scatter's share and send it to the block's
+    # owner alone, and pass an all-gather's share on from its owner to the
+    # others. Small chunks: several per part. Every case is checked against
+    # numpy in rank order (the worker) and against the job without servers.
+    env = {**FLAT, **SMALL_CHUNKS, "HERRING_SERVER_MIN_BYTES": "0"}
+    without = launch("served_halves_worker.py", [], nproc=3, env=env)
+    assert without.returncode == 0, without.explain()
+    run = launch("served_halves_worker.py", [], nproc=3, servers=2, env=env)
+    assert run.returncode == 0, run.explain()
+    # 3 counts x (float32 and bfloat16: 2 ops, int32: 1; and an all-gather each).
+    _halves_match(run, without, range(3), 3 * (2 + 2 + 1 + 3))
+    for server in (3, 4):
+        [result] = run.results[server]
+        assert result["ok"] and result["served_chunks"] > 0, result
+
+
+def test_the_host_stage_sends_encoded_blocks_through_the_servers_bitwise_as_without_them():
+    # 2 simulated hosts x 2 workers, 2 servers: each host sums through memory,
+    # and each process's slice of a reduce-scatter or all-gather crosses hosts
+    # block by block, half of each through the servers, encoded: the servers
+    # decode, sum in float32 and encode a reduce-scatter's share (as a
+    # worker does), and pass an all-gather's on as it came.
+    args = ["--codecs", "bf16,fp16,int8", "--counts", "8192,66560"]  # parts of whole blocks
+    without = launch("served_halves_worker.py", args, nproc=4, hosts=2, env=SMALL_CHUNKS)
+    assert without.returncode == 0, without.explain()
+    run = launch("served_halves_worker.py", args, nproc=4, hosts=2, servers=2,
+                 env={**SMALL_CHUNKS, "HERRING_SERVER_MIN_BYTES": "0"})
+    assert run.returncode == 0, run.explain()
+    _halves_match(run, without, range(4), 3 * 2 * 3)
+
+
 def test_codec_chunks_of_one_block_above_server_chunk_bytes_reach_the_server():
     # HERRING_CHUNK_BYTES of 512: a codec's chunk is still one block of 256
     # elements (fp16: 516 bytes on the wire), more than the chunk size that

@@ -255,6 +255,11 @@ NB_MODULE(_herring_ffi, m) {
         "The share of an all-reduce's buffer that `servers` server-only processes take among "
         "`workers` workers (or hosts): `requested` where it is in [0, 1], else the split the "
         "engine uses (engine/served.h).");
+  m.def("block_share", &engine::BlockShare, nb::arg("workers"), nb::arg("servers"),
+        nb::arg("requested") = -1.0,
+        "The share of each block (a worker's part) of a reduce-scatter or all-gather that "
+        "goes through `servers` server-only processes among `workers` workers (or hosts): "
+        "`requested` where it is in [0, 1], else the engine's split (engine/served.h).");
   m.def("memory_probe", []() {
     return nb::make_tuple(reinterpret_cast<uint64_t>(&ProbeWord()), ProbeWord());
   }, "(address, value) of this process's probe word, for other processes to read.");

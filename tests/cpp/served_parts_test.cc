@@ -10,8 +10,13 @@
 #include <string>
 #include <vector>
 
+using herring::engine::BlockShare;
+using herring::engine::PackServedGroup;
+using herring::engine::RootedParts;
+using herring::engine::ServedGroup;
 using herring::engine::ServedParts;
 using herring::engine::ServerShare;
+using herring::engine::UnpackServedGroup;
 using herring::test::Check;
 
 namespace {
@@ -32,6 +37,25 @@ void CheckLayout(size_t count, int n, int k, double share, size_t align) {
     Check(b[i] % align == 0 || b[i] == workers_end || b[i] == count, what + ": aligned parts");
   }
   const double servers = static_cast<double>(count - workers_end);
+  Check(std::fabs(servers - share * count) <= align, what + ": the servers hold the share");
+}
+
+// A block's parts (a reduce-scatter's or all-gather's through the servers):
+// every worker's empty but the owner's, which comes first, then the
+// servers', which hold about `share` of it.
+void CheckRooted(size_t count, int n, int root, int k, double share, size_t align) {
+  const std::vector<size_t> b = RootedParts(count, n, root, k, share, align);
+  const std::string what = "count=" + std::to_string(count) + " n=" + std::to_string(n) +
+                           " root=" + std::to_string(root) + " k=" + std::to_string(k) +
+                           " share=" + std::to_string(share);
+  Check(b.size() == static_cast<size_t>(n + k + 1), what + ": one part per process");
+  Check(b.front() == 0 && b.back() == count, what + ": parts cover the block");
+  for (size_t i = 1; i < b.size(); ++i) Check(b[i - 1] <= b[i], what + ": parts in order");
+  for (int i = 0; i < n; ++i) {
+    Check(i == root || b[i] == b[i + 1], what + ": only the owner's worker part holds elements");
+  }
+  Check(b[root] == 0, what + ": the owner's part first");
+  const double servers = static_cast<double>(count - b[n]);
   Check(std::fabs(servers - share * count) <= align, what + ": the servers hold the share");
 }
 
@@ -69,5 +93,39 @@ int main() {
       }
     }
   }
+  // A block's share: a worker's flows carry alike in a reduce-scatter,
+  // (1 - x) b to each owner and x n b / k to each server.
+  Check(Near(BlockShare(4, 4, -1.0), 0.5), "blocks n=4, k=4: half");
+  Check(Near(BlockShare(4, 2, -1.0), 1.0 / 3), "blocks n=4, k=2: a third");
+  for (int n = 2; n <= 16; ++n) {
+    for (int k = 1; k <= 16; ++k) {
+      const double x = BlockShare(n, k, -1.0);
+      const std::string what = "blocks n=" + std::to_string(n) + " k=" + std::to_string(k);
+      Check(x > 0.0 && x < 1.0, what + ": a share in (0, 1)");
+      Check(Near(1.0 - x, x * n / k), what + ": equal flows");
+    }
+  }
+  Check(Near(BlockShare(4, 2, 0.7), 0.7), "a requested share holds for the blocks too");
+  Check(Near(BlockShare(4, 0, -1.0), 0.0), "no servers, no block share");
+  for (size_t count : {size_t{1}, size_t{7}, size_t{4097}, size_t{1} << 20}) {
+    for (int n : {2, 3, 4}) {
+      for (int root = 0; root < n; ++root) {
+        for (double share : {0.0, 0.2, 0.6, 1.0}) CheckRooted(count, n, root, 2, share, 16);
+      }
+    }
+  }
+  // A served group's fields, the block's owner among them, survive the wire.
+  ServedGroup g;
+  g.first = 8191;
+  g.size = 4;
+  g.position = 3;
+  g.root = 2;
+  g.gather = true;
+  const ServedGroup back = UnpackServedGroup(PackServedGroup(g));
+  Check(back.first == 8191 && back.size == 4 && back.position == 3 && back.root == 2 &&
+            back.gather && back.Rooted(),
+        "a block's served group packs and unpacks");
+  const ServedGroup plain = UnpackServedGroup(PackServedGroup(ServedGroup{}));
+  Check(!plain.Rooted() && !plain.gather, "an all-reduce's group names no block");
   return herring::test::Finish("SERVED_PARTS");
 }

@@ -46,7 +46,7 @@ struct Batch {
   std::vector<int> group;
   int64_t started_ns = 0;
   std::vector<std::unique_ptr<Job>> jobs;
-  // Every job's per-peer counters exist (StartJob ran for all): from then on
+  // Every job's per-peer counters exist (PostJob ran for all): from then on
   // other threads may read them.
   std::atomic<bool> started{false};
   // Its stall was reported (Communicator::ReportStalls): once per batch.
@@ -102,6 +102,11 @@ struct Job {
   int n = 0;
   int workers = 0;
   int me = 0;  // this process's index in the group (= the part it serves)
+  // A reduce-scatter or all-gather through the servers is one job per block
+  // (per worker's part, ReduceFlat): the block's owner, whose part and the
+  // servers' are the only ones not empty. -1: every other job.
+  int root = -1;
+  size_t whole_count = 0;  // a block's job: the elements of the whole buffer
   size_t elem = 0;
   std::vector<size_t> part_begin;  // [part] first element; n + 1 entries, the last count
   // Where `req.in` and `req.out` start in the buffer: a reduce-scatter's out
@@ -150,7 +155,24 @@ struct Job {
   int ContributionsFrom(int p) const {
     return Contributes() && p < workers ? static_cast<int>(Chunks(me)) : 0;
   }
-  int ResultsFrom(int p) const { return Returns() ? static_cast<int>(Chunks(p)) : 0; }
+  int ResultsFrom(int p) const {
+    return p != me && ReceivesResults() ? static_cast<int>(Chunks(p)) : 0;
+  }
+  // Whether this process receives the other parts' results: in an all-reduce
+  // and an all-gather, but not a block's owner its own block; in a
+  // reduce-scatter only a block's owner, from the servers.
+  bool ReceivesResults() const { return Returns() ? root != me : root == me; }
+  // Whether this process sends to part i's process: contributions (not in an
+  // all-gather); in an all-gather through the servers, the owner its block's
+  // share and the others a header without data, by which the server learns
+  // where to send it (served.cc).
+  bool SendsTo(int i) const { return i != me && (Contributes() || (root >= 0 && i >= workers)); }
+  // The part's number on the wire: a rooted job's server parts are numbered
+  // apart from every other block's, since one server sums them all.
+  uint32_t WirePart(int i) const {
+    return static_cast<uint32_t>(root < 0 || i < workers ? i : workers + root * (n - workers) +
+                                                                    (i - workers));
+  }
   size_t Chunks(int i) const { return (PartLen(i) + chunk_elems - 1) / chunk_elems; }
   size_t ChunkBegin(int i, size_t c) const { return PartBegin(i) + c * chunk_elems; }
   size_t ChunkLen(int i, size_t c) const {
@@ -163,11 +185,15 @@ struct Job {
   size_t WireBytes(int i, size_t c) const {
     return Encoded() ? EncodedBytes(req.codec, ChunkLen(i, c)) : ChunkLen(i, c) * elem;
   }
+  // Where part i's chunks sit in wire_in and wire_out (Slots() parts' worth):
+  // a block's job holds only its owner's part and the servers'.
+  int Slot(int i) const { return root < 0 ? i : (i < workers ? 0 : 1 + i - workers); }
+  int Slots() const { return root < 0 ? n : 1 + n - workers; }
   char* WireIn(int i, size_t c) const {
-    return wire_in.data() + (i * max_chunks + c) * wire_stride;
+    return wire_in.data() + (Slot(i) * max_chunks + c) * wire_stride;
   }
   char* WireOut(int i, size_t c) const {
-    return wire_out.data() + (i * max_chunks + c) * wire_stride;
+    return wire_out.data() + (Slot(i) * max_chunks + c) * wire_stride;
   }
   char* OutAt(size_t elem_index) const {
     return static_cast<char*>(req.out) + (elem_index - out_base) * elem;
@@ -180,8 +206,12 @@ struct Job {
                              : req.collective == Collective::kReduceScatter
                                  ? std::string(ReduceOpName(req.op)) + " reduce-scatter"
                                  : std::string(ReduceOpName(req.op));
-    return std::string(DTypeName(req.dtype)) + "[" + std::to_string(req.count) + "] " + what +
+    return std::string(DTypeName(req.dtype)) + "[" +
+           std::to_string(root >= 0 ? whole_count : req.count) + "] " + what +
            (Encoded() ? std::string(" over ") + CodecName(req.codec) : "") +
+           (root >= 0 ? ", block " + std::to_string(root) + " (" + std::to_string(req.count) +
+                            " elements) through the servers"
+                      : "") +
            " (key " + std::to_string(req.key) + "; " +
            DescribeIdentity(id) + ")";
   }
@@ -276,7 +306,7 @@ inline WireHeader MakeHeader(const Job& job, MsgKind kind, uint64_t token, uint3
   SetHeaderIdentity(&h, job.id);
   h.src_rank = src;
   h.stream = job.batch->stream;
-  h.part = static_cast<uint32_t>(part);
+  h.part = job.WirePart(part);
   h.chunk = static_cast<uint32_t>(chunk);
   h.payload_bytes = payload_bytes;
   h.total_elems = job.req.count;

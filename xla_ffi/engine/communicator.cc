@@ -346,17 +346,63 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
   const int num_servers = any_served ? ServerCount() : 0;
   for (int j = 0; j < num_servers; ++j) batch->group.push_back(config_.workers + j);
   batch->started_ns = NowNs();
-  for (size_t k = 0; k < requests.size(); ++k) {
-    auto job = std::make_unique<Job>();
-    job->batch = batch.get();
-    job->req = requests[k];
-    job->id = ids[k];
-    job->tag_bits = IdentityTagBits(job->id, stream);
-    batch->jobs.push_back(std::move(job));
-  }
   const int n = static_cast<int>(order.size());
   const int me =
       static_cast<int>(std::find(order.begin(), order.end(), config_.rank) - order.begin());
+  // The servers' share of each collective's buffers (or of its blocks).
+  auto share_of = [&](Collective c) {
+    if (num_servers == 0) return 0.0;
+    const double requested = config_.server_share;
+    return c == Collective::kAllReduce ? ServerShare(n, num_servers, requested)
+                                       : BlockShare(n, num_servers, requested);
+  };
+  std::vector<bool> job_served;
+  auto add_job = [&](const ReduceRequest& r, const Identity& id, bool served, int root) {
+    auto job = std::make_unique<Job>();
+    job->batch = batch.get();
+    job->req = r;
+    job->id = id;
+    job->root = root;
+    job->tag_bits = BlockTagBits(IdentityTagBits(id, stream), root);
+    batch->jobs.push_back(std::move(job));
+    job_served.push_back(served);
+  };
+  for (size_t k = 0; k < requests.size(); ++k) {
+    const ReduceRequest& r = requests[k];
+    const bool served = num_servers > 0 && served_flags[k] && share_of(r.collective) > 0;
+    const bool all_reduce = r.collective == Collective::kAllReduce;
+    // A buffer, whatever its blocks.
+    if (served && (all_reduce || n >= 2)) served_jobs_.fetch_add(1);
+    if (!served || all_reduce || n < 2) {
+      add_job(r, ids[k], served && all_reduce, -1);
+      continue;
+    }
+    // Through the servers, a reduce-scatter or all-gather goes block by
+    // block: the servers sum (or pass on) a share of each block, and send it
+    // to its owner alone (or to the others).
+    // Each process starts with its own block, then the next one's: the
+    // processes do not all send to the same owner at the same moment.
+    const size_t elem = ElementSize(r.dtype);
+    for (int step = 0; step < n; ++step) {
+      const int root = (me + step) % n;
+      const size_t begin = r.parts[root];
+      const size_t len = r.parts[root + 1] - begin;
+      if (len == 0) continue;
+      ReduceRequest block = r;
+      block.count = len;
+      block.parts.clear();
+      if (r.collective == Collective::kReduceScatter) {
+        block.in = static_cast<const char*>(r.in) + begin * elem;
+        block.out = root == me ? r.out : nullptr;
+        block.lost = r.lost != nullptr ? r.lost + begin : nullptr;
+      } else {
+        block.in = root == me ? r.in : nullptr;
+        block.out = static_cast<char*>(r.out) + begin * elem;
+      }
+      add_job(block, ids[k], true, root);
+      batch->jobs.back()->whole_count = r.count;
+    }
+  }
   // Inside one host (the transport over loopback or shared memory) a message
   // costs more than the wait for a part's last bytes: whole chunks there.
   const bool one_host =
@@ -365,31 +411,32 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
                   [&](int r) { return topology_.host_of[r] == topology_.host_of[order[0]]; });
   const size_t min_chunk_bytes = one_host ? config_.chunk_bytes : config_.min_chunk_bytes;
   // Geometry first, so that `remaining` is complete before anything is posted.
-  const double share =
-      num_servers > 0 ? ServerShare(n, num_servers, config_.server_share) : 0.0;
   for (size_t k = 0; k < batch->jobs.size(); ++k) {
     Job& j = *batch->jobs[k];
-    const bool served = num_servers > 0 && share > 0 && served_flags[k];
+    const bool served = job_served[k];
     j.n = served ? n + num_servers : n;
     j.workers = n;
     j.me = me;
-    if (served) served_jobs_.fetch_add(1);
     j.elem = ElementSize(j.req.dtype);
     // A codec's scale blocks start at multiples of kCodecBlock elements of
     // the buffer, so parts and chunks are cut there.
     const size_t align =
         j.Encoded() ? kCodecBlock : std::max<size_t>(1, 64 / j.elem);
     const size_t count = j.req.count;
-    if (served) {
-      j.part_begin = ServedParts(count, n, num_servers, share, align);
+    if (served && j.root >= 0) {
+      j.part_begin =
+          RootedParts(count, n, j.root, num_servers, share_of(j.req.collective), align);
+    } else if (served) {
+      j.part_begin = ServedParts(count, n, num_servers, share_of(j.req.collective), align);
     } else if (j.req.collective == Collective::kAllReduce) {
       const size_t part_elems = ((count + n - 1) / n + align - 1) / align * align;
       for (int i = 0; i <= n; ++i) j.part_begin.push_back(std::min(count, i * part_elems));
     } else {
       j.part_begin = j.req.parts;
     }
-    if (j.req.collective == Collective::kAllGather) j.in_base = j.PartBegin(me);
-    if (j.req.collective == Collective::kReduceScatter) j.out_base = j.PartBegin(me);
+    // A block's buffers hold the block alone (the caller's, offset).
+    if (j.root < 0 && j.req.collective == Collective::kAllGather) j.in_base = j.PartBegin(me);
+    if (j.root < 0 && j.req.collective == Collective::kReduceScatter) j.out_base = j.PartBegin(me);
     size_t largest = 0;
     for (int i = 0; i < j.n; ++i) largest = std::max(largest, j.PartLen(i));
     j.chunk_elems = ChunkElems(largest, j.elem, align, config_.chunk_bytes, min_chunk_bytes);
@@ -404,10 +451,11 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     // (none in a reduce-scatter).
     batch->remaining += mine * (in + 1 + out);
     // Worker: per chunk of every other part, a send and a result receive
-    // (only the send in a reduce-scatter, only the receive in an all-gather).
+    // (only the send in a reduce-scatter, only the receive in an all-gather;
+    // Job::SendsTo and ResultsFrom say which for a block's job).
     for (int i = 0; i < j.n; ++i) {
-      if (i != j.me) batch->remaining += (in > 0 ? 1 : 0) * j.Chunks(i) +
-                                         (out > 0 ? 1 : 0) * j.Chunks(i);
+      if (i == j.me) continue;
+      batch->remaining += (j.SendsTo(i) ? j.Chunks(i) : 0) + j.ResultsFrom(i);
     }
   }
   if (batch->remaining == 0) return Status::Ok();  // only empty parts
@@ -419,8 +467,11 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
   try {
     if (TestFault("bad-alloc")) throw std::bad_alloc();
     for (auto& job : batch->jobs) {
-      status = StartJob(batch.get(), job.get());
+      status = PostJob(batch.get(), job.get());
       if (!status.ok()) break;
+    }
+    for (size_t k = 0; status.ok() && k < batch->jobs.size(); ++k) {
+      status = SendJob(batch.get(), batch->jobs[k].get());
     }
   } catch (const std::bad_alloc&) {
     // Receives may be posted into the batch, which is active: it must end as

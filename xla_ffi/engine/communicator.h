@@ -41,6 +41,8 @@ struct Job;
 struct Batch;
 struct HostWait;
 struct ServedState;
+struct ServedChunk;
+struct ServedResult;
 
 // Why `r` cannot be reduced in a group of `n` processes ("" if it can).
 std::string CheckRequest(const ReduceRequest& r, int n);
@@ -135,6 +137,9 @@ class Communicator {
   void TakeServed(size_t slot, const transport::Completion& c);
   // Why a message received as kServed is not one ("" if it is).
   std::string CheckServed(const WireHeader& h, const transport::Completion& c) const;
+  void PassOnGathered(ServedChunk chunk, const ServedGroup& group);
+  void SendServedResult(std::shared_ptr<ServedResult> result, const std::vector<int>& ranks,
+                        int only);
   void ServedCounts(uint64_t* chunks, uint64_t* bytes) const;
   // "rank R", or "server rank R" for a server-only process, for errors.
   std::string RankText(int rank) const;
@@ -249,7 +254,8 @@ class Communicator {
     return fault_fired_.load() && config_.test_fault == name;
   }
 
-  Status StartJob(Batch* batch, Job* job);
+  Status PostJob(Batch* batch, Job* job);
+  Status SendJob(Batch* batch, Job* job);
   // Control plane: a failing rank tells every other rank at once, so that
   // nobody waits for HERRING_TIMEOUT_S on a job that cannot finish.
   void PostControlRecv(size_t slot);
@@ -367,6 +373,10 @@ class Communicator {
   // Sends chunk c of this server's part (`payload`, `bytes`, out_hdrs[c]
   // as its header) to the process at position p of the group.
   void SendResult(Job* job, int p, size_t c, const void* payload, size_t bytes);
+  void SetServedGroup(const Job* job, WireHeader* h) const;
+  Status SendPart(Job* job, int i, size_t c, MsgKind kind, WireHeader* h, const char* data,
+                  size_t len);
+  Status SendGatherShares(Job* job);
   // Fails the batch; the first failure of this process also breaks the
   // communicator and (with `tell_peers`) is broadcast to every other rank.
   void Fail(Batch* batch, const std::string& why, bool tell_peers = true);

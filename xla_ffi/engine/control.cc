@@ -157,7 +157,7 @@ void Communicator::Fail(Batch* batch, const std::string& why, bool tell_peers) {
   const std::string first = FirstFailure(why);
   // The communicator is unusable from here on: a post waiting for room in a
   // queue (e.g. to a dead rank that this batch's failure did not name) must
-  // give up now, or the caller's thread stays in StartJob until the timeout.
+  // give up now, or the caller's thread stays in SendJob until the timeout.
   transport_->StopWaiting();
   // Sent from a server thread: Fail also runs on the progress thread, which
   // must never wait on the transport's queues itself.

@@ -1,8 +1,9 @@
 // The data path: a job's contributions go to every part's server, the server
 // sums its part in rank order and sends the result back. A reduce-scatter is
 // the first half (the server keeps its sum), an all-gather the second (the
-// server's "sum" is its own part). Runs on the caller's thread (StartJob), the
-// transport's progress thread (On* callbacks) and the server threads
+// server's "sum" is its own part); through server-only processes, those two
+// go one block at a time (Job::root, ReduceFlat). Runs on the caller's thread
+// (PostJob, SendJob), the transport's progress thread (On* callbacks) and the server threads
 // (ReduceChunk, re-posts).
 #include "engine/communicator.h"
 
@@ -79,7 +80,10 @@ void KeepLoss(Job* job, int i, size_t c) {
 
 }  // namespace
 
-Status Communicator::StartJob(Batch* batch, Job* job) {
+// Its buffers, and every receive it needs: ReduceFlat posts those of every
+// job of a call before any job sends (SendJob), so that peers' messages find
+// posted buffers, also those of a later job (a later block, a later bucket).
+Status Communicator::PostJob(Batch* batch, Job* job) {
   const int n = job->n;
   const int me = job->me;
   const size_t chunks_me = job->Chunks(me);
@@ -98,12 +102,14 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
   job->results_staged = !job->Encoded() && job->req.in == job->req.out &&
                         job->req.collective == Collective::kAllReduce;
   if (job->ResultsApart()) {
-    job->wire_out = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
+    job->wire_out = PooledBuffer(&pool_, job->Slots() * job->max_chunks * job->wire_stride);
     if (!job->wire_out.ok()) return Status::Error("out of memory for received results");
   }
-  if (job->Encoded() && job->Contributes()) {
-    job->wire_in = PooledBuffer(&pool_, n * job->max_chunks * job->wire_stride);
+  if (job->Encoded() && (job->Contributes() || job->root == me)) {
+    job->wire_in = PooledBuffer(&pool_, job->Slots() * job->max_chunks * job->wire_stride);
     if (!job->wire_in.ok()) return Status::Error("out of memory for encoded buffers");
+  }
+  if (job->Encoded() && job->Contributes()) {
     // This process's contribution to its own part, encoded before any
     // receive is posted: a server task may sum a chunk as soon as the other
     // contributions to it have arrived, and it sums this one as decoded.
@@ -132,9 +138,20 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       for (size_t c = 0; c < chunks_me; ++c) PostContributionRecv(job, p, c);
     }
   }
-  for (int i = 0; i < n && job->Returns(); ++i) {
-    if (i == me) continue;
-    for (size_t c = 0; c < job->Chunks(i); ++c) PostResultRecv(job, i, c);
+  for (int i = 0; i < n; ++i) {
+    for (int c = 0; c < job->ResultsFrom(i); ++c) PostResultRecv(job, i, c);
+  }
+  return Status::Ok();
+}
+
+// What this process sends of the job (PostJob ran for every job of the call).
+Status Communicator::SendJob(Batch* batch, Job* job) {
+  const int n = job->n;
+  const int me = job->me;
+  const size_t chunks_me = job->Chunks(me);
+  if (!job->Contributes() && job->root >= 0) {
+    Status s = SendGatherShares(job);
+    if (!s.ok()) return s;
   }
   if (!job->Contributes() && job->Encoded()) {
     // An all-gather through a codec: server tasks encode this process's
@@ -149,6 +166,7 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
     // An all-gather: this process's part is its result as it is. It goes
     // straight from the input, chunk-major and starting at the next process
     // (as contributions do), and into this process's own output.
+    if (chunks_me == 0) return Status::Ok();  // a block of another worker
     const size_t begin = job->PartBegin(me);
     std::memcpy(job->OutAt(begin), job->InAt(begin), job->PartLen(me) * job->elem);
     batch->Complete(chunks_me, 0);  // every chunk "summed"
@@ -158,9 +176,10 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       job->out_hdrs[c] = MakeHeader(*job, MsgKind::kResult, config_.token, rank, me, c, bytes,
                                     job->req.contributors);
     }
+    const int workers = job->workers;
     for (size_t c = 0; c < chunks_me; ++c) {
-      for (int step = 1; step < n; ++step) {
-        SendResult(job, (me + step) % n, c, job->InAt(job->ChunkBegin(me, c)),
+      for (int step = 1; step < workers; ++step) {
+        SendResult(job, (me + step) % workers, c, job->InAt(job->ChunkBegin(me, c)),
                    job->ChunkLen(me, c) * job->elem);
       }
     }
@@ -188,28 +207,82 @@ Status Communicator::StartJob(Batch* batch, Job* job) {
       const MsgKind kind = i < job->workers ? MsgKind::kContribution : MsgKind::kServed;
       WireHeader& h = job->send_hdrs[i * job->max_chunks + c];
       h = MakeHeader(*job, kind, config_.token, my_rank, i, c, len, job->req.contributors);
-      if (kind == MsgKind::kServed) {
-        // Which group sends it: a server sums any group's parts (served.cc).
-        h.served = PackServedGroup({static_cast<uint32_t>(batch->group[0]),
-                                    static_cast<uint32_t>(job->workers),
-                                    static_cast<uint32_t>(me)});
-        SealHeader(&h);
+      if (kind == MsgKind::kServed) SetServedGroup(job, &h);
+      Status s = SendPart(job, i, c, kind, &h, data, len);
+      if (!s.ok()) return s;
+    }
+  }
+  return Status::Ok();
+}
+
+// Which group sends a kServed message, and its block's owner: a server sums
+// any group's parts (served.cc).
+void Communicator::SetServedGroup(const Job* job, WireHeader* h) const {
+  ServedGroup g;
+  g.first = static_cast<uint32_t>(job->batch->group[0]);
+  g.size = static_cast<uint32_t>(job->workers);
+  g.position = static_cast<uint32_t>(job->me);
+  if (job->root >= 0) {
+    g.root = static_cast<uint32_t>(job->root);
+    g.gather = job->req.collective == Collective::kAllGather;
+  }
+  h->served = PackServedGroup(g);
+  SealHeader(h);
+}
+
+// Sends chunk c of part i (`h` its header, `len` bytes at `data`) to the
+// part's process, as work of the batch.
+Status Communicator::SendPart(Job* job, int i, size_t c, MsgKind kind, WireHeader* h,
+                              const char* data, size_t len) {
+  Batch* batch = job->batch;
+  const int to = batch->group[i];
+  transport::IoVec iov[2] = {{h, sizeof(*h)}, {const_cast<char*>(data), len}};
+  const uint64_t tag =
+      MakeTag(kind, static_cast<uint32_t>(config_.rank), batch->stream, job->tag_bits, c);
+  if (config_.test_stale_copies) SendStaleCopy(batch, to, tag, *h);
+  batch->AddInflight(1);
+  Status s = transport_->Send(
+      to, tag, iov, len > 0 ? 2 : 1,
+      [this, job, to](const transport::Completion& done) { SendDone(job, to, done); });
+  if (!s.ok()) {
+    batch->Complete(1, 1);
+    return Status::Error("sending to rank " + std::to_string(to) + ": " + s.message());
+  }
+  ledger_.Sent(to);
+  return Status::Ok();
+}
+
+// An all-gather's block through the servers: its owner sends the servers'
+// share of it (encoded with a codec, and then kept as decoded in its own
+// output, as its own part is) and the other workers a header without data
+// for each of its chunks, by which each server learns whom to send it to.
+Status Communicator::SendGatherShares(Job* job) {
+  const bool owner = job->root == job->me;
+  for (size_t c = 0; c < job->max_chunks; ++c) {
+    for (int i = job->workers; i < job->n; ++i) {
+      if (c >= job->Chunks(i)) continue;
+      const size_t begin = job->ChunkBegin(i, c);
+      const size_t count = job->ChunkLen(i, c);
+      const char* data = nullptr;
+      size_t len = 0;
+      if (owner && job->Encoded()) {
+        Encode(job->req.codec, reinterpret_cast<const float*>(job->InAt(begin)), count,
+               job->WireIn(i, c));
+        Decode(job->req.codec, job->WireIn(i, c), count,
+               reinterpret_cast<float*>(job->OutAt(begin)));
+        data = job->WireIn(i, c);
+        len = job->WireBytes(i, c);
+      } else if (owner) {
+        std::memcpy(job->OutAt(begin), job->InAt(begin), count * job->elem);
+        data = job->InAt(begin);
+        len = count * job->elem;
       }
-      transport::IoVec iov[2] = {{&h, sizeof(h)}, {data, len}};
-      const uint64_t tag = MakeTag(kind, my_rank, batch->stream, job->tag_bits, c);
-      if (config_.test_stale_copies) SendStaleCopy(batch, batch->group[i], tag, h);
-      batch->AddInflight(1);
-      Status s = transport_->Send(batch->group[i], tag, iov, len > 0 ? 2 : 1,
-                                  [this, job, to = batch->group[i]](
-                                      const transport::Completion& done) {
-                                    SendDone(job, to, done);
-                                  });
-      if (!s.ok()) {
-        batch->Complete(1, 1);
-        return Status::Error("sending to rank " + std::to_string(batch->group[i]) + ": " +
-                             s.message());
-      }
-      ledger_.Sent(batch->group[i]);
+      WireHeader& h = job->send_hdrs[i * job->max_chunks + c];
+      h = MakeHeader(*job, MsgKind::kServed, config_.token,
+                     static_cast<uint32_t>(config_.rank), i, c, len, job->req.contributors);
+      SetServedGroup(job, &h);
+      Status s = SendPart(job, i, c, MsgKind::kServed, &h, data, len);
+      if (!s.ok()) return s;
     }
   }
   return Status::Ok();
@@ -284,7 +357,7 @@ Expectation Communicator::Expect(const Job& job, MsgKind kind, int from_rank, in
   want.src_rank = static_cast<uint32_t>(from_rank);
   want.self_rank = static_cast<uint32_t>(config_.rank);
   want.stream = job.batch->stream;
-  want.part = static_cast<uint32_t>(part);
+  want.part = job.WirePart(part);
   want.chunk = static_cast<uint32_t>(chunk);
   want.dtype = job.req.dtype;
   want.op = job.req.op;

@@ -8,9 +8,12 @@
 // message of a chunk is here it sums them in the group's order with the
 // kernel the workers' own server shards use (so every element has the same
 // bits whichever process summed it) and sends the sum back to every member
-// as that part's kResult. With a wire codec the messages and the sum travel
-// encoded (codec.h): decoded, summed in float32 and encoded again, as a
-// worker's shard does.
+// as that part's kResult (a reduce-scatter's block: to its owner alone). An
+// all-gather's block (ServedGroup::gather) comes from its owner alone, the
+// others sending headers without data: once all are here the owner's message
+// goes on, unchanged, to the others. With a wire codec the messages and the
+// sum travel encoded (codec.h): decoded, summed in float32 and encoded again,
+// as a worker's shard does.
 // Runs on the transport's progress thread (OnServed) and the server threads
 // (TakeServed: receives are re-posted there, never from the progress thread).
 #include <algorithm>
@@ -37,12 +40,6 @@ constexpr size_t kServedRecvsPerWorker = 4;
 constexpr size_t kServedRecvsMin = 16;
 constexpr uint64_t kServedTag = uint64_t{3} << 62;
 constexpr uint64_t kServedIgnore = ~kServedTag;
-
-// What a server's sum is sent with: kept alive until every send of it completed.
-struct ServedResult {
-  WireHeader header{};
-  PooledBuffer data;
-};
 
 std::string Fields(const WireHeader& h) {
   return std::string(DTypeName(static_cast<DType>(h.dtype))) + "[" +
@@ -71,8 +68,9 @@ bool Communicator::ServedJob(const ReduceRequest& r) const {
   // what the servers save is wire time, what they cost is per message.
   const size_t wire_bytes = r.codec == Codec::kNone ? r.count * ElementSize(r.dtype)
                                                     : EncodedBytes(r.codec, r.count);
-  return r.collective == Collective::kAllReduce && r.count > 0 &&
-         wire_bytes >= config_.server_min_bytes;
+  // Every collective: a reduce-scatter's and an all-gather's blocks go
+  // through them one at a time (ReduceFlat).
+  return r.count > 0 && wire_bytes >= config_.server_min_bytes;
 }
 
 std::vector<bool> Communicator::ServedFlags(const std::vector<int>& group,
@@ -174,11 +172,14 @@ std::string Communicator::CheckServed(const WireHeader& h,
     return std::string("codec ") + CodecName(codec) + " on a " + ReduceOpName(op) + " of " +
            DTypeName(static_cast<DType>(h.dtype)) + " (codecs carry float32 sums and means)";
   }
+  const ServedGroup g = UnpackServedGroup(h.served);
+  // An all-gather's block comes from its owner: the others send its header.
+  const bool carries = !g.gather || g.position == g.root;
   size_t elems = 0;
-  if (h.payload_bytes != c.len - sizeof(WireHeader) ||
-      (codec == Codec::kNone
+  if (h.payload_bytes != c.len - sizeof(WireHeader) || (!carries && h.payload_bytes != 0) ||
+      (carries && codec == Codec::kNone
            ? h.payload_bytes % ElementSize(static_cast<DType>(h.dtype)) != 0
-           : !EncodedCount(codec, h.payload_bytes, &elems))) {
+           : carries && !EncodedCount(codec, h.payload_bytes, &elems))) {
     return "payload of " + std::to_string(c.len - sizeof(WireHeader)) +
            " bytes, the header says " + std::to_string(h.payload_bytes) + " (codec " +
            CodecName(codec) + ")";
@@ -191,26 +192,38 @@ std::string Communicator::CheckServed(const WireHeader& h,
     return "sender " + std::to_string(h.src_rank) + " is no worker, or not where it came from";
   }
   // The group: of workers, the sender in it, and this server's part the one
-  // after the group's own (ServedParts: n workers' parts, then the servers').
-  const ServedGroup g = UnpackServedGroup(h.served);
+  // after the group's own (ServedParts: n workers' parts, then the servers';
+  // a block's: n + root k + this server's index, Job::WirePart).
   const uint32_t workers = static_cast<uint32_t>(config_.workers);
+  const uint32_t server = static_cast<uint32_t>(config_.rank - config_.workers);
+  const uint32_t part = g.size + (g.Rooted() ? g.root * ServerCount() : 0) + server;
   if (g.size < 2 || g.size > workers || g.position >= g.size || g.first >= workers ||
       (g.position == 0) != (h.src_rank == g.first) ||
-      h.part != g.size + static_cast<uint32_t>(config_.rank - config_.workers)) {
+      (g.Rooted() && g.root >= g.size) || (g.gather && !g.Rooted()) || h.part != part) {
     return "a served group that cannot be (first rank " + std::to_string(g.first) + ", " +
            std::to_string(g.size) + " processes, the sender at position " +
            std::to_string(g.position) + ", part " + std::to_string(h.part) +
-           "): this server sums part n + " + std::to_string(config_.rank - config_.workers) +
-           " of groups of n = 2.." + std::to_string(workers) + " workers";
+           (g.Rooted() ? ", block of position " + std::to_string(g.root) : std::string()) +
+           "): this server sums part n + " + std::to_string(server) +
+           " of groups of n = 2.." + std::to_string(workers) + " workers (of a block r: n + r k + " +
+           std::to_string(server) + ", k = " + std::to_string(ServerCount()) + ")";
   }
   return "";
 }
 
 void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
   ServedState& st = *served_;
-  PooledBuffer message = std::move(st.slots[slot]);
-  st.slots[slot] = PooledBuffer(&pool_, kServedPayloadAt + st.payload_bytes);
-  if (!st.slots[slot].ok()) {
+  PooledBuffer message;
+  if (c.ok && c.len == sizeof(WireHeader)) {
+    // A header without data (an all-gather's, from a worker that is not the
+    // block's owner): kept alone, and the slot's buffer posted again.
+    message = PooledBuffer(&pool_, kServedPayloadAt);
+    if (message.ok()) std::memcpy(message.data(), st.slots[slot].data(), sizeof(WireHeader));
+  } else {
+    message = std::move(st.slots[slot]);
+    st.slots[slot] = PooledBuffer(&pool_, kServedPayloadAt + st.payload_bytes);
+  }
+  if (!message.ok() || !st.slots[slot].ok()) {
     FailAll("server rank " + std::to_string(config_.rank) + " ran out of memory", true);
     return;
   }
@@ -238,10 +251,11 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
     }
     const WireHeader& f = entry.first;
     std::string mismatch;
+    const ServedGroup fg = UnpackServedGroup(f.served);
     if (f.key != h.key || f.dtype != h.dtype || f.op != h.op || f.codec != h.codec ||
         f.total_elems != h.total_elems ||
-        f.payload_bytes != h.payload_bytes ||
-        UnpackServedGroup(f.served).size != group.size) {
+        (!group.gather && f.payload_bytes != h.payload_bytes) || fg.size != group.size ||
+        fg.root != group.root || fg.gather != group.gather) {
       mismatch = "mismatched reductions at server rank " + std::to_string(config_.rank) +
                  ": rank " + std::to_string(f.src_rank) + " sent " + Fields(f) + " in a group of " +
                  std::to_string(UnpackServedGroup(f.served).size) + ", rank " +
@@ -266,6 +280,10 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
     st.chunks.erase(KeyOf(h));
   }
 
+  if (group.gather) {
+    PassOnGathered(std::move(chunk), group);
+    return;
+  }
   // Every member's contribution is here: the sum in the group's order.
   const WireHeader& f = chunk.first;
   const DType dtype = static_cast<DType>(f.dtype);
@@ -312,23 +330,53 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
                      result->data.data());
   }
   chunk.from.clear();  // the contributions' buffers go back to the pool
-
   result->header = f;
+  result->header.contributors = static_cast<uint32_t>(contributors);
+  // A reduce-scatter's block goes back to its owner alone.
+  SendServedResult(std::move(result), chunk.ranks, group.Rooted() ? group.root : -1);
+}
+
+// An all-gather's block (ServedGroup::gather): the owner's message, once
+// every member's header is here, goes on unchanged (encoded, with a codec,
+// as the owner keeps it decoded) to every member but the owner.
+void Communicator::PassOnGathered(ServedChunk chunk, const ServedGroup& group) {
+  auto result = std::make_shared<ServedResult>();
+  std::memcpy(&result->header, chunk.from[group.root].data(), sizeof(WireHeader));
+  result->data = std::move(chunk.from[group.root]);
+  result->offset = kServedPayloadAt;
+  chunk.from.clear();
+  SendServedResult(std::move(result), chunk.ranks, -(static_cast<int>(group.root) + 2));
+}
+
+// Sends a served chunk's result (its header still the kServed one it came
+// with) to the members at `ranks` (by position): to all where `only` is -1,
+// to position `only` where it is >= 0, to all but position -only - 2 where
+// it is below -1.
+void Communicator::SendServedResult(std::shared_ptr<ServedResult> result,
+                                    const std::vector<int>& ranks, int only) {
+  ServedState& st = *served_;
+  const WireHeader f = result->header;
   result->header.kind = static_cast<uint8_t>(MsgKind::kResult);
   result->header.src_rank = static_cast<uint32_t>(config_.rank);
-  result->header.contributors = static_cast<uint32_t>(contributors);
   result->header.served = 0;
   SealHeader(&result->header);
   const uint32_t rank = static_cast<uint32_t>(config_.rank);
-  const uint64_t tag = MakeTag(MsgKind::kResult, rank, f.stream,
-                               IdentityTagBits(HeaderIdentity(f), f.stream), f.chunk);
+  const ServedGroup group = UnpackServedGroup(f.served);
+  const uint64_t tag =
+      MakeTag(MsgKind::kResult, rank, f.stream,
+              BlockTagBits(IdentityTagBits(HeaderIdentity(f), f.stream),
+                           group.Rooted() ? static_cast<int>(group.root) : -1),
+              f.chunk);
   st.chunks_summed.fetch_add(1);
   st.bytes_summed.fetch_add(f.payload_bytes);
+  const int members = static_cast<int>(ranks.size());
   // Starting at a different member for each part, as the workers' shards do.
   for (int step = 0; step < members; ++step) {
-    const int to = chunk.ranks[(f.part + step) % members];
+    const int position = static_cast<int>((f.part + step) % members);
+    if ((only >= 0 && position != only) || (only < -1 && position == -only - 2)) continue;
+    const int to = ranks[position];
     transport::IoVec iov[2] = {{&result->header, sizeof(WireHeader)},
-                               {result->data.data(), f.payload_bytes}};
+                               {result->data.data() + result->offset, f.payload_bytes}};
     Status s = transport_->Send(to, tag, iov, f.payload_bytes > 0 ? 2 : 1,
                                 [this, result, to](const transport::Completion& done) {
                                   // A worker that is gone fails (or has failed) on its own

@@ -214,8 +214,10 @@ constexpr uint32_t kMagic = 0x474e5248;  // "HRNG"
 // kMaxContributors devices per message. Version 6: the leave protocol's
 // counts in kLeave, and kReceipt. Version 7: kServed (tag kind 3). Version 8:
 // a kServed message names its sending group (`served`, ServedGroup), and the
-// checksum covers every byte but its own.
-constexpr uint16_t kWireVersion = 8;
+// checksum covers every byte but its own. Version 9: a kServed message may
+// name a block's owner (ServedGroup::root, gather): reduce-scatters and
+// all-gathers through the servers.
+constexpr uint16_t kWireVersion = 9;
 
 // Fixed-size, little-endian on the machines herring_jax supports (x86-64,
 // aarch64); the version field guards layout changes.
@@ -261,21 +263,37 @@ inline void SetHeaderIdentity(WireHeader* h, const Identity& id) {
 // sums the parts of any group of workers (every worker on the flat path; the
 // processes with one local index, one per host, in the host stage), so each
 // message says which group sent it (its first process), how many processes
-// the group has and where in its summation order the sender is.
+// the group has and where in its summation order the sender is. A
+// reduce-scatter or all-gather through the servers goes one block (one
+// worker's part) at a time, and names that block's owner, its `root`: a
+// reduce-scatter's sum goes back to the root alone; an all-gather's block
+// comes from the root alone (`gather`: the others send headers without
+// data), and goes to every other member unchanged.
 struct ServedGroup {
+  static constexpr uint32_t kNoRoot = 0x7fff;
   uint32_t first = 0;     // the group's first process (rank), which tells groups apart
   uint32_t size = 0;      // its processes: contributions to each chunk
   uint32_t position = 0;  // the sender's place in the summation order
+  uint32_t root = kNoRoot;  // the block's owner (its position), or none: an all-reduce
+  bool gather = false;      // an all-gather's block (root set)
+  bool Rooted() const { return root != kNoRoot; }
 };
 inline uint64_t PackServedGroup(const ServedGroup& g) {
-  return (static_cast<uint64_t>(g.first & 0xffff) << 32) |
+  return (static_cast<uint64_t>(g.gather) << 63) |
+         (static_cast<uint64_t>(g.root & 0x7fff) << 48) |
+         (static_cast<uint64_t>(g.first & 0xffff) << 32) |
          (static_cast<uint64_t>(g.size & 0xffff) << 16) | (g.position & 0xffff);
 }
 inline ServedGroup UnpackServedGroup(uint64_t bits) {
-  return ServedGroup{static_cast<uint32_t>((bits >> 32) & 0xffff),
-                     static_cast<uint32_t>((bits >> 16) & 0xffff),
-                     static_cast<uint32_t>(bits & 0xffff)};
+  ServedGroup g;
+  g.first = static_cast<uint32_t>((bits >> 32) & 0xffff);
+  g.size = static_cast<uint32_t>((bits >> 16) & 0xffff);
+  g.position = static_cast<uint32_t>(bits & 0xffff);
+  g.root = static_cast<uint32_t>((bits >> 48) & 0x7fff);
+  g.gather = (bits >> 63) != 0;
+  return g;
 }
+static_assert(kMaxRanks < ServedGroup::kNoRoot, "a served group's root holds 15 bits");
 static_assert(kMaxRanks <= 0xffff, "a served group's fields hold 16 bits");
 
 uint32_t HeaderChecksum(const WireHeader& h);

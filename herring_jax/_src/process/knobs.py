@@ -200,14 +200,16 @@ KNOBS: dict[str, Knob] = {
              "them at initialize(). jax.process_count() stays the number of workers. Rank "
              "0's value holds for the whole job."),
         Knob("HERRING_SERVER_SHARE", None, _share,
-             "The share (0 to 1) of each all-reduce buffer that goes to the server-only "
-             "processes; the rest goes to the workers' own server shards. Unset: a split "
-             "that gives every flow a worker sends the same bytes (n workers, k servers: "
-             "2k / (n + 2k), or 1 where that moves fewer bytes per host, as for k >= n > 2; "
-             "n = 4: 1/3, 0.5, 0.6, 1 for k = 1, 2, 3, 4; docs/guides/servers.md). Rank "
-             "0's value holds for the whole job."),
+             "The share (0 to 1) of each all-reduce buffer, and of each block (a worker's "
+             "part) of a reduce-scatter or all-gather, that goes to the server-only "
+             "processes; the rest goes to the workers' own server shards. Unset: splits "
+             "that give every flow a worker sends the same bytes (n workers, k servers; "
+             "docs/guides/servers.md): an all-reduce 2k / (n + 2k), or 1 where that moves "
+             "fewer bytes per host, as for k >= n > 2 (n = 4: 1/3, 0.5, 0.6, 1 for k = 1, 2, "
+             "3, 4); a block k / (n + k). Rank 0's value holds for the whole job."),
         Knob("HERRING_SERVER_MIN_BYTES", 4 << 20, _non_negative_int,
-             "The smallest all-reduce buffer, in bytes (as they travel: encoded, with a wire "
+             "The smallest buffer of an all-reduce, reduce-scatter or all-gather, in bytes (as "
+             "they travel: encoded, with a wire "
              "codec), that places parts on the server-only processes; smaller ones stay on "
              "the workers' own shards, where the servers' "
              "extra messages and processes cost more than the bytes they save (on 4 hosts of "

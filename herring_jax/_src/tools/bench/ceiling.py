@@ -32,19 +32,35 @@ _CHUNK = 1 << 20
 _PORT = 29611
 
 
-def flow_bytes(hosts: int, servers: int, share: float, nbytes: float) -> list[list[float]]:
-    """[i][j]: the bytes host i sends host j in one all-reduce of `nbytes`
-    (hosts 0..hosts-1 are the workers', the rest the servers')."""
+def flow_bytes(hosts: int, servers: int, share: float, nbytes: float,
+               collective: str = "allreduce") -> list[list[float]]:
+    """[i][j]: the bytes host i sends host j in one all-reduce (or reduce-scatter,
+    all-gather) of `nbytes` (hosts 0..hosts-1 are the workers', the rest the
+    servers'). A reduce-scatter's or all-gather's share is of each block (b =
+    nbytes / hosts, a worker's part): a worker sends (1 - x) b of each block to
+    its owner (reduce-scatter) or of its own block to each other worker
+    (all-gather), and x b / k of each block (its own) to each server; a server
+    sends x b / k of each block to its owner (of every other block to each
+    worker)."""
     total = hosts + servers
     out = [[0.0] * total for _ in range(total)]
+    block = nbytes / hosts
     for i in range(total):
         for j in range(total):
             if i == j or (i >= hosts and j >= hosts):
                 continue
             if i < hosts and j < hosts:
-                out[i][j] = 2 * (1 - share) * nbytes / hosts
-            elif share > 0:
+                out[i][j] = (2 * (1 - share) * nbytes / hosts if collective == "allreduce"
+                             else (1 - share) * block)
+            elif share <= 0:
+                continue
+            elif collective == "allreduce":
                 out[i][j] = share * nbytes / servers
+            elif i < hosts:  # a worker to a server
+                out[i][j] = share * (nbytes if collective == "reduce_scatter" else block) / servers
+            else:  # a server to a worker
+                out[i][j] = share * block / servers * (1 if collective == "reduce_scatter"
+                                                       else hosts - 1)
     return out
 
 
@@ -62,9 +78,9 @@ def fair_time_s(flows: list[float], host_bps: float, flow_bps: float) -> float:
 
 
 def flow_bound_s(hosts: int, servers: int, share: float, nbytes: float, host_bps: float,
-                 flow_bps: float) -> float:
-    """The all-reduce's least time under fair sharing: its busiest host's sends."""
-    plan = flow_bytes(hosts, servers, share, nbytes)
+                 flow_bps: float, collective: str = "allreduce") -> float:
+    """The collective's least time under fair sharing: its busiest host's sends."""
+    plan = flow_bytes(hosts, servers, share, nbytes, collective)
     return max(fair_time_s(row, host_bps, flow_bps) for row in plan)
 
 

@@ -226,9 +226,10 @@ def _server_model(args: argparse.Namespace, env: dict) -> dict | None:
     hosts = args.num_processes // max(1, args.processes_per_host)
     requested = knobs.get("HERRING_SERVER_SHARE")
     host_bps, flow_bps = _rates(args)
+    requested = -1.0 if requested is None else requested
     return {"hosts": hosts, "servers": args.servers,
-            "share": _herring_ffi.server_share(hosts, args.servers,
-                                               -1.0 if requested is None else requested),
+            "share": _herring_ffi.server_share(hosts, args.servers, requested),
+            "block_share": _herring_ffi.block_share(hosts, args.servers, requested),
             "min_bytes": knobs.get("HERRING_SERVER_MIN_BYTES"), "host_bps": host_bps,
             "flow_bps": flow_bps}
 

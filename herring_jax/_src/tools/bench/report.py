@@ -75,19 +75,20 @@ def wrong_lines(per_rank) -> list[str]:
 
 def _bound(args, n: int, model: dict | None):
     """collectives.bound_s for this run's figures: (collective, nbytes) -> seconds or None.
-    With server-only processes (`model`, from --server-model) an all-reduce's is the
-    flow bound of its layout (ceiling.flow_bound_s)."""
+    With server-only processes (`model`, from --server-model) it is the flow bound
+    of the collective's layout (ceiling.flow_bound_s)."""
     kind = getattr(args, "bound_kind", "link")
     hosts = n // max(1, getattr(args, "processes_per_host", 1))
 
     def bound(collective: str, nbytes: float, peer: str = "herring") -> float | None:
-        if model and collective == "allreduce":
+        if model:
             # The engine judges a buffer by its bytes on the wire (encoded,
             # with a codec): HERRING_SERVER_MIN_BYTES.
             served = nbytes * wire_fraction(peer) >= model["min_bytes"]
+            share = model["share"] if collective == "allreduce" else model["block_share"]
             return ceiling.flow_bound_s(model["hosts"], model["servers"],
-                                        model["share"] if served else 0.0, nbytes,
-                                        model["host_bps"], model["flow_bps"])
+                                        share if served else 0.0, nbytes,
+                                        model["host_bps"], model["flow_bps"], collective)
         return coll.bound_s(collective, nbytes, n, args.link_gbps, kind, hosts)
     return bound
 
@@ -163,11 +164,14 @@ def report(args, n, sizes, names, per_rank, describe, jax) -> dict:
     memory = getattr(args, "bound_kind", "link") == "memory"
     formulas = dict(coll.MEMORY_FORMULAS if memory else coll.LINK_FORMULAS)
     if model:
-        formulas["allreduce"] = (
-            f"bound = the busiest host's sends with {model['servers']} server-only "
-            f"process{'es' if model['servers'] > 1 else ''} taking {model['share']:.3g} of "
-            f"each buffer of at least {model['min_bytes']} bytes on the wire (a host's flows "
-            f"share its link alike, each at most the flow rate: ceiling.py)")
+        for c in formulas:
+            share, what = ((model["share"], "buffer") if c == "allreduce"
+                           else (model["block_share"], "block (a process's part)"))
+            formulas[c] = (
+                f"bound = the busiest host's sends with {model['servers']} server-only "
+                f"process{'es' if model['servers'] > 1 else ''} taking {share:.3g} of each "
+                f"{what} of buffers of at least {model['min_bytes']} bytes on the wire (a "
+                f"host's flows share its link alike, each at most the flow rate: ceiling.py)")
     rate = (f"{'memory' if memory else 'link'} = {args.link_gbps:.2f} GB/s from "
             f"{args.link_source}" if args.link_gbps else "no rate (pass --link-gbps)")
     unsupported = {c: {p: PEERS[p].describe(c) for p in names if not PEERS[p].has(c)}
