@@ -185,10 +185,22 @@ struct Job {
   size_t WireBytes(int i, size_t c) const {
     return Encoded() ? EncodedBytes(req.codec, ChunkLen(i, c)) : ChunkLen(i, c) * elem;
   }
-  // Where part i's chunks sit in wire_in and wire_out (Slots() parts' worth):
-  // a block's job holds only its owner's part and the servers'.
-  int Slot(int i) const { return root < 0 ? i : (i < workers ? 0 : 1 + i - workers); }
-  int Slots() const { return root < 0 ? n : 1 + n - workers; }
+  // Where part i's chunks sit in wire_in and wire_out: only parts that hold
+  // elements have room there (a block's job: its owner's and the servers';
+  // an all-reduce whose servers take all of it: the servers'). Set with
+  // part_begin (SetSlots).
+  std::vector<int> slot;
+  int slots = 0;
+  void SetSlots() {
+    slot.assign(n, 0);
+    slots = 0;
+    for (int i = 0; i < n; ++i) {
+      if (PartLen(i) > 0) slot[i] = slots++;
+    }
+    slots = std::max(slots, 1);
+  }
+  int Slot(int i) const { return slot[i]; }
+  int Slots() const { return slots; }
   char* WireIn(int i, size_t c) const {
     return wire_in.data() + (Slot(i) * max_chunks + c) * wire_stride;
   }

@@ -437,6 +437,7 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     // A block's buffers hold the block alone (the caller's, offset).
     if (j.root < 0 && j.req.collective == Collective::kAllGather) j.in_base = j.PartBegin(me);
     if (j.root < 0 && j.req.collective == Collective::kReduceScatter) j.out_base = j.PartBegin(me);
+    j.SetSlots();
     size_t largest = 0;
     for (int i = 0; i < j.n; ++i) largest = std::max(largest, j.PartLen(i));
     j.chunk_elems = ChunkElems(largest, j.elem, align, config_.chunk_bytes, min_chunk_bytes);
