@@ -357,12 +357,14 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
                                        : BlockShare(n, num_servers, requested);
   };
   std::vector<bool> job_served;
-  auto add_job = [&](const ReduceRequest& r, const Identity& id, bool served, int root) {
+  auto add_job = [&](const ReduceRequest& r, const Identity& id, bool served, int root,
+                     size_t whole_count) {
     auto job = std::make_unique<Job>();
     job->batch = batch.get();
     job->req = r;
     job->id = id;
     job->root = root;
+    job->whole_count = whole_count;
     job->tag_bits = BlockTagBits(IdentityTagBits(id, stream), root);
     batch->jobs.push_back(std::move(job));
     job_served.push_back(served);
@@ -371,10 +373,10 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     const ReduceRequest& r = requests[k];
     const bool served = num_servers > 0 && served_flags[k] && share_of(r.collective) > 0;
     const bool all_reduce = r.collective == Collective::kAllReduce;
-    // A buffer, whatever its blocks.
-    if (served && (all_reduce || n >= 2)) served_jobs_.fetch_add(1);
-    if (!served || all_reduce || n < 2) {
-      add_job(r, ids[k], served && all_reduce, -1);
+    const bool blocks = served && !all_reduce && n >= 2;
+    if ((served && all_reduce) || blocks) served_jobs_.fetch_add(1);  // a buffer
+    if (!blocks) {
+      add_job(r, ids[k], served && all_reduce, -1, r.count);
       continue;
     }
     // Through the servers, a reduce-scatter or all-gather goes block by
@@ -399,8 +401,7 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
         block.in = root == me ? r.in : nullptr;
         block.out = static_cast<char*>(r.out) + begin * elem;
       }
-      add_job(block, ids[k], true, root);
-      batch->jobs.back()->whole_count = r.count;
+      add_job(block, ids[k], true, root, r.count);
     }
   }
   // Inside one host (the transport over loopback or shared memory) a message

@@ -139,7 +139,7 @@ class Communicator {
   std::string CheckServed(const WireHeader& h, const transport::Completion& c) const;
   void PassOnGathered(ServedChunk chunk, const ServedGroup& group);
   void SendServedResult(std::shared_ptr<ServedResult> result, const std::vector<int>& ranks,
-                        int only);
+                        int only, int skip);
   void ServedCounts(uint64_t* chunks, uint64_t* bytes) const;
   // "rank R", or "server rank R" for a server-only process, for errors.
   std::string RankText(int rank) const;

@@ -177,9 +177,9 @@ std::string Communicator::CheckServed(const WireHeader& h,
   const bool carries = !g.gather || g.position == g.root;
   size_t elems = 0;
   if (h.payload_bytes != c.len - sizeof(WireHeader) || (!carries && h.payload_bytes != 0) ||
-      (carries && codec == Codec::kNone
-           ? h.payload_bytes % ElementSize(static_cast<DType>(h.dtype)) != 0
-           : carries && !EncodedCount(codec, h.payload_bytes, &elems))) {
+      (carries && (codec == Codec::kNone
+                       ? h.payload_bytes % ElementSize(static_cast<DType>(h.dtype)) != 0
+                       : !EncodedCount(codec, h.payload_bytes, &elems)))) {
     return "payload of " + std::to_string(c.len - sizeof(WireHeader)) +
            " bytes, the header says " + std::to_string(h.payload_bytes) + " (codec " +
            CodecName(codec) + ")";
@@ -258,7 +258,7 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
         fg.root != group.root || fg.gather != group.gather) {
       mismatch = "mismatched reductions at server rank " + std::to_string(config_.rank) +
                  ": rank " + std::to_string(f.src_rank) + " sent " + Fields(f) + " in a group of " +
-                 std::to_string(UnpackServedGroup(f.served).size) + ", rank " +
+                 std::to_string(fg.size) + ", rank " +
                  std::to_string(h.src_rank) + " " + Fields(h) + " in a group of " +
                  std::to_string(group.size);
     } else if (entry.from[group.position].ok()) {
@@ -333,7 +333,7 @@ void Communicator::TakeServed(size_t slot, const transport::Completion& c) {
   result->header = f;
   result->header.contributors = static_cast<uint32_t>(contributors);
   // A reduce-scatter's block goes back to its owner alone.
-  SendServedResult(std::move(result), chunk.ranks, group.Rooted() ? group.root : -1);
+  SendServedResult(std::move(result), chunk.ranks, group.Rooted() ? group.root : -1, -1);
 }
 
 // An all-gather's block (ServedGroup::gather): the owner's message, once
@@ -345,15 +345,14 @@ void Communicator::PassOnGathered(ServedChunk chunk, const ServedGroup& group) {
   result->data = std::move(chunk.from[group.root]);
   result->offset = kServedPayloadAt;
   chunk.from.clear();
-  SendServedResult(std::move(result), chunk.ranks, -(static_cast<int>(group.root) + 2));
+  SendServedResult(std::move(result), chunk.ranks, -1, static_cast<int>(group.root));
 }
 
 // Sends a served chunk's result (its header still the kServed one it came
-// with) to the members at `ranks` (by position): to all where `only` is -1,
-// to position `only` where it is >= 0, to all but position -only - 2 where
-// it is below -1.
+// with) to the members at `ranks` (by position): only to position `only`
+// where it is >= 0, else to all but position `skip` (-1: none).
 void Communicator::SendServedResult(std::shared_ptr<ServedResult> result,
-                                    const std::vector<int>& ranks, int only) {
+                                    const std::vector<int>& ranks, int only, int skip) {
   ServedState& st = *served_;
   const WireHeader f = result->header;
   result->header.kind = static_cast<uint8_t>(MsgKind::kResult);
@@ -373,7 +372,7 @@ void Communicator::SendServedResult(std::shared_ptr<ServedResult> result,
   // Starting at a different member for each part, as the workers' shards do.
   for (int step = 0; step < members; ++step) {
     const int position = static_cast<int>((f.part + step) % members);
-    if ((only >= 0 && position != only) || (only < -1 && position == -only - 2)) continue;
+    if ((only >= 0 && position != only) || position == skip) continue;
     const int to = ranks[position];
     transport::IoVec iov[2] = {{&result->header, sizeof(WireHeader)},
                                {result->data.data() + result->offset, f.payload_bytes}};
