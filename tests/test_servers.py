@@ -303,6 +303,7 @@ def test_a_killed_server_fails_every_worker_fast_naming_it():
     assert run.returncode != 0, run.explain()
     assert "server rank 2" in run.stderr, run.explain()
     for rank in (0, 1):
+        assert len(run.results[rank]) == 1, (rank, run.explain())
         [result] = run.results[rank]
         assert result["ok"] and result["steps"] > 0, (result, run.explain())
         assert "server rank 2 is gone" in result["message"], result

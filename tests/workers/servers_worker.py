@@ -34,14 +34,24 @@ def main() -> int:
     last = time.monotonic()
     deadline = last + 100
     try:
-        while time.monotonic() < deadline:
-            out = herring_jax.allreduce(x)
-            assert float(np.asarray(out)[0]) == herring_jax.process_count()
-            steps += 1
-            last = time.monotonic()
+        with herring_jax.herring_errors():
+            while time.monotonic() < deadline:
+                out = float(np.asarray(herring_jax.allreduce(x))[0])
+                if out != herring_jax.process_count():
+                    common.report("killed-server", False, steps=steps,
+                                  message=f"wrong sum {out} after {steps} steps")
+                    sys.stdout.flush()
+                    os._exit(1)
+                steps += 1
+                last = time.monotonic()
     except herring_jax.HerringError as e:
         common.report("killed-server", True, steps=steps, seconds=time.monotonic() - last,
                       message=str(e)[:1500])
+        sys.stdout.flush()
+        os._exit(1)
+    except Exception as e:  # noqa: BLE001 - reported: the test names what else came
+        common.report("killed-server", False, steps=steps,
+                      message=f"{type(e).__name__} instead of HerringError: {str(e)[:1500]}")
         sys.stdout.flush()
         os._exit(1)
     common.report("killed-server", False, steps=steps, message="no error")
