@@ -23,6 +23,13 @@ import common  # noqa: E402
 import herring_jax  # noqa: E402
 
 
+def _end(ok: bool, **fields) -> None:
+    """Reports the run and ends the process at once with status 1, skipping
+    the exit handlers (common.report has flushed the line)."""
+    common.report("killed-server", ok, **fields)
+    os._exit(1)
+
+
 def main() -> int:
     # The launcher sends SIGTERM a moment after the server died; this report
     # is what is under test, so the worker lets its reduction fail first (a
@@ -38,25 +45,16 @@ def main() -> int:
             while time.monotonic() < deadline:
                 out = float(np.asarray(herring_jax.allreduce(x))[0])
                 if out != herring_jax.process_count():
-                    common.report("killed-server", False, steps=steps,
-                                  message=f"wrong sum {out} after {steps} steps")
-                    sys.stdout.flush()
-                    os._exit(1)
+                    _end(False, steps=steps, message=f"wrong sum {out} after {steps} steps")
                 steps += 1
                 last = time.monotonic()
     except herring_jax.HerringError as e:
-        common.report("killed-server", True, steps=steps, seconds=time.monotonic() - last,
-                      message=str(e)[:1500])
-        sys.stdout.flush()
-        os._exit(1)
+        _end(True, steps=steps, seconds=time.monotonic() - last, message=str(e)[:1500])
     except Exception as e:  # noqa: BLE001 - reported: the test names what else came
-        common.report("killed-server", False, steps=steps,
-                      message=f"{type(e).__name__} instead of HerringError: {str(e)[:1500]}")
-        sys.stdout.flush()
-        os._exit(1)
+        _end(False, steps=steps,
+             message=f"{type(e).__name__} instead of HerringError: {str(e)[:1500]}")
     common.report("killed-server", False, steps=steps, message="no error")
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
