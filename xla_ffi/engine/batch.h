@@ -106,7 +106,7 @@ struct Job {
   // (per worker's part, ReduceFlat): the block's owner, whose part and the
   // servers' are the only ones not empty. -1: every other job.
   int root = -1;
-  size_t whole_count = 0;  // the whole buffer's elements (a block's job holds some)
+  size_t whole_count = 0;  // a block's job: the whole buffer's elements; 0 otherwise
   size_t elem = 0;
   std::vector<size_t> part_begin;  // [part] first element; n + 1 entries, the last count
   // Where `req.in` and `req.out` start in the buffer: a reduce-scatter's out

@@ -376,7 +376,7 @@ Status Communicator::ReduceFlat(uint32_t stream, const std::vector<int>& order,
     const bool blocks = served && !all_reduce && n >= 2;
     if ((served && all_reduce) || blocks) served_jobs_.fetch_add(1);  // a buffer
     if (!blocks) {
-      add_job(r, ids[k], served && all_reduce, -1, r.count);
+      add_job(r, ids[k], served && all_reduce, -1, 0);
       continue;
     }
     // Through the servers, a reduce-scatter or all-gather goes block by
