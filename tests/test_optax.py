@@ -102,3 +102,22 @@ def test_buckets_follow_the_backward_pass_not_pytree_order():
         if not layers or layers[-1] != layer:
             layers.append(layer)
     assert layers == list(reversed(range(12))), order
+
+
+def test_default_buffers_in_a_job_with_servers_are_large_enough_for_them():
+    from herring_jax._src.transforms import optax_transform as ot
+    mib = 2**20
+    leaves = lambda total_mib: [jax.ShapeDtypeStruct((total_mib * mib // 4,), jnp.float32)]  # noqa: E731
+    # Without servers: a sixteenth, between 256 KiB and 25 MiB.
+    assert ot.auto_fusion_bytes(leaves(10)) == 10 * mib // 16
+    assert ot.auto_fusion_bytes(leaves(1000)) == 25 * mib
+    # With servers: a quarter, at least the servers' smallest buffer, at most 64 MiB.
+    assert ot.auto_fusion_bytes(leaves(10), servers=1, server_min_bytes=4 * mib) == 4 * mib
+    assert ot.auto_fusion_bytes(leaves(160), servers=4, server_min_bytes=4 * mib) == 40 * mib
+    assert ot.auto_fusion_bytes(leaves(1000), servers=4, server_min_bytes=4 * mib) == 64 * mib
+    # Gradients below that smallest buffer could never use the servers: the
+    # default of a job without them (buffers small enough to overlap).
+    assert (ot.auto_fusion_bytes(leaves(3), servers=4, server_min_bytes=4 * mib)
+            == ot.auto_fusion_bytes(leaves(3)) == 256 * 1024)
+    # Outside a job (no initialize()), plan_buckets takes no servers.
+    assert ot.runtime.job_servers() == (0, 0)

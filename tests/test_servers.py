@@ -294,6 +294,24 @@ def test_only_buffers_of_at_least_server_min_bytes_use_the_servers():
     assert server["ok"] and server["served_chunks"] >= 1, server
 
 
+def test_allreduce_gradients_default_buffers_go_through_the_servers():
+    # 10 MiB of gradients: without servers the default buffers (a sixteenth,
+    # 640 KiB) would all stay below HERRING_SERVER_MIN_BYTES and the server
+    # would carry nothing; with servers the default is a quarter, at least
+    # that threshold (optax_transform.AUTO_SERVED_BUCKETS).
+    run = launch("served_gradients_worker.py", [], nproc=2, servers=1, env=FLAT)
+    assert run.returncode == 0, run.explain()
+    digests = set()
+    for rank in (0, 1):
+        [case] = run.results[rank]
+        assert case["ok"], case
+        assert case["served"] >= 2, case
+        digests.add(case["digest"])
+    assert len(digests) == 1, run.explain()
+    [server] = run.results[2]
+    assert server["ok"] and server["served_chunks"] >= 2, server
+
+
 def test_a_killed_server_fails_every_worker_fast_naming_it():
     # Default HERRING_PEER_TIMEOUT_S (30 s): rank 0 sees the server's
     # rendezvous connection close and fails the job, telling the others.

@@ -48,6 +48,7 @@ class _State:
     generation: int
     args: tuple
     topology: topology_lib.Topology
+    servers: tuple = (0, 0)  # rank 0's HERRING_SERVERS and HERRING_SERVER_MIN_BYTES
 
 
 _lock = threading.Lock()
@@ -325,7 +326,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                   "with 'the provider lost data'); prefer tcp;ofi_rxm, or efa on AWS",
                   file=sys.stderr, flush=True)
         _register_targets()
-        _state = _State(handle, rank, size, provider, _generation, args, topology)
+        _state = _State(handle, rank, size, provider, _generation, args, topology,
+                        (num_servers, server_min_bytes))
         errors.set_abort_peers(_abort_peers)
         errors.set_before_exit(_before_fast_exit)
         install_error_translation()
@@ -540,6 +542,11 @@ def describe() -> str:
     memory'."""
     current = state()
     return f"{_ext.describe(current.handle)}; {current.topology.describe(current.rank)}"
+
+
+def job_servers() -> tuple[int, int]:
+    """(server-only processes, the smallest buffer put on them) as rank 0 set them."""
+    return _state.servers if _state is not None else (0, 0)
 
 
 def stats() -> dict:

@@ -14,6 +14,7 @@ from herring_jax._src.collectives import allreduce as _allreduce
 from herring_jax._src.collectives import codecs
 from herring_jax._src.transforms import fusion
 from herring_jax._src.process import jax_compat
+from herring_jax._src.process import runtime
 from herring_jax._src.transforms import sparse_rows as sparse_lib
 from herring_jax._src.collectives import weighted
 from herring_jax._src.collectives.allreduce import allreduce
@@ -33,6 +34,21 @@ DEFAULT_FIRST_BUCKET_BYTES = 2**20
 AUTO_BUCKETS = 16
 MIN_FUSION_BYTES = 2**18
 MAX_FUSION_BYTES = 25 * 2**20
+# In a job with server-only processes (herring-jax launch --servers), buffers
+# of about a quarter of the gradients, never below the smallest buffer the
+# servers take (HERRING_SERVER_MIN_BYTES) and at most 64 MiB: a served
+# reduction gains more the larger its buffer (4 simulated hosts, 4 servers:
+# 25 MiB 1.57x, 100 MiB 1.75x), and several concurrent ones less than one call
+# of the same bytes. train-bench --simulated-accelerator, 161 MiB of
+# gradients: step 2680 ms with 40 MiB buffers, 2877 with 64, 2956 with 25,
+# against 3546 ms without servers (its default buffers); 44.7 MiB: 1138 ms
+# with 12 MiB, 1258 with 23, against 1208 (BENCHMARKS.md, "train-bench
+# --simulated-accelerator with servers"). The default buffers of a sixteenth
+# were below the servers' smallest buffer for any model under 64 MiB of
+# gradients, so that the servers carried nothing. Gradients of a dtype below
+# that smallest buffer keep the default: no buffer of theirs could pay.
+AUTO_SERVED_BUCKETS = 4
+MAX_SERVED_FUSION_BYTES = 64 * 2**20
 
 
 def check_bucket_sizes(fusion_bytes, first_bucket_bytes) -> None:
@@ -44,23 +60,31 @@ def check_bucket_sizes(fusion_bytes, first_bucket_bytes) -> None:
 
 
 def plan_buckets(leaves, fusion_bytes: int | None, first_bucket_bytes: int | None,
-                 ready) -> list:
+                 ready, servers_pay: bool = True) -> list:
     """The fusion buckets of gradient `leaves` (fusion.plan) for the fusion_bytes
     and first_bucket_bytes options (None: the defaults above); `ready` is
-    jax_compat.production_order's."""
-    size = auto_fusion_bytes(leaves) if fusion_bytes is None else fusion_bytes
+    jax_compat.production_order's. servers_pay=False keeps the default of a
+    job without servers where the job has some (fully_sharded, whose buffers
+    are also the parameters gathered at once)."""
+    servers, server_min_bytes = runtime.job_servers() if servers_pay else (0, 0)
+    size = (auto_fusion_bytes(leaves, servers, server_min_bytes) if fusion_bytes is None
+            else fusion_bytes)
     first = (min(DEFAULT_FIRST_BUCKET_BYTES, size) if first_bucket_bytes is None
              else first_bucket_bytes)
     return fusion.plan(leaves, size, first, ready=ready)
 
 
-def auto_fusion_bytes(leaves) -> int:
-    """fusion_bytes for fusion_bytes=None: see AUTO_BUCKETS."""
+def auto_fusion_bytes(leaves, servers: int = 0, server_min_bytes: int = 0) -> int:
+    """fusion_bytes for fusion_bytes=None: see AUTO_BUCKETS, and
+    AUTO_SERVED_BUCKETS in a job of `servers` server-only processes."""
     per_dtype: dict = {}
     for x in leaves:
         nbytes = int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
         per_dtype[np.dtype(x.dtype)] = per_dtype.get(np.dtype(x.dtype), 0) + nbytes
     largest = max(per_dtype.values(), default=0)
+    if servers > 0 and largest >= server_min_bytes:
+        return int(min(MAX_SERVED_FUSION_BYTES,
+                       max(MIN_FUSION_BYTES, server_min_bytes, largest // AUTO_SERVED_BUCKETS)))
     return int(min(MAX_FUSION_BYTES, max(MIN_FUSION_BYTES, largest // AUTO_BUCKETS)))
 
 
@@ -129,7 +153,10 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
       average: mean (True) or sum (False) of the gradients.
       fusion_bytes: the most bytes in one fusion buffer. None (default): about a
         sixteenth of the gradients of each dtype, between 256 KiB and 25 MiB, so
-        that small models get enough buffers to overlap.
+        that small models get enough buffers to overlap; in a job with
+        server-only processes (``herring-jax launch --servers K``), about a
+        quarter, at least ``HERRING_SERVER_MIN_BYTES`` and at most 64 MiB, so
+        that the servers take them (the same sums, bitwise).
       first_bucket_bytes: the most bytes in the first buffer of each dtype,
         so that the first reduction starts early. None (default): 1 MiB, or
         the fusion buffer size where that is smaller.
