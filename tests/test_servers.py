@@ -299,14 +299,19 @@ def test_allreduce_gradients_default_buffers_go_through_the_servers():
     # 640 KiB) would all stay below HERRING_SERVER_MIN_BYTES and the server
     # would carry nothing; with servers the default is a quarter, at least
     # that threshold (optax_transform.AUTO_SERVED_BUCKETS).
+    # Leaves of 2 MiB, the first buffer at most 1 MiB: 2 MiB, then 4 + 4
+    # through the server. With int8 the default stays a sixteenth (a codec
+    # encodes each buffer's chunks, so other buffers would change the bits):
+    # one buffer per leaf.
     run = launch("served_gradients_worker.py", [], nproc=2, servers=1, env=FLAT)
     assert run.returncode == 0, run.explain()
     digests = set()
     for rank in (0, 1):
-        [case] = run.results[rank]
-        assert case["ok"], case
-        assert case["served"] >= 2, case
-        digests.add(case["digest"])
+        exact, int8 = run.results[rank]
+        assert exact["ok"] and int8["ok"], (exact, int8)
+        assert (exact["buffers"], exact["served"]) == (3, 2), exact
+        assert (int8["buffers"], int8["served"]) == (5, 0), int8
+        digests.add(exact["digest"])
     assert len(digests) == 1, run.explain()
     [server] = run.results[2]
     assert server["ok"] and server["served_chunks"] >= 2, server

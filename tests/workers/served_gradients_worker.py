@@ -4,7 +4,8 @@ of 2 MiB) are fused into buffers large enough for the servers to take, so
 that the servers carry them without the user raising fusion_bytes. The mean
 is checked bitwise against numpy's rank-order sum over the workers, divided
 by their count (common.reference), and the worker reports how many buffers
-of one update went through the servers.
+of one update went through the servers; and that with a wire codec the
+default buffers stay those of a job without servers.
 
 Usage (under the launcher): python tests/workers/served_gradients_worker.py
 """
@@ -27,6 +28,13 @@ LEAVES = 5
 ELEMENTS = 2**19  # 2 MiB of float32 each
 
 
+def counted(before: dict) -> tuple[int, int]:
+    """(buffers through the servers, buffers reduced) since `before`."""
+    now = herring_jax.stats()
+    return (now["served_jobs"] - before["served_jobs"],
+            now["reductions"] - before["reductions"])
+
+
 def main() -> int:
     herring_jax.initialize()
     me, nproc = jax.process_index(), jax.process_count()
@@ -36,15 +44,25 @@ def main() -> int:
     tx = herring_jax.allreduce_gradients()
     update = jax.jit(lambda g: tx.update(g, tx.init(g))[0])
     grads = jax.tree.map(jnp.asarray, everyone[me])
-    before = herring_jax.stats()["served_jobs"]
+    before = herring_jax.stats()
     got = jax.tree.map(np.asarray, update(grads))
-    served = herring_jax.stats()["served_jobs"] - before
+    served, buffers = counted(before)
     ok = True
     for name in sorted(got):
         want = common.reference("float32", "mean", [[g[name]] for g in everyone], hosts)
         ok = ok and common.bitwise_equal(got[name], want)
-    common.report("allreduce_gradients/default-buffers", ok, served=served,
+    common.report("allreduce_gradients/default-buffers", ok, served=served, buffers=buffers,
                   digest=common.digest(np.concatenate([got[k] for k in sorted(got)])))
+    # With a codec the default stays a sixteenth (the buffers would change
+    # the encoded bits): 2 MiB buffers, below the servers' smallest.
+    tx = herring_jax.allreduce_gradients(compression="int8", error_feedback=False)
+    update = jax.jit(lambda g: tx.update(g, tx.init(g))[0])
+    before = herring_jax.stats()
+    got = jax.tree.map(np.asarray, update(grads))
+    served, buffers = counted(before)
+    common.report("allreduce_gradients/int8/default-buffers",
+                  all(np.isfinite(v).all() and v.shape == (ELEMENTS,) for v in got.values()),
+                  served=served, buffers=buffers)
     herring_jax.shutdown()
     return 0
 

@@ -252,8 +252,7 @@ class FullySharded:
         # Buckets in forward order: the first (small) bucket is the first
         # the forward pass needs.
         ready = order if order is not None else list(range(len(leaves)))
-        buckets = plan_buckets(stand_ins, self.fusion_bytes, self.first_bucket_bytes, ready,
-                               servers_pay=False)
+        buckets = plan_buckets(stand_ins, self.fusion_bytes, self.first_bucket_bytes, ready)
         out = [None] * len(leaves)
         for i, (s, d) in enumerate(shapes):
             if not np.prod(s, dtype=np.int64):
@@ -437,9 +436,7 @@ def fully_sharded(inner: optax.GradientTransformation, *, prefetch: int | None =
         the loss computes from the parameters alone (casts, transposes):
         1.5x the bytes; lower peak memory.
       fusion_bytes, first_bucket_bytes: bucket sizes, as for
-        ``allreduce_gradients`` (the first bucket is the first layers'),
-        except that the default stays a sixteenth with server-only
-        processes: a bucket's parameters are gathered whole at once.
+        ``allreduce_gradients`` (the first bucket is the first layers').
       compression: wire codec of the gradients' reduce-scatter (``"none"``,
         ``"bf16"``, ``"fp16"``, ``"int8"``); the gathers carry parameters
         exactly, in their dtype.

@@ -60,12 +60,16 @@ def check_bucket_sizes(fusion_bytes, first_bucket_bytes) -> None:
 
 
 def plan_buckets(leaves, fusion_bytes: int | None, first_bucket_bytes: int | None,
-                 ready, servers_pay: bool = True) -> list:
+                 ready, servers_pay: bool = False) -> list:
     """The fusion buckets of gradient `leaves` (fusion.plan) for the fusion_bytes
     and first_bucket_bytes options (None: the defaults above); `ready` is
-    jax_compat.production_order's. servers_pay=False keeps the default of a
-    job without servers where the job has some (fully_sharded, whose buffers
-    are also the parameters gathered at once)."""
+    jax_compat.production_order's. servers_pay: the default follows the job's
+    servers (AUTO_SERVED_BUCKETS). Only where the result is the same bits
+    whatever the buckets: allreduce_gradients uncompressed. Not
+    sharded_optimizer (a global norm sums over its buckets' chunks), not a
+    codec (it encodes each buffer's chunks), not fully_sharded (a bucket's
+    parameters are gathered whole): there the servers must not change the
+    training."""
     servers, server_min_bytes = runtime.job_servers() if servers_pay else (0, 0)
     size = (auto_fusion_bytes(leaves, servers, server_min_bytes) if fusion_bytes is None
             else fusion_bytes)
@@ -153,10 +157,10 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
       average: mean (True) or sum (False) of the gradients.
       fusion_bytes: the most bytes in one fusion buffer. None (default): about a
         sixteenth of the gradients of each dtype, between 256 KiB and 25 MiB, so
-        that small models get enough buffers to overlap; in a job with
-        server-only processes (``herring-jax launch --servers K``), about a
-        quarter, at least ``HERRING_SERVER_MIN_BYTES`` and at most 64 MiB, so
-        that the servers take them (the same sums, bitwise).
+        that small models get enough buffers to overlap; uncompressed, in a
+        job with server-only processes (``herring-jax launch --servers K``),
+        about a quarter, at least ``HERRING_SERVER_MIN_BYTES`` and at most 64
+        MiB, so that the servers take them (the same sums, bitwise).
       first_bucket_bytes: the most bytes in the first buffer of each dtype,
         so that the first reduction starts early. None (default): 1 MiB, or
         the fusion buffer size where that is smaller.
@@ -272,7 +276,8 @@ def allreduce_gradients(axis_name=None, *, average: bool = True,
             # gradient (-1), it joins the first one.
             leaves = leaves + [weighted.weight_operand(w)]
             ready = None if ready is None else ready + [-1]
-        buckets = plan_buckets(leaves, fusion_bytes, first_bucket_bytes, ready)
+        buckets = plan_buckets(leaves, fusion_bytes, first_bucket_bytes, ready,
+                               servers_pay=compression == "none")
         buffers = fusion.pack(leaves, buckets)
         if w is not None and compression != "none":
             # A codec would bend the weight: a reduction of its own, exact.

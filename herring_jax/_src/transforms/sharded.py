@@ -101,7 +101,9 @@ def sharded_optimizer(inner: optax.GradientTransformation, axis_name=None, *,
         inside ``jax.shard_map(..., check_vma=False)``; the state then has a
         leading axis of one per device: shard it over `axis_name`.
       average: mean (True) or sum (False) of the workers' gradients.
-      fusion_bytes, first_bucket_bytes: as for ``allreduce_gradients``.
+      fusion_bytes, first_bucket_bytes: as for ``allreduce_gradients``, but
+        the default stays a sixteenth with server-only processes (the
+        global norm's sum follows the buckets: the servers change no bit).
       compression: wire codec of the reduce-scatter (``"none"``, ``"bf16"``,
         ``"fp16"``, ``"int8"``); the all-gather carries updates exactly.
       error_feedback: with a lossy codec, add what encoding lost to the next
