@@ -302,7 +302,7 @@ def test_ranks_other_than_0_wait_for_the_coordinators_port():
     import socket
     import threading
 
-    from herring_jax._src.process.runtime import _wait_for_coordinator
+    from herring_jax._src.process.joining import wait_for_coordinator
 
     with socket.socket() as probe:  # a free port, closed again at once
         probe.bind(("127.0.0.1", 0))
@@ -319,14 +319,14 @@ def test_ranks_other_than_0_wait_for_the_coordinators_port():
     thread = threading.Thread(target=listen_later)
     thread.start()
     try:
-        _wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=60)
+        wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=60)
         assert listening.is_set(), "returned before anything listened on the port"
     finally:
         thread.join()
         server.close()
     # Nothing listening: it gives up after its timeout, without raising, and
     # leaves the error to jax.distributed.
-    _wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=0.2)
+    wait_for_coordinator(f"127.0.0.1:{port}", timeout_s=0.2)
 
 
 def test_a_coordinator_port_in_use_is_refused():

@@ -14,18 +14,16 @@ import functools
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
 
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 
 from herring_jax._src.process import jax_compat
+from herring_jax._src.process import joining
 from herring_jax._src.process import knobs
 from herring_jax._src.process import last_words
-from herring_jax._src.process import ports
 from herring_jax._src.process import servers as servers_lib
 from herring_jax._src.process import timeline
 from herring_jax._src.process import topology as topology_lib
@@ -128,49 +126,6 @@ def cuda_handler_built() -> bool:
     return bool(_ext.cuda_registrations())
 
 
-def _split_address(coordinator: str) -> tuple[str, str]:
-    """``host:port`` (or ``[v6]:port``) -> (host, port); host defaults to 127.0.0.1."""
-    host, _, port = coordinator.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", port
-
-
-def _local_address_towards(coordinator: str | None) -> str:
-    """The local IP this host uses to reach the coordinator (no packet is sent)."""
-    if not coordinator:
-        return "127.0.0.1"
-    host, port = _split_address(coordinator)
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, int(port or 1)))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
-    """Returns once the coordinator's port accepts connections (or after
-    timeout_s; jax.distributed then reports what is wrong itself).
-
-    The processes of a job start together, and the others usually ask before
-    process 0's coordination service listens: jax's client then waits out
-    gRPC's reconnect backoff, a whole second, before it asks again. A plain
-    TCP connect every 10 ms costs nothing and lets initialize() go on as soon
-    as the service is up."""
-    host, port = _split_address(coordinator)
-    try:
-        address = (host, int(port))
-    except ValueError:
-        return  # not host:port; jax.distributed names the problem
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(address, timeout=1.0):
-                return
-        except OSError:
-            time.sleep(0.01)
-
-
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None) -> None:
     """Starts herring_jax in this process. Idempotent.
@@ -213,11 +168,11 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         if process_id is None:
             process_id = knobs.get("HERRING_PROCESS_ID")
         if not jax.distributed.is_initialized():
-            _join_distributed(coordinator_address, num_processes, process_id)
+            joining.join_distributed(coordinator_address, num_processes, process_id)
             _default_sigterm_under_launcher()
         client = jax_compat.distributed_client()
         rank, size = jax.process_index(), jax.process_count()
-        _turn_off_persistent_cache(rank, size)
+        joining.turn_off_persistent_cache(rank, size)
         if client is None:
             raise HerringError("jax.distributed has no client; cannot exchange addresses")
 
@@ -256,7 +211,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             provider = knobs.get("HERRING_FI_PROVIDER")
             interface = knobs.get("HERRING_FI_IFACE")
             if not interface and (provider == "" or provider.split(";")[0] in _IP_PROVIDERS):
-                interface = _local_address_towards(
+                interface = joining.local_address_towards(
                     coordinator_address or getattr(client, "coordinator_address", None))
             handle = _ext.create_communicator(
                 rank, size + num_servers, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
@@ -335,61 +290,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         _shutdown_at_exit()
         timeline.start(rank, size, f"{_ext.describe(handle)}; {topology.describe(rank)}",
                        _local_device_numbers())
-
-
-def _join_distributed(coordinator_address, num_processes, process_id) -> None:
-    """jax.distributed.initialize(), or a job of this one process where
-    nothing says there are others (plain ``python train.py``)."""
-    if coordinator_address and process_id not in (None, 0):
-        _wait_for_coordinator(coordinator_address, knobs.get("HERRING_INIT_TIMEOUT_S"))
-    try:
-        jax.distributed.initialize(coordinator_address=coordinator_address,
-                                   num_processes=num_processes, process_id=process_id)
-        return
-    except ValueError as e:
-        # No launcher and no cluster jax recognises (SLURM, Open MPI, ...).
-        if coordinator_address or num_processes or "coordinator_address" not in str(e):
-            raise HerringError(f"jax.distributed.initialize() failed: {e}") from e
-    except RuntimeError as e:
-        raise HerringError(
-            f"jax.distributed.initialize() failed: {e} Call herring_jax.initialize() "
-            "at the start of the program, before any JAX computation.") from e
-    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
-    print(f"herring_jax: no launcher or cluster found, so this runs as a job of one process; "
-          f"for N processes on this machine: herring-jax launch -n N -- python {script}",
-          file=sys.stderr, flush=True)
-    try:
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{ports.free_port()}",
-                                   num_processes=1, process_id=0)
-    except RuntimeError as e:
-        raise HerringError(f"jax.distributed.initialize() failed: {e}") from e
-
-
-def _turn_off_persistent_cache(rank: int, size: int) -> None:
-    """Turns jax's persistent compilation cache off in a job of several
-    processes, saying so once.
-
-    jax writes the cache from process 0 only, and its entries are per
-    process (they name the devices), so on a rerun process 0 loads its
-    reducing programs from the cache while the others compile theirs. A
-    loaded program gets other run ids than a compiled one (XLA's run id
-    derives from the executable's fingerprint), and nothing would pair the
-    processes' reductions: measured, the first step stalled until
-    HERRING_TIMEOUT_S ("Rank 1 runs a different compiled program").
-    """
-    if size < 2 or not getattr(jax.config, "jax_compilation_cache_dir", None):
-        return
-    if not getattr(jax.config, "jax_enable_compilation_cache", True):
-        return
-    jax.config.update("jax_enable_compilation_cache", False)
-    # It decides once, at the first compile, whether the cache is in use.
-    compilation_cache.reset_cache()
-    if rank == 0:
-        print(f"herring_jax: jax's persistent compilation cache (jax_compilation_cache_dir="
-              f"{jax.config.jax_compilation_cache_dir}) is off for this job of {size} "
-              "processes: jax writes it from process 0 only, and a program process 0 loads "
-              "from it runs under other run ids than the ones the other processes compile, "
-              "so their reductions would never pair", file=sys.stderr, flush=True)
 
 
 def _under_launcher() -> bool:

@@ -179,7 +179,7 @@ class Rendezvous:
 def serve(coordinator: str, index: int | None = None) -> int:
     """Runs this process as a server-only process of the job whose
     jax.distributed coordinator is `coordinator` (host:port); returns the exit code."""
-    from herring_jax._src.process import runtime  # imports jax and the extension
+    from herring_jax._src.process import joining, runtime  # import jax and the extension
     from herring_jax import _herring_ffi as ext
 
     host, port = rendezvous_address(coordinator)
@@ -203,7 +203,7 @@ def serve(coordinator: str, index: int | None = None) -> int:
         provider = s["provider"]
         interface = knobs.get("HERRING_FI_IFACE")
         if not interface and (provider == "" or provider.split(";")[0] in runtime._IP_PROVIDERS):
-            interface = runtime._local_address_towards(f"{host}:{port}")
+            interface = joining.local_address_towards(f"{host}:{port}")
         handle = ext.create_communicator(
             s["rank"], s["size"], s["token"], provider, interface,
             knobs.get("HERRING_FI_FORCE_MR"), s["chunk_bytes"], knobs.get("HERRING_SERVER_THREADS"),

@@ -9,7 +9,7 @@ for it): importing jax and herring_jax, initialize(), the optimizer's init
 (for sharded_optimizer, its check of the inner transformation), the first
 step (compiling it), the other steps, and shutdown(). jax's persistent
 compilation cache (JAX_COMPILATION_CACHE_DIR) is turned off by initialize() in
-a job of several processes (see runtime._turn_off_persistent_cache); the
+a job of several processes (see joining.turn_off_persistent_cache); the
 results are in docs/getting_started.md, "Start-up time".
 """
 
