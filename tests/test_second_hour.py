@@ -120,3 +120,16 @@ def test_a_rerun_with_jax_persistent_compilation_cache_does_not_stall(tmp_path):
         said = [line for line in run.stderr.splitlines()
                 if "jax's persistent compilation cache" in line]
         assert len(said) == 1 and said[0].startswith("[rank 0] "), run.explain()
+
+
+def test_a_users_directory_named_herring_jax_holds_the_users_code():
+    # Call sites skip the frames of the installed libraries, found by where
+    # they are installed: a clone of this repository (a directory called
+    # herring_jax) holds the user's code, whose lines the stall and mismatch
+    # messages must name.
+    import optax
+    from herring_jax._src.process import jax_compat
+    assert not jax_compat._in_library("/home/me/herring_jax/train.py")
+    assert not jax_compat._in_library("/tmp/x/herring_jax/tests/workers/first_hour_worker.py")
+    assert jax_compat._in_library(jax_compat.__file__)
+    assert jax_compat._in_library(optax.__file__)
