@@ -39,6 +39,19 @@ def local_address_towards(coordinator: str | None) -> str:
         return "127.0.0.1"
 
 
+# Providers that bind an IP address (HERRING_FI_IFACE, or the one towards the coordinator).
+IP_PROVIDERS = ("tcp", "udp", "sockets", "net")
+
+
+def fabric_interface(provider: str, coordinator: str | None) -> str:
+    """HERRING_FI_IFACE, or for an IP provider (or the default) the local
+    address this host reaches the coordinator from; "" lets the provider pick."""
+    interface = knobs.get("HERRING_FI_IFACE")
+    if not interface and (provider == "" or provider.split(";")[0] in IP_PROVIDERS):
+        interface = local_address_towards(coordinator)
+    return interface
+
+
 def wait_for_coordinator(coordinator: str, timeout_s: float) -> None:
     """Returns once the coordinator's port accepts connections (or after
     timeout_s; jax.distributed then reports what is wrong itself).

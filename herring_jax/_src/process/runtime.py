@@ -34,8 +34,6 @@ from herring_jax._src.process.errors import (HerringError, as_herring_error,
 # fabric_env.py, imported with the package, has said what to do if it is missing.
 from herring_jax import _herring_ffi as _ext
 
-_IP_PROVIDERS = ("tcp", "udp", "sockets", "net")
-
 
 @dataclasses.dataclass(frozen=True)
 class _State:
@@ -209,10 +207,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                           if rank == 0 and num_servers else None)
 
             provider = knobs.get("HERRING_FI_PROVIDER")
-            interface = knobs.get("HERRING_FI_IFACE")
-            if not interface and (provider == "" or provider.split(";")[0] in _IP_PROVIDERS):
-                interface = joining.local_address_towards(
-                    coordinator_address or getattr(client, "coordinator_address", None))
+            interface = joining.fabric_interface(
+                provider, coordinator_address or getattr(client, "coordinator_address", None))
             handle = _ext.create_communicator(
                 rank, size + num_servers, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
                 chunk_bytes, knobs.get("HERRING_SERVER_THREADS"),

@@ -201,9 +201,7 @@ def serve(coordinator: str, index: int | None = None) -> int:
         _send(f, {"index": index, "pid": os.getpid(), "host": socket.gethostname()})
         s = _receive(f, "the job's settings")
         provider = s["provider"]
-        interface = knobs.get("HERRING_FI_IFACE")
-        if not interface and (provider == "" or provider.split(";")[0] in runtime._IP_PROVIDERS):
-            interface = joining.local_address_towards(f"{host}:{port}")
+        interface = joining.fabric_interface(provider, f"{host}:{port}")
         handle = ext.create_communicator(
             s["rank"], s["size"], s["token"], provider, interface,
             knobs.get("HERRING_FI_FORCE_MR"), s["chunk_bytes"], knobs.get("HERRING_SERVER_THREADS"),
