@@ -86,7 +86,8 @@ def test_an_uncaught_herring_error_prints_its_message_first_and_the_libraries_fr
     short = format_uncaught(info.value, verbose=False)
     assert short.startswith("herring_jax.HerringError: herring allreduce on rank 0: "), short
     assert "in fail" in short and "/jax/" not in short, short
-    assert "frame(s) in herring_jax, jax and jaxlib left out" in short, short
+    assert ("frame(s) in herring_jax and the libraries it works with "
+            "(jax, jaxlib, optax, flax, orbax) left out") in short, short
     verbose = format_uncaught(info.value, verbose=True)
     assert verbose.startswith("Traceback") and "/jax/" in verbose, verbose
 

@@ -98,7 +98,8 @@ def test_a_killed_peers_survivors_say_what_failed_first_without_the_libraries_fr
         assert re.search(r"processes of this host that have exited: (rank \d, )*rank 2|"
                          r"rank 2's process has exited", said[0]), run.explain()
         assert "rank 2 is alive" not in text and "no process of this host is missing" not in text
-        assert "frame(s) in herring_jax, jax and jaxlib left out" in text, run.explain()
+        assert ("frame(s) in herring_jax and the libraries it works with "
+                "(jax, jaxlib, optax, flax, orbax) left out") in text, run.explain()
         assert not re.search(r"site-packages/(jax|jaxlib|herring_jax)/", text), run.explain()
         assert len(said) <= 12, run.explain()
 

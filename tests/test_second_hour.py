@@ -123,13 +123,19 @@ def test_a_rerun_with_jax_persistent_compilation_cache_does_not_stall(tmp_path):
 
 
 def test_a_users_directory_named_herring_jax_holds_the_users_code():
-    # Call sites skip the frames of the installed libraries, found by where
-    # they are installed: a clone of this repository (a directory called
-    # herring_jax) holds the user's code, whose lines the stall and mismatch
-    # messages must name.
+    # Call sites and uncaught errors skip the frames of the installed
+    # libraries, found by where they are installed: a clone of this
+    # repository (a directory called herring_jax) holds the user's code, whose
+    # lines the stall and mismatch messages must name, and so do the examples
+    # shipped inside the installed package (the demo runs them from there).
+    import os
+    import jaxlib
     import optax
-    from herring_jax._src.process import jax_compat
-    assert not jax_compat._in_library("/home/me/herring_jax/train.py")
-    assert not jax_compat._in_library("/tmp/x/herring_jax/tests/workers/first_hour_worker.py")
-    assert jax_compat._in_library(jax_compat.__file__)
-    assert jax_compat._in_library(optax.__file__)
+    import herring_jax
+    from herring_jax._src.process import install_dirs, jax_compat
+    assert not install_dirs.in_library("/home/me/herring_jax/train.py")
+    assert not install_dirs.in_library("/tmp/x/herring_jax/tests/workers/first_hour_worker.py")
+    shipped = os.path.join(os.path.dirname(herring_jax.__file__), "examples", "train.py")
+    assert not install_dirs.in_library(shipped)
+    for module in (jax_compat, optax, jaxlib, herring_jax):
+        assert install_dirs.in_library(module.__file__), module

@@ -12,7 +12,8 @@ import threading
 import traceback
 
 import jax
-import jaxlib
+
+from herring_jax._src.process import install_dirs
 
 # Every error the FFI handlers return starts with this (handler_common.h);
 # jax raises it as JaxRuntimeError("INTERNAL: herring allreduce on rank R: ...").
@@ -205,34 +206,21 @@ def failure_reason(exc: BaseException) -> str:
     return text + " (uncaught; its traceback is in that rank's output)"
 
 
-# Where the code of herring_jax, jax and jaxlib lives: their frames say nothing
-# a HerringError's message does not (the examples shipped inside are a
-# program's own code).
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (jax, jaxlib)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
-_EXAMPLES_DIR = os.path.join(_LIBRARY_DIRS[-1], "examples") + os.sep
-
-
-def _in_library(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    return path.startswith(_LIBRARY_DIRS) and not path.startswith(_EXAMPLES_DIR)
-
-
 def format_uncaught(herring: HerringError, verbose: bool) -> str:
     """An uncaught HerringError as printed. First what the error says (what
     failed, which rank, where the ranks were), then where the program raised
-    it: its own frames, without those of herring_jax, jax and jaxlib, which
-    say nothing more. `verbose` (HERRING_VERBOSE_ERRORS): Python's whole
+    it: its own frames, without those of herring_jax and the libraries it
+    works with (install_dirs.LIBRARIES), which say nothing more. `verbose` (HERRING_VERBOSE_ERRORS): Python's whole
     traceback instead."""
     if verbose:
         return "".join(traceback.format_exception(HerringError, herring, herring.__traceback__))
     frames = traceback.extract_tb(herring.__traceback__)
-    own = [f for f in frames if not _in_library(f.filename)]
+    own = [f for f in frames if not install_dirs.in_library(f.filename)]
     left = len(frames) - len(own)
     head = "Raised in (most recent call last"
     if left:
-        head += (f"; {left} frame(s) in herring_jax, jax and jaxlib left out, "
+        head += (f"; {left} frame(s) in herring_jax and the libraries it works with "
+                 f"({', '.join(install_dirs.LIBRARIES)}) left out, "
                  "HERRING_VERBOSE_ERRORS=1 prints them")
     return "".join([*traceback.format_exception_only(HerringError, herring), head + "):\n",
                     *traceback.format_list(own)])

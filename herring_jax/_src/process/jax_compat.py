@@ -7,13 +7,13 @@ jax moves these, only this file changes.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 import re
 import threading
 
 import jax
 import numpy as np
+
+from herring_jax._src.process import install_dirs
 
 # The jax releases whose private names below were read, and herring_jax
 # tested with: 0.10 (the newest for Python 3.11; the whole suite on 0.10.2),
@@ -459,34 +459,13 @@ def production_order(values) -> list[int] | None:
 
 # -- where a call was written in the user's program ---------------------------
 
-@functools.lru_cache(maxsize=None)
-def _library_dirs() -> tuple[str, ...]:
-    """Where the libraries between the user's code and a reduction are
-    installed (their frames are skipped): herring_jax, optax, flax, orbax.
-    Their install directories, not their names: a user's directory called
-    herring_jax (a clone of this repository, say) holds the user's code."""
-    dirs = [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))]
-    for name in ("optax", "flax", "orbax"):
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(spec.submodule_search_locations)
-    return tuple(os.path.abspath(d) + os.sep for d in dirs)
-
-
-def _in_library(file_name: str) -> bool:
-    return os.path.abspath(file_name).startswith(_library_dirs())
-
-
 def user_call_site(ctx) -> str | None:
     """'train.py:42 (step)': the innermost frame of the user's own code that
     led to the equation being lowered, or None where jax kept no traceback."""
     traceback = getattr(ctx, "traceback", None)
     try:
         for frame in _source_info.user_frames(traceback):
-            if not _in_library(frame.file_name):
+            if not install_dirs.in_library(frame.file_name):
                 name = frame.file_name.rsplit("/", 1)[-1]
                 return f"{name}:{frame.start_line} ({frame.function_name})"
     except Exception:  # noqa: BLE001 - a description only; never fail a lowering for it
