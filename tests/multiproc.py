@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,7 +34,44 @@ class Run:
                 f"\n--- stderr (tail) ---\n{self.stderr[-6000:]}")
 
 
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+def _flags_xla_knows(*flags: str) -> str:
+    """`flags` joined, less those this jaxlib's XLA does not know (an
+    unknown flag in XLA_FLAGS kills the process at its first computation):
+    asked once of a child process, for all of them at once, then one at a
+    time only if that fails."""
+    def accepted(tried):
+        code = "import jax.numpy as jnp; jnp.zeros(1).block_until_ready()"
+        # In the temporary directory: a refused flag aborts the child, which
+        # may leave a core file where it ran.
+        proc = subprocess.run(
+            [sys.executable, "-P", "-c", code], cwd=tempfile.gettempdir(),
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(tried)},
+            capture_output=True, text=True, timeout=120, check=False)
+        return proc.returncode == 0
+    if accepted(flags):
+        return " ".join(flags)
+    return " ".join(f for f in flags if accepted([f]))
+
+
+# XLA_FLAGS for a test that compares two different compiled programs
+# bitwise (sharded_optimizer's against the unsharded chain's, say) or one
+# against a numpy model: XLA:CPU without LLVM's optimizations, which would
+# contract a multiply and an add into one fused multiply-add differently in
+# the two programs (test_sharded.py says more).
+BITWISE_COMPILE = "--xla_backend_optimization_level=0"
+
+# The other workers' XLA_FLAGS. Each worker compiles many small programs,
+# and compiling them is most of the suite's CPU time:
+# - without LLVM's optimizations (level 0) in about half the time;
+# - with XLA:CPU's loop emitters instead of its MLIR fusion emitters, where
+#   this jaxlib still has the choice (jax 0.10; 0.12 has only the MLIR ones),
+#   in about 40% less again: a small jitted program took 71 ms of CPU to
+#   lower and compile against 39 ms, and test_compat's and test_collectives'
+#   2x2 layouts 117 s of CPU against 74 s (2026-11-30).
+# Not for the bitwise tests above: under the loop emitters an adamw step of
+# sharded_optimizer differed from the unsharded chain's in the last bit, and
+# DiLoCo's and int8's steps from their numpy models.
+FAST_COMPILE = _flags_xla_knows(BITWISE_COMPILE, "--xla_cpu_use_fusion_emitters=false")
 
 
 def launch(worker: str, args: list[str], nproc: int, devices: int = 1,

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from multiproc import FAST_COMPILE
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -15,8 +17,8 @@ def _launch(script, args, nproc=2, devices=1, fast_compile=False):
     env = dict(os.environ, JAX_PLATFORMS="cpu", HERRING_TIMEOUT_S="120")
     env.pop("XLA_FLAGS", None)
     if fast_compile:
-        # About half the compile time, for runs of a few steps.
-        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+        # A fraction of the compile time, for runs of a few steps.
+        env["XLA_FLAGS"] = FAST_COMPILE
     cmd = [sys.executable, "-m", "herring_jax.launch", "-n", str(nproc), "--devices-per-process",
            str(devices), "--timeout", "300", "--", sys.executable, script, *args]
     proc = subprocess.run(cmd, cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=330)

@@ -7,9 +7,9 @@ parameters and the optimizer state between steps."""
 
 import pytest
 
-from multiproc import assert_all_ok, launch
+from multiproc import BITWISE_COMPILE, assert_all_ok, launch
 
-BITWISE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+BITWISE = {"XLA_FLAGS": BITWISE_COMPILE}
 
 
 def _cases(run):

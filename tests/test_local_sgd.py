@@ -19,9 +19,9 @@ host.
 
 import pytest
 
-from multiproc import assert_all_ok, launch, train_bench_codecs
+from multiproc import BITWISE_COMPILE, assert_all_ok, launch, train_bench_codecs
 
-ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": "0"}
+ENV = {"XLA_FLAGS": BITWISE_COMPILE, "HERRING_HOST_STAGE": "0"}
 PRESETS = ["localsgd/model", "slowmo/model", "diloco/model"]
 FLAX = ["nnx/vs-plain", "nnx/checkpoint", "linen/vs-plain"]
 FRAGMENTED = [f"fragments/{p}" for p in PRESETS] + ["fragments/int8/model"]

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import assert_all_ok, assert_each_file_has_one_writer, launch
+from multiproc import BITWISE_COMPILE, assert_all_ok, assert_each_file_has_one_writer, launch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # Bitwise comparisons across programs: see the worker's docstring.
 # HERRING_HOST_STAGE=0: a codec applies where data crosses the transport.
-ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": "0"}
+ENV = {"XLA_FLAGS": BITWISE_COMPILE, "HERRING_HOST_STAGE": "0"}
 CASES = ["allreduce/nnx-vs-plain", "bf16/nnx-vs-plain", "powersgd/nnx-vs-plain",
          "topk/nnx-vs-plain", "sharded/nnx-vs-plain", "allreduce/one-process",
          "sharded/vs-chain", "bf16/vs-exact", "checkpoint/sharded", "checkpoint/plain"]

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from multiproc import FAST_COMPILE
+
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
-FAST_COMPILE = "--xla_backend_optimization_level=0"
 LM_ARGS = ["--steps", "16", "--log-every", "1", "--dim", "32", "--layers", "1",
            "--text-bytes", str(1 << 18), "--checkpoint-every", "4"]
 

@@ -13,9 +13,9 @@ while the updates themselves are bitwise equal (README, "Sharded optimizer").
 
 import pytest
 
-from multiproc import assert_all_ok, launch
+from multiproc import BITWISE_COMPILE, assert_all_ok, launch
 
-BITWISE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+BITWISE = {"XLA_FLAGS": BITWISE_COMPILE}
 
 
 def _cases(run):

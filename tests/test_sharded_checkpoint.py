@@ -18,9 +18,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from multiproc import assert_all_ok, assert_each_file_has_one_writer, launch
+from multiproc import BITWISE_COMPILE, assert_all_ok, assert_each_file_has_one_writer, launch
 
-BITWISE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+BITWISE = {"XLA_FLAGS": BITWISE_COMPILE}
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

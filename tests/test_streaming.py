@@ -8,9 +8,9 @@ XLA:CUDA the step is refused when lowered; two optimizers of equal shapes
 and schedules in one process, run alone and then in turn, end alike. The same arithmetic as
 tests/test_local_sgd.py (its ENV says why)."""
 
-from multiproc import assert_all_ok, launch
+from multiproc import BITWISE_COMPILE, assert_all_ok, launch
 
-ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0", "HERRING_HOST_STAGE": "0",
+ENV = {"XLA_FLAGS": BITWISE_COMPILE, "HERRING_HOST_STAGE": "0",
        "HERRING_PEER_TIMEOUT_S": "20"}
 
 
