@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from multiproc import FAST_COMPILE
+from multiproc import BITWISE_COMPILE
 
 TESTS = Path(__file__).resolve().parent
 EXAMPLES = TESTS.parent / "examples"
@@ -259,7 +259,7 @@ _RUNS = {"allreduce": [], "fully": ["--fully-sharded"]}
 
 
 def _lm_env():
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE,
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": BITWISE_COMPILE,
             "HERRING_TIMEOUT_S": "60", "HERRING_LAUNCH_GRACE_S": "5"}
 
 
