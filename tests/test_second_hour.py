@@ -127,7 +127,7 @@ def test_a_users_directory_named_herring_jax_holds_the_users_code():
     # libraries, found by where they are installed: a clone of this
     # repository (a directory called herring_jax) holds the user's code, whose
     # lines the stall and mismatch messages must name, and so do the examples
-    # shipped inside the installed package (the demo runs them from there).
+    # shipped inside the installed package.
     import os
     import jaxlib
     import optax

@@ -210,8 +210,8 @@ def format_uncaught(herring: HerringError, verbose: bool) -> str:
     """An uncaught HerringError as printed. First what the error says (what
     failed, which rank, where the ranks were), then where the program raised
     it: its own frames, without those of herring_jax and the libraries it
-    works with (install_dirs.LIBRARIES), which say nothing more. `verbose` (HERRING_VERBOSE_ERRORS): Python's whole
-    traceback instead."""
+    works with (install_dirs.LIBRARIES), which say nothing more. `verbose`
+    (HERRING_VERBOSE_ERRORS): Python's whole traceback instead."""
     if verbose:
         return "".join(traceback.format_exception(HerringError, herring, herring.__traceback__))
     frames = traceback.extract_tb(herring.__traceback__)

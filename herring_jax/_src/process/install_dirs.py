@@ -4,7 +4,7 @@ an uncaught HerringError prints the user's frames. Both skip the frames of
 herring_jax, jax, jaxlib, optax, flax and orbax, found by where those are
 installed, not by their names: a user's directory called herring_jax (a clone
 of this repository, say) holds the user's code, and so do the examples shipped
-inside the installed package (the demo runs them from there)."""
+inside the installed package."""
 
 from __future__ import annotations
 
@@ -15,17 +15,16 @@ import os
 # The libraries that stand between a user's program and a reduction.
 LIBRARIES = ("jax", "jaxlib", "optax", "flax", "orbax")
 
-
-def _package_dir() -> str:
-    # .../herring_jax/_src/process/install_dirs.py -> .../herring_jax
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# .../herring_jax/_src/process/install_dirs.py -> .../herring_jax
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_EXAMPLES_DIR = os.path.join(_PACKAGE_DIR, "examples") + os.sep
 
 
 @functools.lru_cache(maxsize=None)
 def library_dirs() -> tuple[str, ...]:
     """The install directories of herring_jax and of LIBRARIES (those that
     are installed), each ending in a separator."""
-    dirs = [_package_dir()]
+    dirs = [_PACKAGE_DIR]
     for name in LIBRARIES:
         try:
             spec = importlib.util.find_spec(name)
@@ -36,13 +35,8 @@ def library_dirs() -> tuple[str, ...]:
     return tuple(os.path.abspath(d) + os.sep for d in dirs)
 
 
-@functools.lru_cache(maxsize=None)
-def _examples_dir() -> str:
-    return os.path.join(_package_dir(), "examples") + os.sep
-
-
 def in_library(file_name: str) -> bool:
     """Whether `file_name` is the code of an installed library rather than
     of the user's program (the shipped examples are a program's own code)."""
     path = os.path.abspath(file_name)
-    return path.startswith(library_dirs()) and not path.startswith(_examples_dir())
+    return path.startswith(library_dirs()) and not path.startswith(_EXAMPLES_DIR)
