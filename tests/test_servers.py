@@ -39,9 +39,11 @@ def test_two_workers_and_a_server_sum_bitwise_as_without_it():
                 assert case["digest"] == want[name]["digest"], (name, case, want[name])
             [stats] = [r for r in run.results[rank] if r["case"] == "stats"]
             assert stats["stats"]["served_jobs"] > 0, stats
-        # jax saw the workers alone; the server summed parts of every buffer.
+        # jax saw the workers alone; the server summed parts of every buffer,
+        # and never imported jax (herring_jax/_src/launcher/serving.py).
         [server] = run.results[2]
         assert server["ok"] and server["served_chunks"] >= len(_cases(run, 0)), server
+        assert server["jax_imported"] is False, server
 
 
 def test_the_host_stage_sums_across_hosts_through_the_servers_bitwise_as_without_them():

@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from herring_jax._src.launcher import launch
-from herring_jax._src.process import servers
+from herring_jax._src.launcher import launch, serving
 from herring_jax._src.process import timeline
 from herring_jax._src.tools import bench, train_bench
 from herring_jax._src.tools.help_format import HelpFormatter
@@ -46,7 +45,7 @@ def register(name: str, help: str, add_arguments: AddArguments, run: Run) -> Non
 
 register("launch", "start N local processes of a command", launch.add_arguments, launch.run)
 register("serve", "run a server-only process of a job (sums, trains nothing)",
-         servers.add_arguments, servers.run)
+         serving.add_arguments, serving.run)
 register("bench", "time herring_jax's all-reduce against its peers", bench.add_arguments,
          bench.run)
 register("train-bench", "training step time and scaling efficiency per reducer",

@@ -1,3 +1,4 @@
-"""The launcher: `herring-jax launch` and its restarts, and the simulated hosts of --netns. Imports
-only the process runtime, never jax.
+"""The launcher: `herring-jax launch` and its restarts, the simulated hosts of --netns, and the
+server-only processes (`herring-jax serve`, serving.py). Imports only the process floor's modules
+that do without jax, never jax.
 """

@@ -174,7 +174,7 @@ class _Job:
 
     def start(self, rank: int, command: list[str], env: dict, server: bool = False) -> None:
         """Starts one child in its own session, with its reader and waiter
-        threads (`server`: a server-only process, see servers.py)."""
+        threads (`server`: a server-only process, see serving.py)."""
         if server:
             self.servers.add(rank)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,

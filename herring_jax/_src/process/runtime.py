@@ -20,6 +20,7 @@ import time
 
 import jax
 
+from herring_jax._src.process import addresses
 from herring_jax._src.process import jax_compat
 from herring_jax._src.process import joining
 from herring_jax._src.process import knobs
@@ -207,7 +208,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                           if rank == 0 and num_servers else None)
 
             provider = knobs.get("HERRING_FI_PROVIDER")
-            interface = joining.fabric_interface(
+            interface = addresses.fabric_interface(
                 provider, coordinator_address or getattr(client, "coordinator_address", None))
             handle = _ext.create_communicator(
                 rank, size + num_servers, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),

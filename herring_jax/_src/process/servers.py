@@ -1,4 +1,7 @@
-"""Server-only processes: their rendezvous with the workers, and `herring-jax serve`.
+"""Server-only processes, the workers' side: rank 0's rendezvous with them,
+and what every worker learns of them (`herring-jax serve` itself, which
+imports no jax, is herring_jax/_src/launcher/serving.py; what the two sides
+say to each other, server_wire.py).
 
 A server-only process trains nothing: it sums the parts of each all-reduce
 that the workers place on it (xla_ffi/engine/served.cc) and sends the sums
@@ -21,46 +24,22 @@ ends the servers too. A server ends by itself once every worker has left.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import signal
 import socket
-import sys
 import threading
 import time
 
 from herring_jax._src.process import knobs
+from herring_jax._src.process import server_wire as wire
 from herring_jax._src.process.errors import HerringError
 
-PROG = "herring-jax serve"
-# How often a server tries to reach rank 0 while it is not listening yet.
-_RETRY_S = 0.05
-
-
-def rendezvous_address(coordinator: str) -> tuple[str, int]:
-    """(host, port) where rank 0 waits for servers, given the coordinator's host:port."""
-    host, _, port = coordinator.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    chosen = knobs.get("HERRING_SERVER_PORT")
-    if chosen:
-        return host, chosen
-    try:
-        return host, int(port) + 1
-    except ValueError:
-        raise HerringError(f"coordinator address {coordinator!r} is not host:port") from None
-
-
-def _send(f, message: dict) -> None:
-    f.write((json.dumps(message) + "\n").encode())
-    f.flush()
+_send = wire.send
 
 
 def _receive(f, what: str) -> dict:
-    line = f.readline()
-    if not line:
-        raise HerringError(f"the other side closed the server rendezvous before {what}")
-    return json.loads(line)
+    try:
+        return wire.receive(f, what)
+    except wire.RendezvousError as e:
+        raise HerringError(str(e)) from None
 
 
 class Rendezvous:
@@ -176,115 +155,6 @@ class Rendezvous:
         self._sock.close()
 
 
-def serve(coordinator: str, index: int | None = None) -> int:
-    """Runs this process as a server-only process of the job whose
-    jax.distributed coordinator is `coordinator` (host:port); returns the exit code."""
-    from herring_jax._src.process import joining, runtime  # import jax and the extension
-    from herring_jax import _herring_ffi as ext
-
-    host, port = rendezvous_address(coordinator)
-    timeout_s = knobs.get("HERRING_INIT_TIMEOUT_S")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            conn = socket.create_connection((host, port), timeout=timeout_s)
-            break
-        except OSError as e:
-            if time.monotonic() > deadline:
-                print(f"{PROG}: cannot reach rank 0 at {host}:{port} within {timeout_s:g} s "
-                      f"(HERRING_INIT_TIMEOUT_S): {e}", file=sys.stderr, flush=True)
-                return 1
-            time.sleep(_RETRY_S)
-    # The connection stays open while this process serves: rank 0 takes its
-    # close for this process's end (Rendezvous.watch).
-    with conn.makefile("rwb") as f:
-        _send(f, {"index": index, "pid": os.getpid(), "host": socket.gethostname()})
-        s = _receive(f, "the job's settings")
-        provider = s["provider"]
-        interface = joining.fabric_interface(provider, f"{host}:{port}")
-        handle = ext.create_communicator(
-            s["rank"], s["size"], s["token"], provider, interface,
-            knobs.get("HERRING_FI_FORCE_MR"), s["chunk_bytes"], knobs.get("HERRING_SERVER_THREADS"),
-            s["timeout_s"], s["heartbeat_s"], s["peer_timeout_s"], knobs.get("HERRING_MAX_POSTED"),
-            min_chunk_bytes=s["min_chunk_bytes"], workers=s["workers"],
-            server_share=s["server_share"])
-        try:
-            _send(f, {"address": ext.address(handle).hex()})
-            addresses = [bytes.fromhex(a) for a in _receive(f, "every rank's address")["addresses"]]
-            ext.connect(handle, addresses)
-        except BaseException:
-            ext.destroy(handle)
-            conn.close()
-            raise
-    rank = s["rank"]
-    print(f"{PROG}: rank {rank} of {s['size']} serves {s['workers']} workers "
-          f"({ext.describe(handle)})", file=sys.stderr, flush=True)
-    exit_s = knobs.get("HERRING_TEST_SERVER_EXIT_S")
-    if exit_s is not None:
-        timer = threading.Timer(exit_s, os.kill, (os.getpid(), signal.SIGKILL))
-        timer.daemon = True
-        timer.start()
-    kill_at = knobs.get("HERRING_TEST_SERVER_KILL_AT_CHUNK")
-    if kill_at is not None and knobs.get("HERRING_RESTART") == 0:
-        threading.Thread(target=_kill_at_chunk, args=(ext, handle, kill_at),
-                         daemon=True).start()
-    why = ext.serve(handle)
-    stats = ext.stats(handle)
-    ext.destroy(handle)
-    conn.close()
-    print("HERRING_RESULT " + json.dumps({
-        "server": rank, "ok": not why, "served_chunks": stats["served_chunks"],
-        "served_bytes": stats["served_bytes"], "messages_dropped": stats["messages_dropped"]}),
-        flush=True)
-    if why:
-        print(f"{PROG}: rank {rank}: the job failed: {why}", file=sys.stderr, flush=True)
-        return 1
-    return 0
-
-
-def _kill_at_chunk(ext, handle, chunks: int) -> None:
-    """HERRING_TEST_SERVER_KILL_AT_CHUNK: SIGKILL once `chunks` chunks are summed
-    (ext.serve runs without the GIL; the counter is an atomic)."""
-    while ext.stats(handle)["served_chunks"] < chunks:
-        time.sleep(0.002)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds `herring-jax serve`'s options."""
-    parser.add_argument("--coordinator", metavar="HOST:PORT",
-                        default=knobs.get("HERRING_COORDINATOR_ADDRESS"),
-                        help="the job's jax.distributed coordinator address (the one the "
-                             "workers get); the server meets rank 0 at its port + 1, or at "
-                             "HERRING_SERVER_PORT (default: HERRING_COORDINATOR_ADDRESS)")
-    parser.add_argument("--index", type=int, metavar="J",
-                        help="this server's number 0..K-1, which fixes its rank (workers + J); "
-                             "default: ranks in the order the servers reach rank 0")
-    parser.set_defaults(serve_parser=parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Runs `herring-jax serve` as parsed by add_arguments."""
-    if not args.coordinator:
-        args.serve_parser.error("--coordinator HOST:PORT is required (or set "
-                                "HERRING_COORDINATOR_ADDRESS)")
-    if args.index is not None and args.index < 0:
-        args.serve_parser.error(f"--index must be at least 0, got {args.index}")
-    try:
-        return serve(args.coordinator, args.index)
-    except HerringError as e:
-        print(f"{PROG}: {e}", file=sys.stderr, flush=True)
-        return 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m herring_jax.serve`."""
-    parser = argparse.ArgumentParser(prog="python -m herring_jax.serve", allow_abbrev=False,
-                                     description="A server-only process of a herring_jax job.")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 def job_servers(client, prefix: str, rank: int, timeout_ms: int) -> tuple[int, float, int]:
     """(server-only processes, share placed on them (-1: the engine's split),
     the smallest buffer placed on them in bytes) as rank 0 holds them
@@ -307,7 +177,11 @@ def open_rendezvous(servers: int, coordinator: str | None) -> Rendezvous:
             "HERRING_SERVERS is set but the coordinator's address is unknown here (jax found "
             "the cluster by itself): set HERRING_SERVER_PORT, and give the servers "
             "`herring-jax serve --coordinator RANK0_HOST:ANY` with it set too")
-    return Rendezvous(rendezvous_address(coordinator or "127.0.0.1:0")[1], servers)
+    try:
+        port = wire.rendezvous_address(coordinator or "127.0.0.1:0")[1]
+    except wire.RendezvousError as e:
+        raise HerringError(str(e)) from None
+    return Rendezvous(port, servers)
 
 
 def publish(client, prefix: str, workers: int, servers: list[tuple[bytes, int]]) -> None:
