@@ -208,8 +208,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                           if rank == 0 and num_servers else None)
 
             provider = knobs.get("HERRING_FI_PROVIDER")
-            interface = addresses.fabric_interface(
-                provider, coordinator_address or getattr(client, "coordinator_address", None))
+            interface = addresses.fabric_interface(provider, coordinator)
             handle = _ext.create_communicator(
                 rank, size + num_servers, token, provider, interface, knobs.get("HERRING_FI_FORCE_MR"),
                 chunk_bytes, knobs.get("HERRING_SERVER_THREADS"),

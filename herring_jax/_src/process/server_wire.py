@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from herring_jax._src.process import knobs
+from herring_jax._src.process.addresses import split_address
 
 
 class RendezvousError(Exception):
@@ -17,8 +18,7 @@ class RendezvousError(Exception):
 
 def rendezvous_address(coordinator: str) -> tuple[str, int]:
     """(host, port) where rank 0 waits for servers, given the coordinator's host:port."""
-    host, _, port = coordinator.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
+    host, port = split_address(coordinator)
     chosen = knobs.get("HERRING_SERVER_PORT")
     if chosen:
         return host, chosen
