@@ -2,6 +2,7 @@
 of each all-reduce on processes that only sum, and get bitwise the sums they
 get without them; a killed server fails every worker fast, naming it."""
 
+import pytest
 from multiproc import launch
 
 from herring_jax._src.collectives import codecs
@@ -319,12 +320,17 @@ def test_allreduce_gradients_default_buffers_go_through_the_servers():
     assert server["ok"] and server["served_chunks"] >= 2, server
 
 
-def test_a_killed_server_fails_every_worker_fast_naming_it():
+@pytest.mark.parametrize("rank0_fault", ["", "slow-server-threads"])
+def test_a_killed_server_fails_every_worker_fast_naming_it(rank0_fault):
     # Default HERRING_PEER_TIMEOUT_S (30 s): rank 0 sees the server's
     # rendezvous connection close and fails the job, telling the others.
+    # The worker ends with os._exit as soon as its reduction fails: rank 0 has
+    # told rank 1 (which hears of the server from it alone) before its own
+    # error comes, even where its server threads run late after the failure
+    # (slow-server-threads: a saturated host; rank 1 heard nothing before).
     run = launch("servers_worker.py", [], nproc=2, servers=1,
                  env={**FLAT, "HERRING_TEST_SERVER_EXIT_S": "3", "HERRING_TIMEOUT_S": "120",
-                      "HERRING_SERVER_MIN_BYTES": "0"})
+                      "HERRING_SERVER_MIN_BYTES": "0", "HERRING_TEST_RANK0_FAULT": rank0_fault})
     assert run.returncode != 0, run.explain()
     assert "server rank 2" in run.stderr, run.explain()
     for rank in (0, 1):

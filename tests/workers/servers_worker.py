@@ -1,6 +1,7 @@
 """A job whose server-only process is killed while the workers reduce.
 
-Usage (under the launcher, with --servers 1 and HERRING_TEST_SERVER_EXIT_S):
+Usage (under the launcher, with --servers 1 and HERRING_TEST_SERVER_EXIT_S;
+HERRING_TEST_RANK0_FAULT sets rank 0's HERRING_TEST_FAULT):
   python tests/workers/servers_worker.py
 
 Each worker reduces 1 MiB of float32 through herring_jax.allreduce until a
@@ -35,6 +36,9 @@ def main() -> int:
     # is what is under test, so the worker lets its reduction fail first (a
     # Python handler runs once the main thread is back in Python).
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # HERRING_TEST_RANK0_FAULT: rank 0's HERRING_TEST_FAULT (the others have none).
+    if os.environ.get("HERRING_PROCESS_ID") == "0":
+        os.environ["HERRING_TEST_FAULT"] = os.environ.get("HERRING_TEST_RANK0_FAULT", "")
     herring_jax.initialize()
     x = np.ones(1 << 18, np.float32)
     steps = 0

@@ -316,6 +316,8 @@ class Communicator {
   // endpoint open (bounded) until every peer has acknowledged it, so that
   // no peer meets the closed connection before the reason.
   void AwaitOwnAbortTold();
+  // How long a failed rank waits at most for its peers' kAbortSeen.
+  double AbortToldWaitS() const;
   // A send to or receive from `peer` of `batch` failed in the transport (a
   // reset connection, say): `why`. Where the peer itself failed, its abort
   // is on its way and names the cause that the transport's error hides, so
@@ -461,6 +463,9 @@ class Communicator {
   // [rank] it has printed this rank's abort (kAbortSeen); AwaitAbortSeen is
   // woken through leave_cv_.
   std::unique_ptr<std::atomic<bool>[]> abort_seen_;
+  // [rank] a server-only process whose process is gone (ServerGone): no
+  // message to it can arrive, nor an answer come.
+  std::unique_ptr<std::atomic<bool>[]> gone_;
   // The leave protocol's counts (leave_ledger.h); leaving_ once Leave runs,
   // leave_cv_ woken by the notices and failed sends it waits for.
   LeaveLedger ledger_;

@@ -240,6 +240,11 @@ Status Communicator::EndFailed(std::unique_ptr<Batch> batch, bool timed_out) {
   const size_t left = batch->inflight;
   lock.unlock();
   Deactivate(batch.get());
+  // A rank that owes its peers the abort has posted it before its program
+  // hears of the failure (a program may end at once on it); where the abort
+  // is being told and awaited (ServerGone: only this rank knows), this waits
+  // until that is done.
+  if (abort_owed_) BroadcastAbort(Broken());
   if (!drained) {
     // Sends to a dead peer may never complete, and their callbacks reference
     // the batch: it is kept (the communicator is unusable from here on, so

@@ -556,7 +556,13 @@ void Communicator::FailOnTransportError(Batch* batch, std::string why) {
     while (!batch->Failed() && Broken().empty() && std::chrono::steady_clock::now() < until) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    if (!batch->Failed()) Fail(batch, why);
+    // Broken meanwhile: the transport's error follows from that failure,
+    // whose reason this batch gives (the sweep that would fail it with that
+    // reason may still be on its way: ServerGone tells the peers first).
+    if (!batch->Failed()) {
+      const std::string broken = Broken();
+      Fail(batch, broken.empty() ? why : broken);
+    }
     batch->CompleteTask(1);  // the last touch: the batch may end from here
   });
 }

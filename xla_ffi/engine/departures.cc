@@ -154,7 +154,8 @@ void Communicator::AwaitAbortSeen(std::chrono::steady_clock::time_point deadline
     for (int peer : AllPeers()) {
       if (abort_seen_[peer].load()) continue;
       // It ran every reduction and shut down: nothing of it waits for a reason.
-      if (ledger_.Left(peer)) continue;
+      // Or a server-only process whose process is gone (ServerGone).
+      if (ledger_.Left(peer) || gone_[peer].load()) continue;
       // Nobody to print it: dead by the peer watch's measure, or its process
       // on this host has exited.
       if (config_.heartbeat_s > 0 && (now - last_heard_[peer].load()) * 1e-9 > limit) continue;
@@ -171,11 +172,14 @@ void Communicator::AwaitAbortSeen(std::chrono::steady_clock::time_point deadline
   }
 }
 
+double Communicator::AbortToldWaitS() const {
+  return std::min(config_.timeout_s, kAbortToldWaitS);
+}
+
 void Communicator::AwaitOwnAbortTold() {
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-          std::chrono::duration<double>(std::min(config_.timeout_s, kAbortToldWaitS)));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(AbortToldWaitS()));
   // Blocks while a server thread sends it; sends it here if none has yet.
   BroadcastAbort(Broken());
   AwaitAbortSeen(deadline);

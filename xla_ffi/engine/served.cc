@@ -84,11 +84,35 @@ std::vector<bool> Communicator::ServedFlags(const std::vector<int>& group,
 void Communicator::ServerGone(int rank, const std::string& how) {
   if (leaving_ || rank < config_.workers || rank >= config_.size) return;
   declared_dead_.fetch_add(1);
-  FailAll(RankText(rank) + " is gone (" + how + "): the parts of every all-reduce that it "
-              "sums will never come, so the job fails; rank " + std::to_string(config_.rank) +
-              " saw its connection close",
-          /*tell_peers=*/true);
+  gone_[rank] = true;
   transport_->SetPeerUnreachable(rank);
+  const std::string why =
+      RankText(rank) + " is gone (" + how + "): the parts of every all-reduce that it sums "
+      "will never come, so the job fails; rank " + std::to_string(config_.rank) +
+      " saw its connection close";
+  // Only this rank watches the servers: the other workers learn of it from
+  // this rank's abort alone. So they are told, and have acknowledged it
+  // (bounded), before this rank's own reductions fail: a program that ends
+  // at once on that error (os._exit, or jax.distributed's coordinator going
+  // with it) would otherwise take the reason along, and a worker waiting
+  // for the gone server would hear nothing until its peer watch. On the
+  // watch thread (servers.Rendezvous.watch), which may wait.
+  const std::string first = FirstFailure(why);
+  if (connected_) {
+    abort_owed_ = true;
+    std::vector<int> workers;
+    for (int peer : AllPeers()) {
+      if (!gone_[peer]) workers.push_back(peer);
+    }
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(AbortToldWaitS()));
+    std::call_once(abort_once_, [&] {
+      TellPeers(MsgKind::kAbort, first, workers, AbortToldWaitS(), true);
+      AwaitAbortSeen(deadline);
+    });
+  }
+  FailAll(why, /*tell_peers=*/true);
 }
 
 std::string Communicator::RankText(int rank) const {

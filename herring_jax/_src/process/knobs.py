@@ -64,7 +64,7 @@ def _share(text: str) -> float:
 
 
 _TEST_FAULTS = ("", "abort-at-start", "no-staging", "no-posting", "withdraw-after-ready",
-                "bad-alloc")
+                "bad-alloc", "slow-server-threads")
 
 
 def _test_fault(text: str) -> str:
@@ -263,7 +263,8 @@ KNOBS: dict[str, Knob] = {
              "(the host stage finds no memory for its staging, or no free board posting), "
              "withdraw-after-ready (the host stage fails after publishing its result slice "
              "without telling anyone, then overwrites its inputs), bad-alloc (std::bad_alloc "
-             "once a reduction over the transport is under way)."),
+             "once a reduction over the transport is under way), slow-server-threads (once the job "
+             "has failed, the first task of this process's server threads starts 2 s late)."),
         Knob("HERRING_TEST_DEVICE_DOUBLE", False, _bool,
              "Tests only: reductions on CPU devices lower as on XLA:CUDA (a start and a "
              "done) to XLA:CUDA's handler code run against the CPU double of its device "
