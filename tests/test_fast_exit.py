@@ -64,6 +64,19 @@ def test_a_keyboard_interrupt_ends_the_rank_by_sigint(tmp_path):
     assert _one(_reductions(tmp_path, 1), "float32[1000]")["args"]["ok"]
 
 
+def test_a_fast_exit_first_tells_the_others_a_failure_that_a_server_thread_owes(tmp_path):
+    # Rank 1's failure is told from its server threads, which run 2 s late
+    # here (a saturated host); its uncaught HerringError ends it at once.
+    # The exit waits for the others' acknowledgment first, as a clean exit
+    # does: rank 0 prints rank 1's reason (before it acknowledges), where it
+    # heard nothing before.
+    run = _run("owed-abort", tmp_path, HERRING_HOST_STAGE="0")
+    assert run.returncode == 1, run.explain()
+    assert "rank 1 exited with code 1" in run.stderr, run.explain()
+    assert ("herring_jax rank 0: rank 1 failed: rank 1: test fault abort-at-start"
+            in run.stderr), run.explain()
+
+
 def test_a_rank_whose_process_0_is_gone_still_exits_at_once(monkeypatch):
     # At a fast exit every rank stores "ending" in jax's key-value store for
     # process 0 (herring_jax/_src/process/last_words.py). Where process 0 is gone,

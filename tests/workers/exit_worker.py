@@ -11,6 +11,10 @@
     reduction, failed by its own abort.
   sigint: both ranks reduce float32[1000]; then rank 1 gets SIGINT: its
     uncaught KeyboardInterrupt must end it as Python's would, by SIGINT.
+  owed-abort: rank 1's first reduction fails at once (HERRING_TEST_FAULT
+    abort-at-start), its abort left to a server thread that runs 2 s late
+    (slow-server-threads), and the HerringError goes uncaught; rank 0, in
+    that reduction, must still be told why before rank 1's process ends.
 In each, rank 0 sleeps until the launcher stops it, so that rank 1 ends by
 its own exit, not by the launcher's SIGTERM.
 
@@ -35,9 +39,17 @@ from herring_jax._src.process import timeline
 def main() -> int:
     case = sys.argv[1]
     timeline._PERIOD_S = 3600.0
+    if case == "owed-abort" and os.environ.get("HERRING_PROCESS_ID") == "1":
+        os.environ["HERRING_TEST_FAULT"] = "abort-at-start,slow-server-threads"
     herring_jax.initialize()
     rank = herring_jax.process_index()
-    herring_jax.allreduce(np.ones(1000, np.float32))
+    if case == "owed-abort" and rank == 0:
+        try:
+            herring_jax.allreduce(np.ones(1000, np.float32))
+        except herring_jax.HerringError:
+            pass  # its stderr line is what the test reads
+        time.sleep(120)
+    herring_jax.allreduce(np.ones(1000, np.float32))  # owed-abort: raises on rank 1
     if rank == 0:
         time.sleep(120)
     elif case == "timeline-failing":

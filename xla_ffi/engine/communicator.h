@@ -89,6 +89,7 @@ class Communicator {
   // This process is failing (its program raised): breaks the communicator,
   // fails what is in flight and tells every other rank `why`, waiting up to
   // `wait_s` until each has printed it (kAbortSeen; the process exits next).
+  // Where this rank failed before and owes that abort, awaits that one.
   void Abort(const std::string& why, double wait_s);
   // The first fatal error ("" while the communicator works).
   std::string Broken();
@@ -247,12 +248,12 @@ class Communicator {
   Status EndFailed(std::unique_ptr<Batch> batch, bool timed_out);
   // Fails `batch` with the timeout's error: what it waits for, and from whom.
   void FailTimedOut(Batch* batch);
-  // Tests: whether CommConfig::test_fault is `name` and has not fired yet
-  // (then it fires: once per communicator).
+  // Tests: whether CommConfig::test_fault (comma-separated names) holds
+  // `name` and it has not fired yet (then it fires: once per communicator).
   bool TestFault(const char* name);
-  bool FaultFired(const char* name) const {
-    return fault_fired_.load() && config_.test_fault == name;
-  }
+  bool FaultFired(const char* name) const;
+  // `name`'s place in CommConfig::test_fault, or -1.
+  int FaultIndex(const char* name) const;
 
   Status PostJob(Batch* batch, Job* job);
   Status SendJob(Batch* batch, Job* job);
@@ -527,7 +528,7 @@ class Communicator {
   std::atomic<uint64_t> host_calls_{0};
   std::atomic<uint64_t> host_direct_calls_{0};
   std::atomic<uint64_t> host_bytes_read_{0};
-  std::atomic<bool> fault_fired_{false};
+  std::atomic<uint32_t> fault_fired_{0};  // bit i: test_fault's i-th name fired
   std::atomic<bool> forged_{false};
   std::atomic<uint64_t> served_jobs_{0};
   // A server-only process's receives and the chunks it is summing (Serve).

@@ -121,12 +121,27 @@ void Communicator::TellPeers(MsgKind kind, const std::string& text,
 
 void Communicator::Abort(const std::string& why, double wait_s) {
   const std::string mine = "rank " + std::to_string(config_.rank) + " failed: " + why;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(wait_s));
+  bool broken_before;
   {
-    // Broken before (a peer failed, or this rank did): every rank has been
-    // told of that failure already, and this one is its consequence.
     std::lock_guard<std::mutex> lock(broken_mu_);
-    if (!broken_.empty()) return;
-    broken_ = mine;
+    broken_before = !broken_.empty();
+    if (!broken_before) broken_ = mine;
+  }
+  if (broken_before) {
+    // Broken before (a peer failed, or this rank did): every rank has been
+    // told of that failure already, and this one is its consequence. Where
+    // this rank's own failure is told from a server thread (abort_owed_),
+    // that may not have happened yet: the process ends next (a fast exit
+    // skips Leave), so it waits here, as Leave would, for the peers'
+    // kAbortSeen.
+    if (abort_owed_ && connected_ && config_.size >= 2) {
+      BroadcastAbort(Broken());
+      AwaitAbortSeen(deadline);
+    }
+    return;
   }
   transport_->StopWaiting();
   {
@@ -134,9 +149,6 @@ void Communicator::Abort(const std::string& why, double wait_s) {
     for (Batch* batch : active_) Fail(batch, mine, /*tell_peers=*/false);
   }
   if (!connected_ || config_.size < 2) return;
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(wait_s));
   // The peers prefix "rank R failed: " themselves. Once per rank: where this
   // rank has failed before, every peer has been told of that already.
   std::call_once(abort_once_, [&] {

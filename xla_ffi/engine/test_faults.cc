@@ -4,6 +4,8 @@
 // runs unless a test asks for it.
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <string_view>
 
 #include "engine/batch.h"
 #include "engine/communicator.h"
@@ -96,8 +98,31 @@ void Communicator::SendForged(Batch* batch, int to_rank, uint64_t tag, const Wir
   }
 }
 
+int Communicator::FaultIndex(const char* name) const {
+  const std::string& list = config_.test_fault;
+  if (list.empty()) return -1;
+  const std::string_view wanted(name);
+  int index = 0;
+  for (size_t start = 0;; ++index) {
+    const size_t end = std::min(list.find(',', start), list.size());
+    if (std::string_view(list).substr(start, end - start) == wanted) {
+      return index < 32 ? index : -1;  // fault_fired_'s bits
+    }
+    if (end == list.size()) return -1;
+    start = end + 1;
+  }
+}
+
 bool Communicator::TestFault(const char* name) {
-  return config_.test_fault == name && !fault_fired_.exchange(true);
+  const int i = FaultIndex(name);
+  if (i < 0) return false;
+  const uint32_t bit = 1u << i;
+  return (fault_fired_.fetch_or(bit) & bit) == 0;
+}
+
+bool Communicator::FaultFired(const char* name) const {
+  const int i = FaultIndex(name);
+  return i >= 0 && (fault_fired_.load() & (1u << i)) != 0;
 }
 
 }  // namespace herring::engine

@@ -68,10 +68,12 @@ _TEST_FAULTS = ("", "abort-at-start", "no-staging", "no-posting", "withdraw-afte
 
 
 def _test_fault(text: str) -> str:
-    value = text.strip()
-    if value not in _TEST_FAULTS:
-        raise ValueError(f"expected one of {', '.join(_TEST_FAULTS[1:])} or empty, got {text!r}")
-    return value
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in _TEST_FAULTS:
+            raise ValueError(f"expected comma-separated names of {', '.join(_TEST_FAULTS[1:])} "
+                             f"or empty, got {text!r}")
+    return ",".join(names)
 
 
 def _device_fault(text: str) -> str:
@@ -258,7 +260,8 @@ KNOBS: dict[str, Knob] = {
              "Tests only: each reduction of this process waits this many ms between its "
              "check that the communicator is usable and the moment an abort can see it."),
         Knob("HERRING_TEST_FAULT", "", _test_fault,
-             "Tests only: a fault of this process's first reduction that can have it: "
+             "Tests only: comma-separated faults, each of this process's first reduction that "
+             "can have it: "
              "abort-at-start (fails at once, telling every rank), no-staging or no-posting "
              "(the host stage finds no memory for its staging, or no free board posting), "
              "withdraw-after-ready (the host stage fails after publishing its result slice "
