@@ -90,13 +90,17 @@ tests=(
   # rank that ran one reduction fewer fails the others through the counts.
   "tests/test_leave.py::test_an_exiting_rank_waits_for_a_stopped_peer_and_names_it"
   "tests/test_leave.py::test_a_rank_that_runs_one_reduction_fewer_fails_the_others_fast[transport]"
+  # A fast exit that awaits the acknowledgment of an abort a (late) server
+  # thread owes, sent from the exiting thread meanwhile.
+  "tests/test_fast_exit.py::test_a_fast_exit_first_tells_the_others_a_failure_that_a_server_thread_owes"
   # Chaos: one of 4 processes SIGKILLed while they reduce (1 kill in short mode).
   "tests/test_chaos.py::test_killed_peer_fails_every_survivor_with_herring_error"
   # All-gathers on one host's boards, which read only the peers' result
   # slices (a posting never found must never be read).
   "tests/test_collectives.py::test_process_collectives_on_one_host_through_the_boards"
   # Server-only processes: the workers' parts summed on a server (served.cc),
-  # bitwise against the same job without it; a killed server; reduce-scatters
+  # bitwise against the same job without it; a killed server (rank 0 telling
+  # the others from its watch thread, its server threads late or not); reduce-scatters
   # and all-gathers block by block through two servers.
   "tests/test_servers.py::test_two_workers_and_a_server_sum_bitwise_as_without_it"
   "tests/test_servers.py::test_a_killed_server_fails_every_worker_fast_naming_it"
