@@ -320,7 +320,8 @@ def test_allreduce_gradients_default_buffers_go_through_the_servers():
     assert server["ok"] and server["served_chunks"] >= 2, server
 
 
-@pytest.mark.parametrize("rank0_fault", ["", "slow-server-threads"])
+@pytest.mark.parametrize("rank0_fault", ["", "slow-server-threads"],
+                         ids=["server-threads-on-time", "slow-server-threads"])
 def test_a_killed_server_fails_every_worker_fast_naming_it(rank0_fault):
     # Default HERRING_PEER_TIMEOUT_S (30 s): rank 0 sees the server's
     # rendezvous connection close and fails the job, telling the others.
