@@ -314,10 +314,10 @@ class Communicator {
   void AwaitAbortSeen(std::chrono::steady_clock::time_point deadline);
   // A rank that failed and owes its peers the abort (abort_owed_), at its
   // exit: sends the abort if a server thread has not yet, and keeps the
-  // endpoint open (bounded) until every peer has acknowledged it, so that
-  // no peer meets the closed connection before the reason.
-  void AwaitOwnAbortTold();
-  // How long a failed rank waits at most for its peers' kAbortSeen.
+  // endpoint open (at most `wait_s`) until every peer has acknowledged it,
+  // so that no peer meets the closed connection before the reason.
+  void AwaitOwnAbortTold(double wait_s);
+  // How long a failed rank's exit waits at most for its peers' kAbortSeen.
   double AbortToldWaitS() const;
   // A send to or receive from `peer` of `batch` failed in the transport (a
   // reset connection, say): `why`. Where the peer itself failed, its abort

@@ -119,7 +119,14 @@ void Communicator::BroadcastAbort(const std::string& why) {
   // on a server thread; one to a dead peer gives up after its post timeout,
   // and the peers it does not reach learn of the failure from their own
   // timeout or peer watch. Failures are logged.
-  std::call_once(abort_once_, [&] { TellPeers(MsgKind::kAbort, why, AllPeers(), 0.0, true); });
+  // Not to a server-only process that is gone (ServerGone): nothing reaches it.
+  std::call_once(abort_once_, [&] {
+    std::vector<int> peers;
+    for (int peer : AllPeers()) {
+      if (!gone_[peer].load()) peers.push_back(peer);
+    }
+    TellPeers(MsgKind::kAbort, why, peers, 0.0, true);
+  });
 }
 
 // The first failure of this communicator: what its abort tells the peers.

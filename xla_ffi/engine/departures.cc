@@ -121,9 +121,6 @@ void Communicator::TellPeers(MsgKind kind, const std::string& text,
 
 void Communicator::Abort(const std::string& why, double wait_s) {
   const std::string mine = "rank " + std::to_string(config_.rank) + " failed: " + why;
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(wait_s));
   bool broken_before;
   {
     std::lock_guard<std::mutex> lock(broken_mu_);
@@ -137,10 +134,7 @@ void Communicator::Abort(const std::string& why, double wait_s) {
     // that may not have happened yet: the process ends next (a fast exit
     // skips Leave), so it waits here, as Leave would, for the peers'
     // kAbortSeen.
-    if (abort_owed_ && connected_ && config_.size >= 2) {
-      BroadcastAbort(Broken());
-      AwaitAbortSeen(deadline);
-    }
+    if (abort_owed_ && connected_ && config_.size >= 2) AwaitOwnAbortTold(wait_s);
     return;
   }
   transport_->StopWaiting();
@@ -149,6 +143,9 @@ void Communicator::Abort(const std::string& why, double wait_s) {
     for (Batch* batch : active_) Fail(batch, mine, /*tell_peers=*/false);
   }
   if (!connected_ || config_.size < 2) return;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(wait_s));
   // The peers prefix "rank R failed: " themselves. Once per rank: where this
   // rank has failed before, every peer has been told of that already.
   std::call_once(abort_once_, [&] {
@@ -188,10 +185,10 @@ double Communicator::AbortToldWaitS() const {
   return std::min(config_.timeout_s, kAbortToldWaitS);
 }
 
-void Communicator::AwaitOwnAbortTold() {
+void Communicator::AwaitOwnAbortTold(double wait_s) {
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(AbortToldWaitS()));
+                            std::chrono::duration<double>(wait_s));
   // Blocks while a server thread sends it; sends it here if none has yet.
   BroadcastAbort(Broken());
   AwaitAbortSeen(deadline);
@@ -289,7 +286,7 @@ void Communicator::Leave() {
     // A failure has been told to every rank, or is being told by this one:
     // then its peers hear the reason before they meet the closed endpoint
     // (a reset connection would otherwise be all a peer could report).
-    if (abort_owed_) AwaitOwnAbortTold();
+    if (abort_owed_) AwaitOwnAbortTold(AbortToldWaitS());
     return;
   }
   leaving_ = true;

@@ -97,20 +97,10 @@ void Communicator::ServerGone(int rank, const std::string& how) {
   // with it) would otherwise take the reason along, and a worker waiting
   // for the gone server would hear nothing until its peer watch. On the
   // watch thread (servers.Rendezvous.watch), which may wait.
-  const std::string first = FirstFailure(why);
+  FirstFailure(why);
   if (connected_) {
     abort_owed_ = true;
-    std::vector<int> workers;
-    for (int peer : AllPeers()) {
-      if (!gone_[peer]) workers.push_back(peer);
-    }
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(AbortToldWaitS()));
-    std::call_once(abort_once_, [&] {
-      TellPeers(MsgKind::kAbort, first, workers, AbortToldWaitS(), true);
-      AwaitAbortSeen(deadline);
-    });
+    AwaitOwnAbortTold(AbortToldWaitS());
   }
   FailAll(why, /*tell_peers=*/true);
 }
